@@ -1,0 +1,1 @@
+"""The fxacct command line (installed as the import package `fxacct_cli`)."""

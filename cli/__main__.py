@@ -1,0 +1,3 @@
+from fxacct_cli.main import main
+
+main()

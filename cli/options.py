@@ -1,0 +1,64 @@
+"""Options shared by every command that loads a model, defined once, and their conversion
+to a Config."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import click
+
+from fxacct.config import CAUSAL_CONVENTIONS, Config
+from fxacct.dtypes import parse_dtype
+from fxacct.errors import UsageError
+from fxacct.inputs import parse_input_spec
+from fxacct.load import parse_kwarg
+
+MODEL_OPTIONS = (
+    click.argument("target", metavar="PATH.py:NAME"),
+    click.option("-b", "--batch", type=int, default=1, show_default=True,
+                 help="Per-rank micro-batch; B in --input specs."),
+    click.option("--dtype", "dtype", default=None,
+                 help="Cast parameters, buffers and floating inputs: fp32, bf16, fp16, fp8 or a torch name."),
+    click.option("--kwargs", "kwargs_json", default=None, help="Constructor arguments as a JSON object."),
+    click.option("-k", "--kwarg", "kwarg_items", multiple=True, metavar="NAME=VALUE",
+                 help="One constructor argument (a Python literal, else a string); repeatable."),
+    click.option("--input", "input_specs", multiple=True, metavar="SPEC",
+                 help="Input spec such as 'long[B,1024]<50257' or 'x=float32[B,3]'; repeatable, in order."),
+    click.option("--input-requires-grad", is_flag=True, help="Inputs need gradients (adds dInput to backward)."),
+    click.option("--loss-output", type=int, default=None,
+                 help="Index of the floating-point output that is the loss (default: sum of all)."),
+    click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default="full", show_default=True,
+                 help="Count causal attention kernels in full or halved."),
+    click.option("--tokens-per-example", type=int, default=None,
+                 help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
+    click.option("--debug", is_flag=True, help="Show tracebacks."),
+)
+
+
+def model_options(fn):
+    for option in reversed(MODEL_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
+              causal_attention, tokens_per_example, **_) -> Config:
+    kwargs = {}
+    if kwargs_json:
+        try:
+            kwargs = json.loads(kwargs_json)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--kwargs is not valid JSON ({e.msg}); write e.g. --kwargs '{{\"d\": 512}}'") from None
+        if not isinstance(kwargs, dict):
+            raise UsageError("--kwargs must be a JSON object such as '{\"d\": 512}'")
+    kwargs.update(parse_kwarg(item) for item in kwarg_items)
+    return Config(
+        target=target, batch=batch, kwargs=kwargs,
+        inputs=tuple(parse_input_spec(s) for s in input_specs),
+        dtype=parse_dtype(dtype) if dtype else None, input_requires_grad=input_requires_grad,
+        loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
+    )
+
+
+__all__ = ["model_options", "to_config", "functools"]

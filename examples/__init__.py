@@ -1,0 +1,1 @@
+"""Example PyTorch models used to exercise fxacct's FLOP and memory accounting."""

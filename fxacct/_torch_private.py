@@ -1,0 +1,55 @@
+"""Every private PyTorch API fxacct relies on, in one place.
+
+Each name is looked up once at import; if a torch release moves one, fxacct fails here with a
+message naming the API instead of mis-counting later. tests/test_torch_private.py pins the
+behaviour each one must have.
+"""
+
+import torch
+
+from fxacct.errors import FxacctError
+
+
+def _require(owner, name: str, where: str):
+    fn = getattr(owner, name, None)
+    if fn is None:
+        raise FxacctError(
+            f"this torch ({torch.__version__}) has no {where}.{name}, which fxacct needs; "
+            "install a torch release fxacct supports (torch>=2.4)"
+        )
+    return fn
+
+
+# The autograd Node currently executing in the backward engine (None outside backward). Its
+# sequence number equals the one its forward op got: this links a backward op to its forward op
+# (the same link AOTAutograd uses, see torch/fx/proxy.py "NOTE [ Sequence Number ]").
+current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
+
+# The next autograd sequence number on this thread; a forward op that records a grad_fn takes one
+# before it redispatches below autograd, so a dispatch mode sees it already taken.
+get_sequence_nr = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
+
+from torch.nn.utils import stateless as _stateless  # noqa: E402
+
+# Swap a module's parameters and buffers for other tensors, restoring them on exit.
+reparametrize_module = _require(_stateless, "_reparametrize_module", "torch.nn.utils.stateless")
+
+from torch._subclasses import fake_tensor as _fake_tensor  # noqa: E402
+
+FakeTensorMode = _require(_fake_tensor, "FakeTensorMode", "torch._subclasses.fake_tensor")
+FakeTensor = _require(_fake_tensor, "FakeTensor", "torch._subclasses.fake_tensor")
+# Raised when a model's Python code needs a tensor's value (data-dependent control flow).
+DataDependentOutputException = _require(
+    _fake_tensor, "DataDependentOutputException", "torch._subclasses.fake_tensor"
+)
+DynamicOutputShapeException = _require(
+    _fake_tensor, "DynamicOutputShapeException", "torch._subclasses.fake_tensor"
+)
+UnsupportedOperatorException = _require(
+    _fake_tensor, "UnsupportedOperatorException", "torch._subclasses.fake_tensor"
+)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for the storage behind t: equal for a tensor and all its views."""
+    return t.untyped_storage()._cdata

@@ -1,0 +1,90 @@
+"""Matrix products and convolutions: the `matmul` class, 2 FLOPs per multiply-add.
+
+A fused bias add (addmm, baddbmm, convolution with bias) is 1 FLOP per output element in `other`,
+so `matmul` stays 2·m·n·p and equals torch.utils.flop_counter's figure.
+"""
+
+from fxacct.costs.registry import Flops, numel, register
+from fxacct.units import FLOPS_PER_FMA
+
+import torch
+
+aten = torch.ops.aten
+
+
+def mm_flops(a_shape, b_shape) -> int:
+    # (m, k) @ (k, n): m·n outputs, k multiply-adds each
+    m, k = a_shape
+    k2, n = b_shape
+    assert k == k2, (a_shape, b_shape)
+    return FLOPS_PER_FMA * m * k * n
+
+
+def bmm_flops(a_shape, b_shape) -> int:
+    # (b, m, k) @ (b, k, n)
+    b, m, k = a_shape
+    b2, k2, n = b_shape
+    assert b == b2 and k == k2, (a_shape, b_shape)
+    return FLOPS_PER_FMA * b * m * k * n
+
+
+@register(aten.mm)
+def mm(a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    return Flops(matmul=mm_flops(a_shape, b_shape))
+
+
+@register(aten.addmm)
+def addmm(bias_shape, a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # bias (broadcast to m×n) + a @ b: the product, then one add per output element
+    return Flops(matmul=mm_flops(a_shape, b_shape), other=numel(out_shape))
+
+
+@register(aten.bmm)
+def bmm(a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    return Flops(matmul=bmm_flops(a_shape, b_shape))
+
+
+@register(aten.baddbmm)
+def baddbmm(bias_shape, a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    return Flops(matmul=bmm_flops(a_shape, b_shape), other=numel(out_shape))
+
+
+def conv_flops(x_shape, w_shape, out_shape, transposed: bool) -> int:
+    """x (N, C_in, *spatial), w (C_out, C_in/groups, *kernel) [transposed: (C_in, C_out/groups, *k)].
+
+    Every output element of a regular convolution takes C_in/groups · prod(kernel) multiply-adds,
+    so FLOPs = 2 · N · prod(out spatial) · prod(w). A transposed convolution scatters each *input*
+    element over the kernel: 2 · N · prod(in spatial) · prod(w). (Same as torch.utils.flop_counter.)"""
+    batch = x_shape[0]
+    spatial = out_shape[2:] if not transposed else x_shape[2:]
+    return FLOPS_PER_FMA * batch * numel(spatial) * numel(w_shape)
+
+
+@register(aten.convolution, aten._convolution)
+def convolution(x_shape, w_shape, bias_shape, stride, padding, dilation, transposed, *args,
+                out_shape, ctx, **kwargs) -> Flops:
+    bias = numel(out_shape) if bias_shape is not None else 0
+    return Flops(matmul=conv_flops(x_shape, w_shape, out_shape, transposed), other=bias)
+
+
+def _t(shape):
+    return [shape[1], shape[0], *shape[2:]]
+
+
+@register(aten.convolution_backward)
+def convolution_backward(grad_out_shape, x_shape, w_shape, bias_sizes, stride, padding, dilation,
+                         transposed, output_padding, groups, output_mask, *, out_shape, ctx,
+                         **kwargs) -> Flops:
+    """Only the gradients in output_mask are computed (the backward asks for what it needs):
+    grad_input is a convolution of grad_out with w, transposed-ness flipped; grad_weight a
+    convolution of x with grad_out (channels and batch swapped); grad_bias a sum over grad_out."""
+    flops = 0
+    if output_mask[0]:
+        flops += conv_flops(grad_out_shape, w_shape, x_shape, not transposed)
+    if output_mask[1]:
+        if transposed:
+            flops += conv_flops(_t(grad_out_shape), _t(x_shape), _t(w_shape), False)
+        else:
+            flops += conv_flops(_t(x_shape), _t(grad_out_shape), _t(w_shape), False)
+    other = numel(grad_out_shape) if output_mask[2] else 0
+    return Flops(matmul=flops, other=other)

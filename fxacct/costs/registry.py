@@ -1,0 +1,124 @@
+"""The registry and the values it holds.
+
+One way in: ``@register(aten.mm)`` (a packet covers all its overloads) or ``@register(aten.add.Tensor)``
+(one overload). A second registration of the same key raises. Lookup tries the overload, then its
+packet, then the families keyed by torch's op tags (pointwise, reduction); what is still unknown
+is counted and reported, never taken as zero.
+
+A formula receives the op's arguments with every tensor replaced by its shape (a tuple), the
+output shape(s) as ``out_shape``, and a ``CostContext``; it returns ``Flops``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MATMUL, ATTENTION, OTHER = "matmul", "attention", "other"
+FLOP_CLASSES = (MATMUL, ATTENTION, OTHER)
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one op by class (DESIGN.md): matmul = 2·m·n·p of mm/bmm/conv only; attention =
+    every fused attention kernel as its math path; other = pointwise, reductions, norms, softmax."""
+
+    matmul: int = 0
+    attention: int = 0
+    other: int = 0
+
+    def __add__(self, o: "Flops") -> "Flops":
+        return Flops(self.matmul + o.matmul, self.attention + o.attention, self.other + o.other)
+
+    @property
+    def total(self) -> int:
+        return self.matmul + self.attention + self.other
+
+    def as_dict(self) -> dict[str, int]:
+        return {MATMUL: self.matmul, ATTENTION: self.attention, OTHER: self.other}
+
+
+ZERO = Flops()
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """What a formula may need beyond shapes.
+
+    causal_attention: "full" counts every (query, key) pair; "halved" counts half of them for
+    causal kernels (the upper triangle is masked). grad_mask: for the backward of a fused kernel,
+    which of its forward tensor inputs need a gradient (None when unknown: all of them)."""
+
+    causal_attention: str = "full"
+    grad_mask: tuple[bool, ...] | None = None
+    op: object = None  # the OpOverload being costed, for formulas that read arguments by name
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """A registry entry. ``movement``: allocates and copies bytes, costs 0 FLOPs (cat, clone,
+    _to_copy...); ``creation``: makes a tensor from nothing but sizes (zeros, arange...)."""
+
+    formula: Callable[..., Flops]
+    movement: bool = False
+    creation: bool = False
+    wants_grad_mask: bool = False
+
+
+_REGISTRY: dict[object, OpInfo] = {}
+
+
+def register(*ops, movement: bool = False, creation: bool = False, wants_grad_mask: bool = False):
+    def wrap(formula):
+        for op in ops:
+            if op in _REGISTRY:
+                raise ValueError(f"{op} already has a cost formula")
+            _REGISTRY[op] = OpInfo(formula, movement, creation, wants_grad_mask)
+        return formula
+
+    return wrap
+
+
+def register_zero(*ops, movement: bool = False, creation: bool = False):
+    """Ops that do no arithmetic: data movement (bytes, no FLOPs) or tensor creation."""
+
+    def zero(*args, **kwargs) -> Flops:
+        return ZERO
+
+    register(*ops, movement=movement, creation=creation)(zero)
+
+
+def registered(op) -> bool:
+    return op in _REGISTRY
+
+
+def lookup(op) -> OpInfo | None:
+    """The entry for an OpOverload: its own, its packet's, or its tag family's; None if unknown."""
+    info = _REGISTRY.get(op)
+    if info is None:
+        info = _REGISTRY.get(getattr(op, "overloadpacket", None))
+    if info is None:
+        tags = getattr(op, "tags", ())
+        for tag in (torch.Tag.pointwise, torch.Tag.reduction):
+            if tag in tags:
+                return _REGISTRY[tag]
+    return info
+
+
+def argument(op, args, kwargs, name: str, default=None):
+    """An op argument by its schema name, whether it was passed by position or keyword."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) and not a.kwarg_only else default
+    return default
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,58 @@
+"""Fused RNN kernels, costed as the cell matmuls they replace.
+
+`mkldnn_rnn_layer` (CPU LSTM, one layer and direction): with G gates (LSTM 4, GRU 3, plain RNN 1),
+hidden size H, input size I, T steps and batch B, each step computes x_t W_ihᵀ (B×I @ I×GH) and
+h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per step: two bias adds (2·GH),
+the gate activations (GH) and, with more than one gate, the cell update c = f·c + i·g and
+h = o·tanh(c) (5·H). The backward, like any matmul backward, takes one product per required
+gradient: dX (2·T·B·GH·I, if the input needs it), dW_ih (same size), the recurrent dh through W_hh
+(2·T·B·GH·H, always needed to go back in time) and dW_hh (same size).
+"""
+
+import torch
+
+from fxacct.costs.registry import Flops, register
+from fxacct.units import FLOPS_PER_FMA
+
+aten = torch.ops.aten
+
+
+def _steps_batch(x_shape, batch_first: bool):
+    # (T, B, I), or (B, T, I) when batch_first
+    return (x_shape[1], x_shape[0]) if batch_first else (x_shape[0], x_shape[1])
+
+
+def rnn_elementwise(t, b, gh, h, has_biases) -> int:
+    cell = 5 * h if gh > h else 0
+    return t * b * ((2 * gh if has_biases else 0) + gh + cell)
+
+
+@register(aten.mkldnn_rnn_layer)
+def mkldnn_rnn_layer(x_shape, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode,
+                     hidden_size, num_layers, has_biases, bidirectional, batch_first, train, *args,
+                     out_shape, ctx, **kwargs) -> Flops:
+    t, b = _steps_batch(x_shape, batch_first)
+    gh, i = w_ih
+    h = w_hh[1]
+    matmul = FLOPS_PER_FMA * t * b * gh * (i + h)
+    return Flops(matmul=matmul, other=rnn_elementwise(t, b, gh, h, has_biases))
+
+
+@register(aten.mkldnn_rnn_layer_backward, wants_grad_mask=True)
+def mkldnn_rnn_layer_backward(x_shape, w_ih, w_hh, b_ih, b_hh, hx, cx_tmp, output, hy, cy,
+                              grad_output, grad_hy, grad_cy, reverse, mode, hidden_size, num_layers,
+                              has_biases, train, bidirectional, batch_sizes, batch_first, *args,
+                              out_shape, ctx, **kwargs) -> Flops:
+    t, b = _steps_batch(x_shape, batch_first)
+    gh, i = w_ih
+    h = w_hh[1]
+    # grad_mask follows the forward op's tensor inputs: (input, w_ih, w_hh, b_ih, b_hh, hx, cx)
+    mask = ctx.grad_mask or (True,) * 7
+    per_ih = FLOPS_PER_FMA * t * b * gh * i
+    per_hh = FLOPS_PER_FMA * t * b * gh * h
+    matmul = per_hh  # recurrent dh_{t-1} = dgates · W_hh
+    matmul += per_ih if mask[0] else 0  # dX = dgates · W_ih
+    matmul += per_ih if mask[1] else 0  # dW_ih = dgatesᵀ · X
+    matmul += per_hh if mask[2] else 0  # dW_hh = dgatesᵀ · H
+    # elementwise: the cell's derivative (same passes as forward) and the bias grads (sums)
+    return Flops(matmul=matmul, other=rnn_elementwise(t, b, gh, h, has_biases))

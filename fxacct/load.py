@@ -1,0 +1,148 @@
+"""Load: resolve "PATH.py:Name" to a module built on the meta device and its example inputs.
+
+`Name` is an nn.Module subclass or a factory returning one; constructor arguments come from the
+config's kwargs. Inputs, first match wins: the config's input specs; an `example_inputs(batch)`
+method on the module (static, class or instance method); an `example_inputs(batch)` function in
+the file. Every failure is a one-line UsageError (exit 2) or ModelError (exit 3).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from fxacct.errors import ModelError, UsageError
+
+_HOW_INPUTS = ("no inputs: pass --input 'long[B,1024]' (repeatable; B is --batch), or define "
+               "example_inputs(self, batch) on the model class or example_inputs(batch) in the file")
+
+
+def parse_kwarg(text: str) -> tuple[str, object]:
+    """'d=512' -> ('d', 512); values are Python literals when they parse, else strings."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise UsageError(f"malformed -k {text!r}: expected NAME=VALUE such as -k d_model=512")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()
+
+
+def _import_file(path: Path) -> ModuleType:
+    name = f"fxacct_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    added = [p for p in (str(path.parent.resolve()), os.getcwd()) if p not in sys.path]
+    sys.path[:0] = added
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[name]
+        raise ModelError(f"{path}:{e.lineno}: syntax error ({e.msg}); fix the model file") from e
+    except Exception as e:
+        del sys.modules[name]
+        raise ModelError(f"importing {path} raised {type(e).__name__}: {_first_line(e)}") from e
+    finally:
+        for p in added:
+            sys.path.remove(p)
+    return module
+
+
+def resolve(target: str):
+    """'examples/gpt2.py:GPT' -> (the object named GPT, the imported file module)."""
+    path_text, sep, name = target.rpartition(":")
+    if not sep or not path_text or not name:
+        raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT")
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"model file {path_text!r} not found; give a path to a .py file, relative to {os.getcwd()}")
+    module = _import_file(path)
+    obj = getattr(module, name, None)
+    if obj is None:
+        found = sorted(n for n, v in vars(module).items()
+                       if isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == module.__name__)
+        hint = f"modules defined there: {', '.join(found)}" if found else "no nn.Module class is defined there"
+        raise UsageError(f"{path_text} has no name {name!r}; {hint}")
+    return obj, module
+
+
+def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
+    """Call the class or factory on the meta device: parameters get shapes, never memory."""
+    if not callable(obj):
+        raise UsageError(f"{name} is a {type(obj).__name__}, not an nn.Module class or a factory returning one")
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(**kwargs)
+        except TypeError as e:
+            missing = [p.name for p in sig.parameters.values()
+                       if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                       and p.name not in kwargs]
+            if missing:
+                example = " ".join(f"-k {m}=..." for m in missing)
+                raise UsageError(f"{name}() needs argument(s) {', '.join(missing)}: pass them with {example} "
+                                 f"or --kwargs JSON") from None
+            raise UsageError(f"{name}() does not take these arguments ({e}); check -k/--kwargs") from None
+    try:
+        with torch.device("meta"):
+            model = obj(**kwargs)
+    except Exception as e:
+        raise ModelError(f"{name}({_kwargs_text(kwargs)}) raised {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{name} returned a {type(model).__name__}, not an nn.Module; "
+                         "name an nn.Module class or a factory that returns one")
+    return model
+
+
+def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch: int, device="meta"):
+    """(args, kwargs) from the model's or the file's example_inputs(batch), or None."""
+    fn = getattr(model, "example_inputs", None)
+    if not callable(fn) and file_module is not None:
+        fn = getattr(file_module, "example_inputs", None)
+    if not callable(fn):
+        return None
+    try:
+        with torch.device(device):
+            value = fn(batch)
+    except Exception as e:
+        raise ModelError(f"example_inputs({batch}) raised {type(e).__name__}: {_first_line(e)}") from e
+    return split_inputs(value)
+
+
+def split_inputs(value):
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    raise UsageError(f"example_inputs returned a {type(value).__name__}; return a tensor, a tuple of "
+                     "positional inputs or a dict of keyword inputs")
+
+
+def require_inputs(found):
+    if found is None:
+        raise UsageError(_HOW_INPUTS)
+    return found
+
+
+def _kwargs_text(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

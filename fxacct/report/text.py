@@ -1,0 +1,97 @@
+"""The human report: summary, per-module table (--depth), top nodes by FLOPs (--top), and the
+footer of ops fxacct could not cost."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
+from fxacct.dtypes import dtype_name
+from fxacct.profile import Profile
+from fxacct.units import format_bytes, format_count
+
+
+def _flops(n: int) -> str:
+    return format_count(n)
+
+
+def summary(p: Profile) -> str:
+    a, c, t = p.accounting, p.config, p.accounting.totals
+    head = [
+        f"fxacct profile: {c.target or 'module'}",
+        f"  batch {c.batch}" + (f", dtype {dtype_name(c.dtype)}" if c.dtype else "")
+        + f", inputs {' '.join(a.input_shapes) or '-'}",
+        f"  conventions: 1 multiply-add = 2 FLOPs; attention {c.causal_attention}"
+        + (" (causal kernels halved)" if c.causal_attention == "halved" else " (no causal discount)")
+        + "; no recompute; GB = 1e9 B, GiB = 2^30 B",
+        "",
+    ]
+    rows = []
+    for cls in FLOP_CLASSES:
+        f, b = getattr(t.forward, cls), getattr(t.backward, cls)
+        rows.append([cls, _flops(f), _flops(b), _flops(f + b)])
+    rows.append(["total", _flops(t.forward.total), _flops(t.backward.total),
+                 _flops(t.forward.total + t.backward.total)])
+    flops_table = tabulate(rows, headers=["FLOPs", "forward", "backward", "forward+backward"],
+                           colalign=("left", "right", "right", "right"))
+    lines = head + [flops_table, ""]
+    lines.append(f"loss FLOPs (sum of outputs, not in the totals above): {_flops(t.loss_flops)}")
+    lines.append(f"parameters: {format_count(t.params)} ({t.params:,}); trainable {format_count(t.trainable_params)}"
+                 f"; {format_bytes(t.param_bytes)}; gradients {format_bytes(t.grad_bytes)}")
+    lines.append(f"activations saved for backward: {format_bytes(t.activation_bytes)} ({t.activation_bytes:,} B)")
+    per_example = (t.forward.total + t.backward.total) // c.batch
+    lines.append(f"FLOPs per example (forward+backward): {_flops(per_example)}")
+    if t.tokens_per_example:
+        tokens = c.batch * t.tokens_per_example
+        lines.append(f"FLOPs per token: {_flops((t.forward.total + t.backward.total) // tokens)} "
+                     f"({t.tokens_per_example} tokens per example)")
+        six = t.six_n_d
+        ratio = t.model_flops / six if six else float("nan")
+        lines.append(f"6·N·D rule of thumb: {_flops(six)} (N={t.params:,}, D={tokens:,}); exact matmul+attention "
+                     f"{_flops(t.model_flops)}; exact / 6ND = {ratio:.3f}")
+    return "\n".join(lines)
+
+
+def modules_table(p: Profile, depth: int) -> str:
+    t = p.accounting.totals
+    grand = max(1, t.forward.total + t.backward.total)
+    rows = []
+    for m in p.accounting.modules:
+        if m.depth > depth:
+            continue
+        total = m.forward.total + m.backward.total
+        name = ("  " * (m.depth - 1) + m.module) if m.module else "(root)"
+        rows.append([name, _flops(m.forward.total), _flops(m.backward.total), _flops(total),
+                     f"{100 * total / grand:.1f}%", format_bytes(m.activation_bytes)])
+    return tabulate(rows, headers=["module", "forward", "backward", "total", "share", "activations"],
+                    colalign=("left", "right", "right", "right", "right", "right"))
+
+
+def nodes_table(p: Profile, top: int) -> str:
+    nodes = sorted(p.accounting.nodes, key=lambda n: -(n.forward.total + n.backward.total))[:top]
+    rows = [[n.name, n.op.removeprefix("aten.").removesuffix(".default"), n.module or "(root)", "x".join(map(str, n.shape)),
+             n.dtype or "", n.kind, _flops(n.forward.total), _flops(n.backward.total),
+             format_bytes(n.activation_bytes), format_bytes(n.output_bytes)] for n in nodes]
+    return tabulate(rows, headers=["node", "op", "module", "shape", "dtype", "kind", "forward", "backward",
+                                   "saved", "new bytes"],
+                    colalign=("left",) * 6 + ("right",) * 4)
+
+
+def unsupported_footer(p: Profile) -> str:
+    a = p.accounting
+    if not a.unsupported_ops:
+        return f"every op has a cost formula ({a.node_count:,} op nodes)"
+    count = sum(a.unsupported_ops.values())
+    ops = ", ".join(f"{op} ×{n}" for op, n in a.unsupported_ops.items())
+    return (f"WARNING: {len(a.unsupported_ops)} op(s) without a cost formula, their FLOPs not counted: "
+            f"{count} of {a.node_count:,} op nodes ({100 * count / max(1, a.node_count):.1f}%): {ops}")
+
+
+def render_text(p: Profile, depth: int = 2, top: int = 10) -> str:
+    parts = [summary(p), "", f"modules (depth {depth}, inclusive):", modules_table(p, depth), "",
+             f"top {top} nodes by forward+backward FLOPs:", nodes_table(p, top), "", unsupported_footer(p)]
+    return "\n".join(parts) + "\n"
+
+
+__all__ = ["render_text", "summary", "modules_table", "nodes_table", "unsupported_footer",
+           "MATMUL", "ATTENTION", "OTHER"]

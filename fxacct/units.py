@@ -1,0 +1,36 @@
+"""Units and counting conventions, declared once for the whole package.
+
+- One multiply-add (FMA) is 2 FLOPs: a matmul (m×n)@(n×p) costs 2·m·n·p FLOPs.
+  fvcore, thop and ptflops count MACs (1 FMA = 1); multiply their figures by 2 to compare.
+- Bytes are numel × element size, exact integers.
+- GB = 10**9 bytes (vendors' "80 GB"); GiB = 2**30 bytes (what drivers and allocators report).
+  The two are never mixed: every figure says which one it is in.
+"""
+
+FLOPS_PER_FMA = 2
+GB = 10**9
+GiB = 2**30
+
+
+def format_bytes(n: int | None) -> str:
+    """Human-readable bytes in binary units (KiB, MiB, GiB), the exact integer below 1 KiB."""
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{n} B"
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_count(n: int | float | None) -> str:
+    """A FLOP or parameter count with an SI suffix (k = 1e3, M = 1e6, G = 1e9, T = 1e12, P = 1e15)."""
+    if n is None:
+        return "-"
+    if abs(n) < 1000:
+        return f"{n:,}" if isinstance(n, int) else f"{n:.3g}"
+    for unit, size in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3f}{unit}"
+    raise AssertionError("unreachable")
