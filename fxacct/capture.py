@@ -32,6 +32,7 @@ from fxacct import _torch_private as tp
 from fxacct.errors import ModelError, UsageError
 
 FORWARD, LOSS, BACKWARD = "forward", "loss", "backward"
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,13 @@ class _Recorder(TorchDispatchMode):
         self.last_seq = tp.get_sequence_nr()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):
+            # the backward engine asks every gradient for its device; answer as FakeTensor
+            # would (its fake_device) without a trip through the fake mode's dispatch
+            return args[0].fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace == "prim":  # prim.device and friends: metadata queries, no tensor work
+        if func.namespace == "prim":  # metadata queries, no tensor work
             return out
         if self.phase == BACKWARD:
             node = tp.current_autograd_node()
