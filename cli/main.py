@@ -31,6 +31,9 @@ class FxacctGroup(click.Group):
                                 standalone_mode=False, **extra)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
         except click.ClickException as e:
             hint = ""
             if isinstance(e, click.UsageError) and e.ctx is not None:
@@ -67,6 +70,8 @@ def write_output(text: str, path: str | None) -> None:
         click.echo(text, nl=False)
         return
     target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {target / 'profile.json'}")
     if not target.parent.exists():
         raise UsageError(f"cannot write {path}: directory {target.parent} does not exist")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")

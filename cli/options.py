@@ -13,6 +13,7 @@ from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.inputs import parse_input_spec
 from fxacct.load import parse_kwarg
+from fxacct.optim import parse_optim_arg
 
 MODEL_OPTIONS = (
     click.argument("target", metavar="PATH.py:NAME"),
@@ -32,6 +33,17 @@ MODEL_OPTIONS = (
                  help="Count causal attention kernels in full or halved."),
     click.option("--tokens-per-example", type=int, default=None,
                  help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
+    click.option("--optimizer", default="adamw", show_default=True,
+                 help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name."),
+    click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
+                 help="Optimizer option such as momentum=0.9 or betas=(0.9,0.95); repeatable."),
+    click.option("--amp", default=None, help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations."),
+    click.option("--master-weights", is_flag=True,
+                 help="With --dtype bf16/fp16: the optimizer steps fp32 master copies."),
+    click.option("--gpu", default=None, help="Target GPU (h100, h100-pcie, h200, a100, a100-40gb): CUDA kernel rules, fit."),
+    click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks."),
+    click.option("--shard", default="none", show_default=True,
+                 help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp."),
     click.option("--debug", is_flag=True, help="Show tracebacks."),
 )
 
@@ -43,9 +55,10 @@ def model_options(fn):
 
 
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
-              causal_attention, tokens_per_example, **_) -> Config:
+              causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
+              world_size, shard, **_) -> Config:
     kwargs = {}
-    if kwargs_json:
+    if kwargs_json is not None:
         try:
             kwargs = json.loads(kwargs_json)
         except json.JSONDecodeError as e:
@@ -56,8 +69,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
     return Config(
         target=target, batch=batch, kwargs=kwargs,
         inputs=tuple(parse_input_spec(s) for s in input_specs),
-        dtype=parse_dtype(dtype) if dtype else None, input_requires_grad=input_requires_grad,
+        dtype=parse_dtype(dtype) if dtype is not None else None, input_requires_grad=input_requires_grad,
         loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
+        optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
+        amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights, gpu=gpu,
+        world_size=world_size, shard=shard,
     )
 
 

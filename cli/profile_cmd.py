@@ -22,10 +22,29 @@ from fxacct_cli.options import model_options, to_config
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="How many nodes, by FLOPs, the table lists.")
 @click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
-def profile_command(fmt, by, depth, top, output, **options):
-    """Profile PATH.py:NAME (an nn.Module class or factory) on fake tensors."""
+@click.option("--plot", default=None, metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib).")
+def profile_command(fmt, by, depth, top, output, plot, **options):
+    """Profile PATH.py:NAME (an nn.Module class or factory) on fake tensors.
+
+    \b
+    Examples:
+      fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16
+      fxacct profile examples/gpt2.py:GPT --batch 8 --amp bf16 --gpu h100 --world-size 8 --shard zero3
+      fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json
+
+    Exit codes: 0 success, 2 usage error, 3 the model failed.
+    """
     config = to_config(**options)
+    if plot is not None:
+        from fxacct.report.plot import require_matplotlib
+
+        require_matplotlib()
     result = fxacct.profile(config)
+    if plot is not None:
+        from fxacct.report.plot import plot_memory
+
+        plot_memory(result, plot)
+        click.echo(f"wrote {plot}", err=True)
     if fmt == "json":
         text = json.dumps(document(result), indent=2) + "\n"
     elif fmt in ("csv", "markdown"):

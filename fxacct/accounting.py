@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from fxacct.annotate import NodeCost
-from fxacct.capture import BACKWARD, FORWARD, LOSS, Capture
+from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta
 from fxacct.costs.registry import ZERO, Flops
 from fxacct.dtypes import dtype_name
 
@@ -57,6 +57,7 @@ class Totals:
     forward: Flops
     backward: Flops
     loss_flops: int
+    optimizer_flops: int
     params: int
     trainable_params: int
     param_bytes: int
@@ -90,11 +91,11 @@ class Accounting:
     input_shapes: tuple[str, ...] = ()
 
 
-def _first_tensor(val):
-    if isinstance(val, torch.Tensor):
+def _first_tensor(val) -> TensorMeta | None:
+    if isinstance(val, TensorMeta):
         return val
     if isinstance(val, (tuple, list)):
-        return next((v for v in val if isinstance(v, torch.Tensor)), None)
+        return next((v for v in val if isinstance(v, TensorMeta)), None)
     return None
 
 
@@ -125,7 +126,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
                      and (n.op == "call_function" or n.meta.get("kind") == "input")]
     order = {n: i for i, n in enumerate(forward_nodes)}
     backward_of: dict[fx.Node, Flops] = {n: ZERO for n in forward_nodes}
-    loss_flops = 0
+    loss_flops = optimizer_flops = 0
     unsupported: dict[str, int] = {}
     op_nodes = 0
     saved_total = 0
@@ -145,6 +146,8 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
         phase = n.meta["phase"]
         if phase == LOSS:
             loss_flops += cost.flops.total
+        elif phase == OPTIMIZER:
+            optimizer_flops += cost.flops.total
         elif phase == BACKWARD:
             owner = n.meta.get("fwd")
             if owner is None or owner not in backward_of:
@@ -186,7 +189,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
     for dt, b in saved_by_dtype.items():
         bump(dt, activation_bytes=b)
     totals = Totals(
-        forward=forward, backward=backward, loss_flops=loss_flops,
+        forward=forward, backward=backward, loss_flops=loss_flops, optimizer_flops=optimizer_flops,
         params=sum(_numel(p.shape) for p in capture.params),
         trainable_params=sum(_numel(p.shape) for p in capture.params if p.requires_grad),
         param_bytes=param_bytes, grad_bytes=grad_bytes, activation_bytes=saved_total,
@@ -217,7 +220,7 @@ def _ancestors(fqn: str):
         yield fqn
 
 
-def _describe(t: torch.Tensor) -> str:
+def _describe(t: TensorMeta) -> str:
     return f"{dtype_name(t.dtype)}[{','.join(str(s) for s in t.shape)}]"
 
 

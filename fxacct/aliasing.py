@@ -19,8 +19,12 @@ from fxacct.costs import registry
 aten = torch.ops.aten
 
 # aten._unsafe_view: "view without the view checks", returned by reshape after a copy and by
-# matmul's folding; it re-uses its input's storage (see native_functions.yaml).
-VIEW_EXCEPTIONS = frozenset({aten._unsafe_view.default})
+# matmul's folding; it re-uses its input's storage (see native_functions.yaml). unsafe_split /
+# unsafe_chunk: split without the view bookkeeping (used by the GRU/LSTM cells); same storage.
+VIEW_EXCEPTIONS = frozenset({
+    aten._unsafe_view.default, aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default,
+    aten.unsafe_chunk.default,
+})
 
 VIEW, COPY, COMPUTE, INPLACE, CREATION, INPUT = "view", "copy", "compute", "inplace", "creation", "input"
 KINDS = (INPUT, VIEW, COPY, COMPUTE, INPLACE, CREATION)

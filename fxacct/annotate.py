@@ -1,6 +1,6 @@
 """Annotate: one walk over the captured graph that writes node.meta["fxacct"] = NodeCost.
 
-It reads each node's recorded fake output (meta["val"]) instead of re-running the op in an
+It reads each node's recorded output metadata (meta["val"]) instead of re-running the op in an
 fx.Interpreter: the ops already ran once during capture, and running them again would double the
 cost of the whole account.
 """
@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from fxacct import aliasing
+from fxacct.capture import TensorMeta
 from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
 
@@ -29,7 +30,7 @@ class NodeCost:
 
 
 def _shape(a):
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, (torch.Tensor, TensorMeta)):
         return tuple(a.shape)
     if isinstance(a, fx.Node):
         return _shape(a.meta.get("val"))
@@ -39,10 +40,10 @@ def _shape(a):
 
 
 def _tensors(val):
-    if isinstance(val, torch.Tensor):
+    if isinstance(val, TensorMeta):
         return (val,)
     if isinstance(val, (tuple, list)):
-        return tuple(v for v in val if isinstance(v, torch.Tensor))
+        return tuple(v for v in val if isinstance(v, TensorMeta))
     return ()
 
 
@@ -51,11 +52,9 @@ def _has_tensor_arg(node: fx.Node) -> bool:
 
 
 def _grad_mask(node: fx.Node):
+    """Which tensor inputs of the forward op this backward op derives from required grad."""
     fwd = node.meta.get("fwd")
-    if fwd is None:
-        return None
-    return tuple(isinstance(a, fx.Node) and getattr(a.meta.get("val"), "requires_grad", False)
-                 for a in fwd.args if isinstance(a, fx.Node) or a is None)
+    return None if fwd is None else fwd.meta.get("args_requires_grad")
 
 
 def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
@@ -72,8 +71,7 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
         return NodeCost(ZERO, kind, 0, saved_bytes, saved_pairs, False)
     kind = aliasing.op_kind(op, _has_tensor_arg(node))
     outputs = _tensors(val)
-    new_bytes = 0 if kind in (aliasing.VIEW, aliasing.INPLACE) else sum(
-        t.numel() * t.element_size() for t in outputs)
+    new_bytes = 0 if kind in (aliasing.VIEW, aliasing.INPLACE) else sum(t.nbytes for t in outputs)
     if kind == aliasing.VIEW:
         return NodeCost(ZERO, kind, 0, saved_bytes, saved_pairs, False)
     info = lookup(op)

@@ -1,18 +1,27 @@
-"""Capture: one aten-level torch.fx graph of forward + loss + autograd backward, on fake tensors.
+"""Capture: one aten-level torch.fx graph of forward + loss + autograd backward (+ optimizer
+step), on fake tensors, with the lifetime of every storage as the eager run would have it.
 
 How (DESIGN.md, "Facts verified here"): proxy tracing with make_fx costs 3.5× FlopCounterMode, so
 fxacct records ops the way FlopCounterMode sees them, in one TorchDispatchMode stacked on a
-FakeTensorMode, and builds the fx.Graph from those records afterwards. Each node's meta holds:
+FakeTensorMode, and builds the fx.Graph from those records afterwards. The records keep no
+tensor alive: every storage dies when the traced program drops its last reference (a local
+variable going out of scope, autograd releasing what it saved), and a weakref callback notes
+after which op. That is exactly when an eager run frees it, so the peak walk (fxacct.memory.peak)
+sees Python's own lifetimes, not a guess from the graph.
 
-- ``val``: the fake output (a tensor, or a tuple for multi-output ops);
-- ``phase``: forward / loss / backward;
+Each node's meta holds:
+- ``val``: a ``TensorMeta`` (shape, stride, dtype, storage id) per output, a tuple for
+  multi-output ops (None where an output is not a tensor);
+- ``phase``: forward / loss / backward / optimizer;
 - ``module``: the FQN from ``named_modules()`` of the module it ran in (global module hooks keep
   the stack; a shared module called twice keeps its one name);
 - ``fwd``: for a backward node, the forward node it derives from. A forward op that records an
   autograd Node takes the next sequence number before it reaches the dispatch mode; the backward
   engine runs that Node's ops with ``_current_autograd_node()`` set to it (same number);
-- ``saved_bytes``: on the node that allocated a storage, the bytes of that storage autograd saved
-  for backward (``saved_tensors_hooks``), deduplicated by storage, parameters and buffers excluded.
+- ``args_requires_grad``: for each tensor argument, whether it required grad (fused backward
+  kernels are costed for the gradients actually needed);
+- ``saved``: on the node that allocated a storage, (bytes, dtype) of that storage if autograd
+  saved it for backward (``saved_tensors_hooks``); parameters and buffers excluded.
 
 The user's module is left as it was: parameters are swapped for fake ones only inside
 ``reparametrize_module``, and every hook is removed on the way out.
@@ -21,18 +30,68 @@ The user's module is left as it was: parameters are swapped for fake ones only i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxacct import _torch_private as tp
-from fxacct.errors import ModelError, UsageError
+from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
 
-FORWARD, LOSS, BACKWARD = "forward", "loss", "backward"
+FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
 _PRIM_DEVICE = torch.ops.prim.device.default
+# metadata queries (prim.device, ...) and profiler markers (record_function): no tensor work
+_NOT_RECORDED = frozenset({"prim", "profiler"})
+_TAG = "_fxacct_ref"  # attribute set on each traced tensor: which record (or placeholder) made it
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What fxacct keeps of a tensor: enough for costs and bytes, holding no memory."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    storage: int  # storage id, unique within one capture; views share their base's
+    storage_nbytes: int
+    requires_grad: bool = False
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return _itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * _itemsize(self.dtype)
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="meta").element_size()
+    return size
+
+
+class StateTensor(NamedTuple):
+    """One storage of optimizer state after a step."""
+
+    dtype: torch.dtype
+    nbytes: int
+    key: int  # storage id
+    scalar: bool  # a 0-dim tensor (a step count), not a per-parameter buffer
 
 
 @dataclass(frozen=True)
@@ -54,18 +113,83 @@ class Capture:
     input_nodes: tuple[fx.Node, ...]
     has_backward: bool
     module_names: tuple[str, ...]  # named_modules() order
+    optimizer_state: tuple[StateTensor, ...] = ()  # per unique storage, after one step
+    grad_storages: frozenset = frozenset()  # storage ids of the parameter gradients
+    saved_storages: frozenset = frozenset()  # storage ids autograd saved for backward
+    master_weights: tuple[tuple[int, int], ...] = ()  # (storage id, bytes) of fp32 master copies
+    inference: bool = False  # forward only, under eval() and no_grad()
+    # storage id -> index of the last op recorded before the traced program dropped it; storages
+    # alive when the step ends are absent
+    deaths: dict | None = None
+
+
+class _Storages:
+    """Storage ids that stay unique for the whole capture, and when each storage died."""
+
+    def __init__(self):
+        self.ids: dict[int, int] = {}  # live storage _cdata -> id
+        self.nbytes: dict[int, int] = {}  # id -> bytes
+        self.deaths: dict[int, int] = {}
+        self.clock = -1  # index of the last recorded op
+        self.open = True
+
+    def id_of(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        cdata = st._cdata
+        sid = self.ids.get(cdata)
+        if sid is None:
+            sid = len(self.nbytes)
+            self.ids[cdata] = sid
+            self.nbytes[sid] = st.nbytes()
+            weakref.finalize(st, self._died, cdata, sid)
+        return sid
+
+    def _died(self, cdata: int, sid: int) -> None:
+        if self.ids.get(cdata) == sid:
+            del self.ids[cdata]
+        if self.open:
+            self.deaths[sid] = self.clock
+
+
+class _Ref(NamedTuple):
+    """A tensor argument in a record: the record (or placeholder) that produced it."""
+
+    source: object  # int record index, or a placeholder key
+    index: int | None  # output position of a multi-output op
 
 
 class _Recorder(TorchDispatchMode):
-    """Records every aten op with its phase, module and autograd sequence link. Nothing else runs
-    per op: the graph is built once afterwards (``_GraphBuilder``)."""
+    """Records every aten op with its phase, module, autograd sequence link, argument references
+    and output metadata. Per op it does only that; the graph is built once afterwards."""
 
-    def __init__(self):
+    def __init__(self, storages: _Storages):
         super().__init__()
         self.records: list[tuple] = []
+        self.constants: list[tuple] = []  # (key, TensorMeta) of tensors no traced op produced
         self.phase = FORWARD
         self.module_stack: list[str] = [""]
         self.last_seq = tp.get_sequence_nr()
+        self.storages = storages
+
+    def meta(self, t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, self.storages.id_of(t),
+                          t.untyped_storage().nbytes(), t.requires_grad)
+
+    def ref(self, t: torch.Tensor) -> _Ref:
+        ref = getattr(t, _TAG, None)
+        if ref is None:  # made outside the traced ops: a constant held by the module or the code
+            ref = _Ref(("constant", len(self.constants)), None)
+            self.constants.append((ref.source, self.meta(t)))
+            setattr(t, _TAG, ref)
+        return ref
+
+    def refs(self, a, rg: list):
+        if isinstance(a, torch.Tensor):
+            rg.append(a.requires_grad)
+            return self.ref(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.refs(x, rg) for x in a)
+        return a
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):
@@ -74,17 +198,37 @@ class _Recorder(TorchDispatchMode):
             return args[0].fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace == "prim":  # metadata queries, no tensor work
+        if func.namespace in _NOT_RECORDED:
             return out
+        index = len(self.records)
+        rg: list[bool] = []
+        ref_args = self.refs(args, rg)
+        ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
+        if isinstance(out, torch.Tensor):
+            val = self.meta(out)
+            setattr(out, _TAG, _Ref(index, None))
+        elif isinstance(out, (tuple, list)):
+            val = []
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    val.append(self.meta(o))
+                    setattr(o, _TAG, _Ref(index, i))
+                else:
+                    val.append(None)
+            val = tuple(val)
+        else:
+            val = None
         if self.phase == BACKWARD:
             node = tp.current_autograd_node()
             link = node._sequence_nr() if node is not None else None
-            self.records.append((func, args, kwargs, out, BACKWARD, None, link))
+            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg)))
         else:
             hi = tp.get_sequence_nr()
             seqs = range(self.last_seq, hi)
             self.last_seq = hi
-            self.records.append((func, args, kwargs, out, self.phase, self.module_stack[-1], seqs))
+            self.records.append((func, ref_args, ref_kwargs, val, self.phase, self.module_stack[-1], seqs,
+                                 tuple(rg)))
+        self.storages.clock = index
         return out
 
 
@@ -109,16 +253,18 @@ def _module_tracking(recorder: _Recorder, names: dict[int, str]):
 
 
 class _SavedTracker:
-    """Pack hook of ``saved_tensors_hooks``: which storages autograd saves, each once."""
+    """Pack hook of ``saved_tensors_hooks``: which storages autograd saves (ids, each once).
+    It returns the tensor itself, so what autograd keeps alive is what it would keep anyway."""
 
-    def __init__(self, excluded: set[int]):
+    def __init__(self, storages: _Storages, excluded: set[int]):
+        self.storages = storages
         self.excluded = excluded
-        self.saved: dict[int, torch.Tensor] = {}
+        self.saved: dict[int, tuple[int, torch.dtype]] = {}  # id -> (bytes, dtype)
 
     def pack(self, t: torch.Tensor):
-        key = tp.storage_key(t)
-        if key not in self.excluded and key not in self.saved:
-            self.saved[key] = t
+        sid = self.storages.id_of(t)
+        if sid not in self.excluded and sid not in self.saved:
+            self.saved[sid] = (t.untyped_storage().nbytes(), t.dtype)
         return t
 
     @staticmethod
@@ -131,56 +277,47 @@ def _op_name(func) -> str:
 
 
 class _GraphBuilder:
-    """Turns the recorder's list into an fx.Graph: tensors are matched to their producers by
-    object identity (the records keep them alive, so identities are unique)."""
+    """Turns the records into an fx.Graph, resolving each argument reference to its node."""
 
     def __init__(self):
         self.graph = fx.Graph()
-        self.env: dict[int, object] = {}  # id(tensor) -> fx.Node or (multi-output node, index)
-        self.storage_owner: dict[int, fx.Node] = {}
+        self.nodes: dict[object, fx.Node] = {}  # record index or placeholder key -> node
+        self.getitems: dict[tuple, fx.Node] = {}
 
-    def placeholder(self, name: str, t: torch.Tensor, **meta) -> fx.Node:
+    def placeholder(self, key, name: str, val: TensorMeta, **meta) -> fx.Node:
         node = self.graph.placeholder(name)
-        node.meta.update(val=t, phase=FORWARD, module="", **meta)
-        self.env[id(t)] = node
-        self.storage_owner.setdefault(tp.storage_key(t), node)
+        node.meta.update(val=val, phase=FORWARD, module="", **meta)
+        self.nodes[key] = node
         return node
 
-    def lookup(self, t: torch.Tensor) -> fx.Node:
-        entry = self.env.get(id(t))
-        if entry is None:  # a tensor made outside the traced ops: a constant held by the module
-            return self.placeholder("constant", t, constant=True)
-        if isinstance(entry, tuple):
-            parent, index = entry
-            node = self.graph.create_node("call_function", operator.getitem, (parent, index))
-            node.meta.update(val=t, phase=parent.meta["phase"], module=parent.meta["module"])
+    def lookup(self, ref: _Ref) -> fx.Node:
+        parent = self.nodes[ref.source]
+        if ref.index is None:
+            return parent
+        node = self.getitems.get(ref)
+        if node is None:
+            node = self.graph.create_node("call_function", operator.getitem, (parent, ref.index))
+            node.meta.update(val=parent.meta["val"][ref.index], phase=parent.meta["phase"],
+                             module=parent.meta["module"])
             if "fwd" in parent.meta:
                 node.meta["fwd"] = parent.meta["fwd"]
-            self.env[id(t)] = node
-            return node
-        return entry
+            self.getitems[ref] = node
+        return node
 
     def map_arg(self, a):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, _Ref):
             return self.lookup(a)
         if isinstance(a, (list, tuple)):
             return type(a)(self.map_arg(x) for x in a)
         return a
 
-    def add(self, func, args, kwargs, out, phase, module) -> fx.Node:
+    def add(self, index: int, func, args, kwargs, val, phase, module, rg) -> fx.Node:
         node = self.graph.create_node(
             "call_function", func, self.map_arg(args), {k: self.map_arg(v) for k, v in kwargs.items()},
             name=_op_name(func),
         )
-        node.meta.update(val=out, phase=phase, module=module)
-        if isinstance(out, torch.Tensor):
-            self.env[id(out)] = node
-            self.storage_owner.setdefault(tp.storage_key(out), node)
-        elif isinstance(out, (tuple, list)):
-            for i, o in enumerate(out):
-                if isinstance(o, torch.Tensor):
-                    self.env[id(o)] = (node, i)
-                    self.storage_owner.setdefault(tp.storage_key(o), node)
+        node.meta.update(val=val, phase=phase, module=module, args_requires_grad=rg)
+        self.nodes[index] = node
         return node
 
 
@@ -214,16 +351,29 @@ def _loss_of(output, loss_output: int | None) -> torch.Tensor:
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype | None = None,
             input_requires_grad: bool = False, loss_output: int | None = None,
-            backward: bool = True) -> Capture:
-    """Trace ``model(*args, **kwargs)``, the loss and its backward on fake CPU tensors.
+            backward: bool = True, optimizer=None, inference: bool = False,
+            amp: torch.dtype | None = None, master_weights: bool = False, cuda: bool = False) -> Capture:
+    """Trace ``model(*args, **kwargs)``, the loss, its backward and one optimizer step on fake
+    CPU tensors.
 
     ``args``/``kwargs`` hold example tensors of any device (meta is fine: only shape, stride and
     dtype are read). With ``dtype``, floating parameters, buffers and inputs are cast to it.
+    ``amp``: forward and loss under autocast to that dtype. ``master_weights``: the optimizer
+    steps fp32 copies of the parameters. ``cuda``: apply fxacct.targets' CUDA kernel rules.
+    ``optimizer``: an fxacct.optim.OptimizerSpec stepped once after the backward.
+    ``inference``: the forward alone, under eval() and no_grad().
     """
+    from fxacct.targets import CudaRules
+
+    def autocast():
+        return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+
     names = {id(m): n for n, m in model.named_modules()}
     was_training = {m: m.training for m in model.modules()}
     mode = tp.FakeTensorMode()
-    recorder = _Recorder()
+    storages = _Storages()
+    quiet = _QuietFakeTensorLog()
+    recorder = _Recorder(storages)
     builder = _GraphBuilder()
     with mode:
         fake_of: dict[int, torch.Tensor] = {}
@@ -231,7 +381,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         param_groups: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in fake_of:
-                fake_of[id(p)] = _fake_like(p, dtype).requires_grad_(p.requires_grad)
+                fake_of[id(p)] = _fake_like(p, dtype).requires_grad_(p.requires_grad and not inference)
             param_groups.setdefault(id(p), []).append(name)
             state[name] = fake_of[id(p)]
         buffer_groups: dict[int, list[str]] = {}
@@ -245,82 +395,98 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
             if not isinstance(t, torch.Tensor):
                 return t
             f = _fake_like(t, dtype)
-            return f.requires_grad_(input_requires_grad and f.is_floating_point())
+            return f.requires_grad_(input_requires_grad and f.is_floating_point() and not inference)
 
         fake_args = torch.utils._pytree.tree_map(to_fake, args)
         fake_kwargs = torch.utils._pytree.tree_map(to_fake, kwargs)
 
+    flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))
     input_nodes = []
-    flat_inputs = list(_positional_leaves(model, fake_args))
-    flat_inputs += [(k, v) for k, v in kwargs_leaves(fake_kwargs)]
     for name, t in flat_inputs:
         if isinstance(t, torch.Tensor):
-            input_nodes.append(builder.placeholder(name, t, kind="input"))
-    param_nodes = {}
+            key = ("input", len(input_nodes))
+            input_nodes.append(builder.placeholder(key, name, recorder.meta(t), kind="input"))
+            setattr(t, _TAG, _Ref(key, None))
     for pid, group in param_groups.items():
-        param_nodes[pid] = builder.placeholder(group[0].replace(".", "_"), fake_of[pid], param=group[0])
+        key = ("param", pid)
+        builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake_of[pid]), param=group[0])
+        setattr(fake_of[pid], _TAG, _Ref(key, None))
     for bid, group in buffer_groups.items():
-        builder.placeholder(group[0].replace(".", "_"), fake_of[bid], buffer=group[0])
-    excluded = {tp.storage_key(t) for t in fake_of.values()}
-    saved = _SavedTracker(excluded)
+        key = ("buffer", bid)
+        builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake_of[bid]), buffer=group[0])
+        setattr(fake_of[bid], _TAG, _Ref(key, None))
+    excluded = {storages.id_of(t) for t in fake_of.values()}
+    saved = _SavedTracker(storages, excluded)
 
-    model.train()
+    model.train(not inference)
     grads: tuple = ()
     targets: list[torch.Tensor] = []
+    state_tensors: list[torch.Tensor] = []
+    masters: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []  # inference: the model's outputs, live to the end
     try:
-        with mode, recorder, _module_tracking(recorder, names), \
+        with quiet, mode, recorder, _module_tracking(recorder, names), \
                 tp.reparametrize_module(model, state, strict=False), \
-                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            output = model(*fake_args, **fake_kwargs)
-            recorder.phase = LOSS
-            loss = _loss_of(output, loss_output)
-            targets = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
-            if input_requires_grad:
-                targets += [t for _, t in flat_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-            do_backward = backward and loss.requires_grad and bool(targets)
-            if do_backward:
-                seed = torch.ones_like(loss)
-                recorder.phase = BACKWARD
-                grads = torch.autograd.grad(loss, targets, grad_outputs=seed, allow_unused=True)
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), \
+                (CudaRules() if cuda else contextlib.nullcontext()):
+            with torch.no_grad() if inference else contextlib.nullcontext(), autocast():
+                output = model(*fake_args, **fake_kwargs)
+            if inference:
+                outputs = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+            else:
+                recorder.phase = LOSS
+                with autocast():
+                    loss = _loss_of(output, loss_output)
+                del output  # `loss = model(x).sum()`: the outputs live only as long as the loss needs them
+                targets = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
+                if input_requires_grad:
+                    targets += [t for _, t in flat_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+                if backward and loss.requires_grad and targets:
+                    seed = torch.ones_like(loss)
+                    recorder.phase = BACKWARD
+                    grads = torch.autograd.grad(loss, targets, grad_outputs=seed, allow_unused=True)
+                    del seed
+                    if optimizer is not None:
+                        recorder.phase = OPTIMIZER
+                        state_tensors, masters = _optimizer_step(optimizer, param_groups, fake_of, targets,
+                                                                 grads, master_weights)
+            storages.open = False  # what is still alive now lives to the end of the step
     except (UsageError, ModelError):
         raise
     except (tp.DataDependentOutputException, tp.DynamicOutputShapeException) as e:
         raise ModelError(
-            f"the model's forward depends on tensor values ({type(e).__name__}: {e}), which fake "
-            "tensors do not have; move data-dependent control flow (.item(), if tensor:, nonzero) "
+            f"the model's forward depends on tensor values ({type(e).__name__}: {_first_line(e)}), which "
+            "fake tensors do not have; move data-dependent control flow (.item(), if tensor:, nonzero) "
             "out of forward or make it shape-only"
         ) from e
     except tp.UnsupportedOperatorException as e:
         raise ModelError(f"an op has no fake-tensor implementation ({e}); fxacct cannot trace it") from e
     except Exception as e:
-        raise ModelError(f"the model's forward/backward raised {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelError(f"the model's {recorder.phase} raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
     finally:
+        storages.open = False
         for m, flag in was_training.items():
             m.training = flag
 
+    for key, meta in recorder.constants:
+        builder.placeholder(key, "constant", meta, constant=True)
     seq_owner: dict[int, fx.Node] = {}
-    for func, a, kw, out, phase, module, link in recorder.records:
+    for index, (func, a, kw, val, phase, module, link, rg) in enumerate(recorder.records):
         if phase == BACKWARD:
             fwd = seq_owner.get(link) if link is not None else None
-            node = builder.add(func, a, kw, out, BACKWARD, fwd.meta["module"] if fwd is not None else "")
+            node = builder.add(index, func, a, kw, val, BACKWARD, fwd.meta["module"] if fwd is not None else "", rg)
             node.meta["fwd"] = fwd
             if fwd is not None and fwd.meta["phase"] == LOSS:
                 node.meta["phase"] = LOSS
         else:
-            node = builder.add(func, a, kw, out, phase, module)
+            node = builder.add(index, func, a, kw, val, phase, module, rg)
             for s in link:
                 seq_owner[s] = node
-    for key, t in saved.saved.items():
-        owner = builder.storage_owner.get(key)
-        if owner is not None:
-            nbytes = t.untyped_storage().nbytes()
-            owner.meta.setdefault("saved", []).append((nbytes, t.dtype))
-    got_grad = {}
-    for t, g in zip(targets, grads):
-        got_grad[id(t)] = g is not None
-    out_nodes = [builder.lookup(g) for g in grads if g is not None]
-    builder.graph.output(tuple(out_nodes))
+    _attach_saved(builder.graph, saved.saved)
+    out_refs = [getattr(g, _TAG) for g in grads if g is not None] + [getattr(t, _TAG) for t in outputs]
+    builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
 
+    got_grad = {id(t): g is not None for t, g in zip(targets, grads)}
     params = tuple(
         ParamInfo(tuple(group), tuple(fake_of[pid].shape), fake_of[pid].dtype,
                   fake_of[pid].requires_grad, got_grad.get(id(fake_of[pid]), False))
@@ -330,14 +496,65 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         ParamInfo(tuple(group), tuple(fake_of[bid].shape), fake_of[bid].dtype, False, False)
         for bid, group in buffer_groups.items()
     )
-    return Capture(builder.graph, params, buffers, tuple(input_nodes), bool(grads), tuple(names.values()))
+    opt_state: dict[int, StateTensor] = {}
+    for t in state_tensors:
+        sid = storages.id_of(t)
+        opt_state.setdefault(sid, StateTensor(t.dtype, t.untyped_storage().nbytes(), sid, t.dim() == 0))
+    return Capture(
+        builder.graph, params, buffers, tuple(input_nodes), bool(grads), tuple(names.values()),
+        tuple(opt_state.values()), frozenset(storages.id_of(g) for g in grads if g is not None),
+        frozenset(saved.saved), tuple((storages.id_of(m), m.untyped_storage().nbytes()) for m in masters),
+        inference, dict(storages.deaths),
+    )
+
+
+def _attach_saved(graph: fx.Graph, saved: dict[int, tuple[int, torch.dtype]]) -> None:
+    """Put each saved storage's (bytes, dtype) on the node that allocated it (its first producer)."""
+    remaining = dict(saved)
+    for node in graph.nodes:
+        if not remaining:
+            return
+        if node.target is operator.getitem:
+            continue
+        val = node.meta.get("val")
+        for v in (val if isinstance(val, tuple) else (val,)):
+            if isinstance(v, TensorMeta) and v.storage in remaining:
+                node.meta.setdefault("saved", []).append(remaining.pop(v.storage))
+
+
+def _optimizer_step(optimizer, param_groups, fake_of, targets, grads, master_weights: bool):
+    """Build the real optimizer over the trainable fake parameters (DESIGN.md: the usual recipe,
+    requires_grad=True), give each the gradient the backward produced, step once. What it
+    allocates is what the class allocates, whatever its options. With ``master_weights`` it steps
+    fp32 copies (fed fp32 casts of the gradients) and copies them back, as mixed-precision
+    recipes with fp32 master weights do. Returns (state tensors, master copies)."""
+    params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
+    is_param = {id(p) for p in params}
+    for t, g in zip(targets, grads):
+        if g is not None and id(t) in is_param:
+            t.grad = g
+    masters: list[torch.Tensor] = []
+    stepped = params
+    if master_weights:
+        masters = [torch.empty(p.shape, dtype=torch.float32) for p in params]
+        for m, p in zip(masters, params):
+            if p.grad is not None:
+                m.grad = p.grad.float()
+        stepped = masters
+    opt = optimizer.build(stepped)
+    if opt is None:
+        return [], masters
+    opt.step()
+    if master_weights:
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)], masters
 
 
 def _positional_leaves(model, args):
     """(name, tensor) for positional inputs, named after forward's parameters where it has them."""
     try:
-        import inspect
-
         params = [p.name for p in inspect.signature(model.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
@@ -354,6 +571,21 @@ def kwargs_leaves(kwargs: dict):
         leaves = torch.utils._pytree.tree_leaves(v)
         for i, t in enumerate(leaves):
             yield (k if len(leaves) == 1 else f"{k}_{i}"), t
+
+
+class _QuietFakeTensorLog:
+    """FakeTensorMode logs a full traceback before re-raising a kernel's error; fxacct reports the
+    error itself in one line (--debug shows the traceback), so its log is muted while tracing."""
+
+    def __enter__(self):
+        import logging
+
+        self.logger = logging.getLogger("torch._subclasses.fake_tensor")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,4 +1,5 @@
-"""The frozen configuration one account is computed for (the CLI's flags, gathered once)."""
+"""The frozen configuration one account is computed for (the CLI's flags, gathered once).
+Validation happens here, before any tracing, so a bad value fails fast with a usage error."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxacct.errors import UsageError
+
 CAUSAL_CONVENTIONS = ("full", "halved")
+AMP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -20,14 +24,18 @@ class Config:
     loss_output: int | None = None
     causal_attention: str = "full"
     tokens_per_example: int | None = None
-    optimizer: str = "adamw"
-    amp: str | None = None
-    gpu: str | None = None
+    optimizer: str = "adamw"  # a torch.optim name, "none", or PATH.py:Name
+    optim_args: dict = field(default_factory=dict)
+    amp: torch.dtype | None = None  # autocast dtype
+    master_weights: bool = False
+    gpu: str | None = None  # a key of fxacct.devices.DEVICES
     world_size: int = 1
     shard: str = "none"
+    find_max_batch: bool = True  # with a gpu: search the largest batch that fits
 
     def __post_init__(self):
-        from fxacct.errors import UsageError
+        from fxacct.devices import get_device
+        from fxacct.memory.sharding import check
 
         if self.batch <= 0:
             raise UsageError(f"--batch must be a positive integer, got {self.batch}")
@@ -35,3 +43,36 @@ class Config:
             raise UsageError(f"--causal-attention must be one of {', '.join(CAUSAL_CONVENTIONS)}")
         if self.tokens_per_example is not None and self.tokens_per_example <= 0:
             raise UsageError(f"--tokens-per-example must be positive, got {self.tokens_per_example}")
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise UsageError(f"--dtype {str(self.dtype).removeprefix('torch.')} is not a floating-point dtype: "
+                             "parameters are cast to it; use fp32, bf16, fp16 or fp8")
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise UsageError(f"--amp {self.amp} is not an autocast dtype: use bf16 or fp16")
+        if self.amp is not None and self.dtype is not None and self.dtype != torch.float32:
+            raise UsageError("--amp keeps fp32 parameters and casts inside autocast; drop --dtype "
+                             "(or use --dtype bf16 --master-weights for pure low-precision training)")
+        if self.master_weights and (self.dtype is None or self.dtype == torch.float32):
+            raise UsageError("--master-weights keeps fp32 copies of low-precision parameters: "
+                             "use it with --dtype bf16 or --dtype fp16")
+        if self.gpu is not None:
+            get_device(self.gpu)
+        check(self.shard, self.world_size)
+        self.optimizer_spec().resolve()
+
+    def optimizer_spec(self):
+        from fxacct.optim import OptimizerSpec
+
+        args = dict(self.optim_args)
+        if self.gpu is not None and self.optimizer.lower() in _FOREACH and "foreach" not in args:
+            args["foreach"] = True  # fxacct.targets rule 4: CUDA tensors default to foreach
+        return OptimizerSpec(self.optimizer, args)
+
+
+def _foreach_optimizers():
+    from fxacct.optim import OPTIMIZERS
+    import inspect
+
+    return {k for k, cls in OPTIMIZERS.items() if "foreach" in inspect.signature(cls.__init__).parameters}
+
+
+_FOREACH = _foreach_optimizers()

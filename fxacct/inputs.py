@@ -67,8 +67,10 @@ def parse_input_spec(text: str) -> InputSpec:
         else:
             raise UsageError(f"malformed --input {text!r}: dimension {d!r} is not a positive integer or B; {_HELP}")
     high = int(m["high"]) if m["high"] else None
-    if high is not None and (dtype.is_floating_point or high <= 0):
+    if high is not None and dtype.is_floating_point:
         raise UsageError(f"malformed --input {text!r}: '<{high}' bounds integer inputs only; drop it or use an integer dtype")
+    if high is not None and high <= 0:
+        raise UsageError(f"malformed --input {text!r}: the bound '<{high}' must be a positive integer (values are drawn from 0 to N-1)")
     return InputSpec(m["name"], dtype, tuple(dims), high)
 
 

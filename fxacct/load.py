@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from fxacct.errors import ModelError, UsageError
+from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
 
 _HOW_INPUTS = ("no inputs: pass --input 'long[B,1024]' (repeatable; B is --batch), or define "
                "example_inputs(self, batch) on the model class or example_inputs(batch) in the file")
@@ -51,7 +51,7 @@ def _import_file(path: Path) -> ModuleType:
         raise ModelError(f"{path}:{e.lineno}: syntax error ({e.msg}); fix the model file") from e
     except Exception as e:
         del sys.modules[name]
-        raise ModelError(f"importing {path} raised {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelError(f"importing {path} raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
     finally:
         for p in added:
             sys.path.remove(p)
@@ -79,7 +79,7 @@ def resolve(target: str):
 def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
     """Call the class or factory on the meta device: parameters get shapes, never memory."""
     if not callable(obj):
-        raise UsageError(f"{name} is a {type(obj).__name__}, not an nn.Module class or a factory returning one")
+        raise UsageError(f"{name} is {_a(type(obj).__name__)}, not an nn.Module class or a factory returning one")
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
@@ -100,9 +100,9 @@ def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
         with torch.device("meta"):
             model = obj(**kwargs)
     except Exception as e:
-        raise ModelError(f"{name}({_kwargs_text(kwargs)}) raised {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelError(f"{name}({_kwargs_text(kwargs)}) raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"{name} returned a {type(model).__name__}, not an nn.Module; "
+        raise UsageError(f"{name} returned {_a(type(model).__name__)}, not an nn.Module; "
                          "name an nn.Module class or a factory that returns one")
     return model
 
@@ -118,7 +118,7 @@ def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch
         with torch.device(device):
             value = fn(batch)
     except Exception as e:
-        raise ModelError(f"example_inputs({batch}) raised {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelError(f"example_inputs({batch}) raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
     return split_inputs(value)
 
 
@@ -129,7 +129,7 @@ def split_inputs(value):
         return (), dict(value)
     if isinstance(value, (tuple, list)):
         return tuple(value), {}
-    raise UsageError(f"example_inputs returned a {type(value).__name__}; return a tensor, a tuple of "
+    raise UsageError(f"example_inputs returned {_a(type(value).__name__)}; return a tensor, a tuple of "
                      "positional inputs or a dict of keyword inputs")
 
 
@@ -143,6 +143,20 @@ def _kwargs_text(kwargs: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+def _a(noun: str) -> str:
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
+def check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Inputs that forward cannot take are a usage error (exit 2), not a model failure."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        params = ", ".join(sig.parameters)
+        given = f"{len(args)} positional" + (f" and keyword {', '.join(repr(k) for k in kwargs)}" if kwargs else "")
+        raise UsageError(f"the inputs do not fit forward({params}): got {given} ({e}); give one --input per "
+                         "parameter, NAME=SPEC for keyword parameters") from None

@@ -1,9 +1,10 @@
-"""One call from a model (or a "PATH.py:Name" target) to its Accounting: load → capture →
-annotate → account. No formatting here (fxacct.report) and no flags (the CLI)."""
+"""One call from a model (or a "PATH.py:Name" target) to its account: load → capture → annotate
+→ account → memory. No formatting here (fxacct.report) and no flags (the CLI)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -12,12 +13,17 @@ from fxacct.accounting import Accounting, account
 from fxacct.annotate import annotate
 from fxacct.capture import Capture, capture
 from fxacct.config import Config
+from fxacct.devices import get_device
+from fxacct.memory import account as memory_account
+from fxacct.memory import sharding
+from fxacct.memory.peak import PARAMETERS, Peak, lifetimes, walk
 
 
 @dataclass(frozen=True)
 class Profile:
     config: Config
     accounting: Accounting
+    memory: memory_account.MemoryAccount
     capture: Capture
 
 
@@ -30,37 +36,120 @@ def tokens_per_example(args, kwargs, batch: int) -> int | None:
     return None
 
 
-def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config | None = None) -> Profile:
-    """Account one training step's forward and backward of ``model(*args, **kwargs)``.
+def _capture(model, args, kwargs, config: Config, inference: bool = False) -> Capture:
+    return capture(model, tuple(args), kwargs, dtype=config.dtype,
+                   input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
+                   optimizer=None if inference else config.optimizer_spec(), inference=inference,
+                   amp=config.amp, master_weights=config.master_weights, cuda=config.gpu is not None)
+
+
+def rank_peak(cap: Capture, model, config: Config) -> tuple[Peak, Peak | None, tuple[str, int] | None]:
+    """(single-rank training peak, per-rank peak under --shard or None, gathered unit or None)."""
+    life = lifetimes(cap)
+    peak = walk(life)
+    if config.shard == "none":
+        return peak, None, None
+    extra, unit = {}, None
+    if config.shard in ("zero3", "fsdp"):
+        unit = sharding.largest_unit_bytes(model, config.dtype)
+        extra = {PARAMETERS: unit[1]}
+    return peak, walk(life, sharding.partitioned(config.shard, config.world_size), extra), unit
+
+
+def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config | None = None,
+                   inputs_for: Callable[[int], tuple] | None = None) -> Profile:
+    """Account one training step of ``model(*args, **kwargs)``: forward, loss, backward and the
+    optimizer step, and a forward for inference.
 
     ``args``/``kwargs`` may be meta tensors (only shapes and dtypes are read); nothing of the
-    model's own tensors is allocated or changed."""
+    model's own tensors is allocated or changed. ``inputs_for(batch) -> (args, kwargs)`` lets a
+    --gpu profile search the largest batch that fits."""
     config = config or Config()
     kwargs = kwargs or {}
-    cap = capture(model, tuple(args), kwargs, dtype=config.dtype,
-                  input_requires_grad=config.input_requires_grad, loss_output=config.loss_output)
+    loading.check_signature(model, tuple(args), kwargs)
+    cap = _capture(model, args, kwargs, config)
     annotate(cap.graph, config.causal_attention)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
-    return Profile(config, account(cap, config.batch, tokens), cap)
+    acct = account(cap, config.batch, tokens)
+    inference = _capture(model, args, kwargs, config, inference=True)
+    peak_train, per_rank, unit = rank_peak(cap, model, config)
+    memory = memory_account.MemoryAccount(
+        by_dtype=memory_account.by_dtype(cap, acct),
+        param_bytes=acct.totals.param_bytes, grad_bytes=acct.totals.grad_bytes,
+        optimizer_bytes=sum(s.nbytes for s in cap.optimizer_state),
+        master_bytes=sum(b for _, b in cap.master_weights),
+        activation_bytes=acct.totals.activation_bytes,
+        peak_train=peak_train if cap.has_backward else None,
+        peak_inference=walk(lifetimes(inference)),
+        per_rank=per_rank, gathered_unit=unit,
+        checkpoint_by_dtype=memory_account.checkpoint_payload(model, config.dtype, cap),
+        views=memory_account.view_summary(acct, cap),
+        optimizer_scalars=(sum(s.scalar for s in cap.optimizer_state),
+                           sum(s.nbytes for s in cap.optimizer_state if s.scalar)),
+    )
+    if config.gpu is not None:
+        memory = _with_fit(memory, model, config, inputs_for)
+    return Profile(config, acct, memory, cap)
+
+
+def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
+    """Headroom on the GPU, and the largest batch that fits: the per-rank peak is affine in the
+    batch (a·B + c: weights, state and fixed buffers do not scale), so two traces give a and c,
+    and one more at the predicted batch checks it (stepping down while it does not fit)."""
+    from dataclasses import replace
+
+    device = get_device(config.gpu)
+    capacity = device.capacity_reported
+    peak = memory.rank_peak.bytes
+    max_batch, verified = None, False
+    if config.find_max_batch and inputs_for is not None:
+        def rank_peak_at(batch: int) -> int:
+            a, kw = inputs_for(batch)
+            cap = _capture(model, a, kw, replace(config, batch=batch))
+            train, per_rank, _ = rank_peak(cap, model, config)
+            return (per_rank or train).bytes
+
+        b1 = config.batch
+        p2 = rank_peak_at(2 * b1)
+        slope = (p2 - peak) / b1
+        if slope > 0:
+            fixed = peak - slope * b1
+            guess = int((capacity - fixed) // slope)
+            for _ in range(4):
+                if guess < 1:
+                    guess = 0
+                    break
+                at = rank_peak_at(guess)
+                if at <= capacity:
+                    verified = True
+                    break
+                guess = max(0, int((capacity - fixed) // ((at - fixed) / guess)) - 1 if at > fixed else guess - 1)
+            max_batch = guess
+    fit = memory_account.Fit(device.name, capacity, peak, capacity - peak, max_batch, verified)
+    return replace(memory, fit=fit)
 
 
 def load_model(config: Config):
-    """(model on meta, args, kwargs) for config.target, inputs per DESIGN.md's loading rules."""
+    """(model on meta, args, kwargs, inputs_for) for config.target, per DESIGN.md's loading rules."""
     obj, file_module = loading.resolve(config.target)
     name = config.target.rpartition(":")[2]
     model = loading.build(obj, dict(config.kwargs), name)
-    if config.inputs:
-        args = tuple(s.make(config.batch) for s in config.inputs if s.name is None)
-        kwargs = {s.name: s.make(config.batch) for s in config.inputs if s.name is not None}
-    else:
-        args, kwargs = loading.require_inputs(loading.example_inputs(model, file_module, config.batch))
-    return model, args, kwargs
+
+    def inputs_for(batch: int):
+        if config.inputs:
+            args = tuple(s.make(batch) for s in config.inputs if s.name is None)
+            kwargs = {s.name: s.make(batch) for s in config.inputs if s.name is not None}
+            return args, kwargs
+        return loading.require_inputs(loading.example_inputs(model, file_module, batch))
+
+    args, kwargs = inputs_for(config.batch)
+    return model, args, kwargs, inputs_for
 
 
 def profile(config: Config) -> Profile:
     """Load config.target and profile it."""
-    model, args, kwargs = load_model(config)
-    return profile_module(model, args, kwargs, config)
+    model, args, kwargs, inputs_for = load_model(config)
+    return profile_module(model, args, kwargs, config, inputs_for)
 
 
-__all__ = ["Profile", "profile", "profile_module", "load_model", "replace"]
+__all__ = ["Profile", "profile", "profile_module", "load_model"]

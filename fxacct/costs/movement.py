@@ -24,10 +24,15 @@ register_zero(
     aten.transpose_copy, aten.unsqueeze_copy, aten.squeeze_copy, aten.split_with_sizes_copy,
     aten.set_, aten.resize_, aten.lift_fresh_copy, aten.fill_, aten.zero_, aten.bernoulli_,
     aten.normal_, aten.uniform_, aten.random_, aten.exponential_,
+    aten._local_scalar_dense,  # .item(): a read of one value
     # backward of views and indexing: a zero tensor with the gradient written into a slice of it
     aten.slice_backward, aten.select_backward, aten.index_select_backward, aten.diagonal_backward,
     movement=True,
 )
+# in-place metadata changes (transpose_, unsqueeze_, as_strided_...): torch tags them
+# inplace_view; they rewrite sizes and strides, not data
+register_zero(torch.Tag.inplace_view)
+
 register_zero(
     aten.zeros, aten.ones, aten.empty, aten.empty_strided, aten.full, aten.arange, aten.scalar_tensor,
     aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand, aten.randn,

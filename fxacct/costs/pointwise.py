@@ -39,7 +39,7 @@ register(torch.Tag.pointwise)(per_output_element(1))
 register(torch.Tag.reduction)(per_input_element(1))
 
 # softmax(x) = exp(x - max) / sum(exp(x - max)): max, sub, exp, sum, div = 5 passes
-register(aten._softmax, aten._log_softmax)(per_input_element(5))
+register(aten._softmax, aten._log_softmax, aten._safe_softmax)(per_input_element(5))
 # softmax backward: dx = y * (dy - sum(dy * y)): mul, sum, sub, mul = 4 passes
 # log_softmax backward: dx = dy - exp(y) * sum(dy): sum, exp, mul, sub = 4 passes
 register(aten._softmax_backward_data, aten._log_softmax_backward_data)(per_output_element(4))

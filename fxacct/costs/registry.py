@@ -101,7 +101,7 @@ def lookup(op) -> OpInfo | None:
         info = _REGISTRY.get(getattr(op, "overloadpacket", None))
     if info is None:
         tags = getattr(op, "tags", ())
-        for tag in (torch.Tag.pointwise, torch.Tag.reduction):
+        for tag in (torch.Tag.pointwise, torch.Tag.reduction, torch.Tag.inplace_view):
             if tag in tags:
                 return _REGISTRY[tag]
     return info

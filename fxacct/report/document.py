@@ -19,29 +19,35 @@ def _by_class(f: Flops) -> dict[str, int]:
 
 
 def document(p: Profile) -> dict:
-    a, c, t = p.accounting, p.config, p.accounting.totals
+    a, c, t, m = p.accounting, p.config, p.accounting.totals, p.memory
     return {
         "schema": SCHEMA,
         "model": c.target,
         "config": {
             "batch": c.batch, "dtype": dtype_name(c.dtype) if c.dtype is not None else None,
-            "amp": c.amp, "optimizer": c.optimizer, "gpu": c.gpu, "world_size": c.world_size,
+            "amp": dtype_name(c.amp) if c.amp is not None else None, "optimizer": c.optimizer, "gpu": c.gpu, "world_size": c.world_size,
             "shard": c.shard, "tokens_per_example": t.tokens_per_example, "inputs": list(a.input_shapes),
+            "master_weights": c.master_weights,
         },
         "conventions": {"flops_per_fma": FLOPS_PER_FMA, "causal_attention": c.causal_attention},
         "totals": {
             "forward_flops": t.forward.total, "backward_flops": t.backward.total, "loss_flops": t.loss_flops,
             "forward_flops_by_class": _by_class(t.forward), "backward_flops_by_class": _by_class(t.backward),
             "params": t.params, "trainable_params": t.trainable_params,
-            "param_bytes": t.param_bytes, "grad_bytes": t.grad_bytes, "optimizer_bytes": None,
-            "activation_bytes": t.activation_bytes, "peak_train_bytes": None, "peak_inference_bytes": None,
+            "param_bytes": t.param_bytes, "grad_bytes": t.grad_bytes, "optimizer_bytes": m.optimizer_bytes,
+            "activation_bytes": t.activation_bytes,
+            "peak_train_bytes": m.rank_peak.bytes if m.rank_peak is not None else None,
+            "peak_inference_bytes": m.peak_inference.bytes if m.peak_inference is not None else None,
             "predicted_step_ms": None,
+            "master_weight_bytes": m.master_bytes, "optimizer_flops": t.optimizer_flops,
+            "checkpoint_bytes": m.checkpoint_bytes,
         },
         "by_dtype": {
-            dt: {"param_bytes": d.param_bytes, "grad_bytes": d.grad_bytes, "optimizer_bytes": None,
-                 "activation_bytes": d.activation_bytes}
-            for dt, d in a.by_dtype.items()
+            dt: {"param_bytes": d.param_bytes, "grad_bytes": d.grad_bytes, "optimizer_bytes": d.optimizer_bytes,
+                 "activation_bytes": d.activation_bytes, "master_weight_bytes": d.master_bytes}
+            for dt, d in m.by_dtype.items()
         },
+        "memory": _memory(p),
         "modules": [
             {"module": m.module, "forward_flops": m.forward.total, "backward_flops": m.backward.total,
              "activation_bytes": m.activation_bytes}
@@ -54,4 +60,26 @@ def document(p: Profile) -> dict:
             for n in a.nodes
         ],
         "unsupported_ops": dict(a.unsupported_ops),
+    }
+
+
+def _peak(pk) -> dict | None:
+    if pk is None:
+        return None
+    return {"bytes": pk.bytes, "node": pk.node, "phase": pk.phase, "by_category": dict(pk.by_category)}
+
+
+def _memory(p: Profile) -> dict:
+    m = p.memory
+    return {
+        "peak_train": _peak(m.peak_train), "peak_inference": _peak(m.peak_inference),
+        "per_rank": _peak(m.per_rank),
+        "gathered_unit": {"module": m.gathered_unit[0], "bytes": m.gathered_unit[1]} if m.gathered_unit else None,
+        "checkpoint_by_dtype": dict(m.checkpoint_by_dtype),
+        "views": {"view_nodes": m.views.view_nodes, "bytes_avoided": m.views.bytes_avoided,
+                  "copies": [{"op": op, "nodes": n, "bytes": b} for op, n, b in m.views.copies]},
+        "fit": None if m.fit is None else {
+            "gpu": m.fit.gpu, "capacity_bytes": m.fit.capacity_bytes, "peak_bytes": m.fit.peak_bytes,
+            "headroom_bytes": m.fit.headroom_bytes, "max_batch": m.fit.max_batch,
+            "max_batch_verified": m.fit.max_batch_verified},
     }

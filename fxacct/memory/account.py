@@ -1,0 +1,129 @@
+"""The memory account of one profile: bytes by category × dtype, peaks, per-rank figures,
+checkpoint size, views vs copies. Frozen values only; report renders them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxacct.accounting import Accounting
+from fxacct.capture import Capture
+from fxacct.dtypes import dtype_name
+from fxacct.memory.peak import Peak
+
+
+@dataclass(frozen=True)
+class DtypeMemory:
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    master_bytes: int = 0
+    activation_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ViewSummary:
+    view_nodes: int
+    bytes_avoided: int  # what the views' outputs would have cost as copies
+    copies: tuple[tuple[str, int, int], ...]  # (op, nodes, new bytes), largest first
+
+
+@dataclass(frozen=True)
+class Fit:
+    gpu: str
+    capacity_bytes: int  # driver-reported
+    peak_bytes: int  # per rank
+    headroom_bytes: int  # negative: shortfall
+    max_batch: int | None  # largest batch whose per-rank peak fits (None: not searched)
+    max_batch_verified: bool
+
+
+@dataclass(frozen=True)
+class MemoryAccount:
+    by_dtype: dict  # dtype name -> DtypeMemory
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    master_bytes: int
+    activation_bytes: int
+    peak_train: Peak | None
+    peak_inference: Peak | None
+    per_rank: Peak | None  # the training peak on one rank under --shard (None without sharding)
+    gathered_unit: tuple[str, int] | None  # ZeRO-3/FSDP: the largest unit gathered at once
+    checkpoint_by_dtype: dict  # dtype name -> bytes of tensor payload torch.save writes
+    views: ViewSummary
+    optimizer_scalars: tuple[int, int] = (0, 0)  # (count, bytes) of 0-dim state (step counts)
+    fit: Fit | None = None
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(self.checkpoint_by_dtype.values())
+
+    @property
+    def rank_peak(self) -> Peak | None:
+        return self.per_rank or self.peak_train
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def view_summary(accounting: Accounting, capture: Capture) -> ViewSummary:
+    views, avoided, copies = 0, 0, {}
+    for row in accounting.nodes:
+        if row.kind == "view":
+            views += 1
+            if row.dtype is not None:
+                avoided += _numel(row.shape) * _itemsize(getattr(torch, row.dtype))
+        elif row.kind == "copy":
+            n, b = copies.get(row.op, (0, 0))
+            copies[row.op] = (n + 1, b + row.output_bytes)
+    ordered = tuple(sorted(((op, n, b) for op, (n, b) in copies.items()), key=lambda x: -x[2]))
+    return ViewSummary(views, avoided, ordered)
+
+
+def checkpoint_payload(model: torch.nn.Module, dtype: torch.dtype | None, capture: Capture) -> dict:
+    """Tensor bytes of torch.save(model.state_dict()) + torch.save(optimizer.state_dict()), by
+    dtype: each storage once (tied weights share one), non-persistent buffers excluded (they are
+    not in state_dict). The zip/pickle framing (a few hundred bytes per tensor) is not included."""
+    out: dict[str, int] = {}
+    seen = set()
+    for t in model.state_dict(keep_vars=True).values():
+        if not isinstance(t, torch.Tensor) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        out[dtype_name(dt)] = out.get(dtype_name(dt), 0) + t.numel() * _itemsize(dt)
+    for state in capture.optimizer_state:
+        out[dtype_name(state.dtype)] = out.get(dtype_name(state.dtype), 0) + state.nbytes
+    return dict(sorted(out.items()))
+
+
+def by_dtype(capture: Capture, accounting: Accounting) -> dict:
+    table: dict[str, dict[str, int]] = {}
+
+    def add(dt, field, nbytes):
+        row = table.setdefault(dtype_name(dt) if isinstance(dt, torch.dtype) else dt, {})
+        row[field] = row.get(field, 0) + nbytes
+
+    for p in capture.params:
+        nbytes = _numel(p.shape) * _itemsize(p.dtype)
+        add(p.dtype, "param_bytes", nbytes)
+        if p.got_grad:
+            add(p.dtype, "grad_bytes", nbytes)
+    for state in capture.optimizer_state:
+        add(state.dtype, "optimizer_bytes", state.nbytes)
+    for _, nbytes in capture.master_weights:
+        add(torch.float32, "master_bytes", nbytes)
+    for dt, d in accounting.by_dtype.items():
+        if d.activation_bytes:
+            add(dt, "activation_bytes", d.activation_bytes)
+    return {k: DtypeMemory(**v) for k, v in sorted(table.items())}

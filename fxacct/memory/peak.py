@@ -1,0 +1,136 @@
+"""Peak memory of one step: a walk over the captured ops, by storage.
+
+Model (DESIGN.md, `peak_train_bytes`): a steady-state training step. Resident throughout:
+parameters, buffers, the inputs and the optimizer state (allocated by an earlier step; gradients
+were set to None). Every other storage is allocated by the op that first produced it and freed
+when the traced program dropped its last reference to it, which fxacct.capture observed on the
+fake run: local variables going out of scope, autograd releasing what it saved, a view keeping
+its base alive. The loop is `loss = loss_of(model(x)); loss.backward(); optimizer.step()`: the
+outputs die once the loss is built, the loss and the gradients live to the end.
+This is what a dispatch-level storage tracker sees in a real eager run (fxacct.storage_tracker),
+not the allocator: kernel scratch (oneDNN workspaces, weight reorders) is not an aten tensor.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxacct.capture import FORWARD, Capture, TensorMeta
+
+PARAMETERS, BUFFERS, INPUTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES = (
+    "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries")
+MASTER_WEIGHTS = "master_weights"
+CATEGORIES = (PARAMETERS, MASTER_WEIGHTS, BUFFERS, INPUTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES)
+
+
+@dataclass(frozen=True)
+class Peak:
+    bytes: int
+    node: str  # the op node at which the peak is reached ("" when the resident set is the peak)
+    phase: str
+    by_category: tuple[tuple[str, int], ...]  # composition at the peak; sums to `bytes`
+
+    def category(self, name: str) -> int:
+        return dict(self.by_category).get(name, 0)
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """Every storage of the step: resident ones, and (birth, death) op indices of the others."""
+
+    resident: tuple[tuple[str, int], ...]  # (category, bytes)
+    born: tuple[tuple[int, int, str, int], ...]  # (birth op, last op, category, bytes)
+    op_names: tuple[str, ...]
+    op_phases: tuple[str, ...]
+
+
+def _tensors(val):
+    if isinstance(val, TensorMeta):
+        return (val,)
+    if isinstance(val, (tuple, list)):
+        return tuple(v for v in val if isinstance(v, TensorMeta))
+    return ()
+
+
+def _is_lifted_constant(node: fx.Node) -> bool:
+    """A plain tensor made during the step (torch.tensor(0.) for an optimizer's step count) that
+    the fake mode lifted: the lift_fresh output stands for it, so it is not counted twice."""
+    return bool(node.meta.get("constant")) and bool(node.users) and all(
+        getattr(u.target, "__name__", "").startswith("lift_fresh") for u in node.users)
+
+
+def lifetimes(capture: Capture) -> Lifetimes:
+    """Resident storages, and for every other one the op that made it and the last op before the
+    traced program dropped it (capture.deaths; absent: alive at the end of the step)."""
+    graph = capture.graph
+    resident: dict[int, tuple[str, int]] = {}
+    for state in capture.optimizer_state:
+        resident[state.key] = (OPTIMIZER_STATE, state.nbytes)
+    for sid, nbytes in capture.master_weights:
+        resident[sid] = (MASTER_WEIGHTS, nbytes)
+    for node in graph.nodes:
+        if node.op != "placeholder" or _is_lifted_constant(node):
+            continue
+        category = (PARAMETERS if "param" in node.meta else INPUTS if node.meta.get("kind") == "input"
+                    else BUFFERS)
+        for t in _tensors(node.meta.get("val")):
+            resident.setdefault(t.storage, (category, t.storage_nbytes))
+
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    end = len(ops)
+    deaths = capture.deaths or {}
+    born: dict[int, tuple[int, int, str, int]] = {}
+    for i, n in enumerate(ops):
+        for t in _tensors(n.meta.get("val")):
+            sid = t.storage
+            if sid in resident or sid in born:
+                continue
+            category = (GRADIENTS if sid in capture.grad_storages
+                        else ACTIVATIONS if sid in capture.saved_storages else TEMPORARIES)
+            born[sid] = (i, max(i, deaths.get(sid, end)), category, t.storage_nbytes)
+    return Lifetimes(tuple(resident.values()), tuple(born.values()),
+                     tuple(n.name for n in ops), tuple(n.meta["phase"] for n in ops))
+
+
+def _per_rank(nbytes: int, shards: int) -> int:
+    return -(-nbytes // shards)  # ceil: a rank holds at most this much of a partitioned tensor
+
+
+def walk(life: Lifetimes, shards: dict[str, int] | None = None, extra: dict[str, int] | None = None,
+         timeline: list | None = None) -> Peak:
+    """The peak of live bytes over the step. ``shards``: category -> ways each of its storages is
+    partitioned across ranks (ZeRO); ``extra``: bytes resident throughout by category (a gathered
+    ZeRO-3 layer). With a ``timeline`` list, append (op name, phase, {category: bytes}) per op."""
+    shards = shards or {}
+    live = {c: 0 for c in CATEGORIES}
+    for category, nbytes in life.resident:
+        live[category] += _per_rank(nbytes, shards.get(category, 1))
+    for category, nbytes in (extra or {}).items():
+        live[category] += nbytes
+    births: dict[int, list] = {}
+    deaths: dict[int, list] = {}
+    for birth, death, category, nbytes in life.born:
+        size = _per_rank(nbytes, shards.get(category, 1))
+        births.setdefault(birth, []).append((category, size))
+        deaths.setdefault(death, []).append((category, size))
+    best = sum(live.values())
+    best_at, best_phase, best_live = "", FORWARD, dict(live)
+    for i, name in enumerate(life.op_names):
+        for category, size in births.get(i, ()):
+            live[category] += size
+        total = sum(live.values())
+        if timeline is not None:
+            timeline.append((name, life.op_phases[i], dict(live)))
+        if total > best:
+            best, best_at, best_phase, best_live = total, name, life.op_phases[i], dict(live)
+        for category, size in deaths.get(i, ()):
+            live[category] -= size
+    return Peak(best, best_at, best_phase, tuple((c, best_live[c]) for c in CATEGORIES))
+
+
+def peak(capture: Capture) -> Peak:
+    return walk(lifetimes(capture))

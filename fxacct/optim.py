@@ -1,0 +1,72 @@
+"""Optimizers by name (`--optimizer adamw`), their options (`--optim-arg momentum=0.9`), or a
+custom class from `PATH.py:Name`. fxacct constructs the real class on fake parameters and steps
+it once, so the state it allocates is exact for any optimizer and option, `step` scalars included.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from fxacct.errors import UsageError
+
+OPTIMIZERS = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop, "adadelta": torch.optim.Adadelta,
+    "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
+    "asgd": torch.optim.ASGD, "rprop": torch.optim.Rprop,
+}
+NONE = "none"
+
+
+def parse_optim_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise UsageError(f"malformed --optim-arg {text!r}: expected NAME=VALUE such as momentum=0.9")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise UsageError(f"--optim-arg {text!r}: {value.strip()!r} is not a Python literal "
+                         "(write numbers, True/False, or tuples such as betas=(0.9,0.95))") from None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = "adamw"  # a key of OPTIMIZERS, "none", or "PATH.py:Name"
+    args: dict = field(default_factory=dict)
+
+    def resolve(self):
+        """The optimizer class, or None for "none"."""
+        key = self.name.lower()
+        if key == NONE:
+            return None
+        if key in OPTIMIZERS:
+            cls = OPTIMIZERS[key]
+        elif ":" in self.name:
+            from fxacct.load import resolve
+
+            cls, _ = resolve(self.name)
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+                raise UsageError(f"{self.name} is not a torch.optim.Optimizer subclass")
+        else:
+            raise UsageError(f"unknown optimizer {self.name!r}: use one of {', '.join(sorted(OPTIMIZERS))}, "
+                             "none, or PATH.py:Name for your own torch.optim.Optimizer class")
+        accepted = inspect.signature(cls.__init__).parameters
+        unknown = [k for k in self.args if k not in accepted]
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+            raise UsageError(f"--optim-arg {', '.join(unknown)}: {cls.__name__} takes "
+                             f"{', '.join(k for k in accepted if k not in ('self', 'params'))}")
+        return cls
+
+    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        cls = self.resolve()
+        if cls is None or not params:
+            return None
+        try:
+            return cls(params, **self.args)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.args.items())}) "
+                             f"rejected its options: {e}") from None

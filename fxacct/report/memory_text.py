@@ -1,0 +1,79 @@
+"""The memory part of the human report: category × dtype, peaks and their composition, per rank,
+fit on a GPU, checkpoint size, views vs copies."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from fxacct.memory.peak import Peak
+from fxacct.profile import Profile
+from fxacct.units import GiB, format_bytes
+
+ROWS = (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer state", "optimizer_bytes"),
+        ("master weights", "master_bytes"), ("activations (saved)", "activation_bytes"))
+
+
+def category_table(p: Profile) -> str:
+    m = p.memory
+    dtypes = list(m.by_dtype)
+    rows = []
+    for label, field in ROWS:
+        values = [getattr(m.by_dtype[d], field) for d in dtypes]
+        if any(values):
+            rows.append([label, *map(format_bytes, values), format_bytes(sum(values))])
+    return tabulate(rows, headers=["memory", *dtypes, "total"], colalign=("left",) + ("right",) * (len(dtypes) + 1))
+
+
+def _composition(peak: Peak) -> str:
+    return ", ".join(f"{c.replace('_', ' ')} {format_bytes(b)}" for c, b in peak.by_category if b)
+
+
+def rule_of_thumb(p: Profile) -> str:
+    """The lecture's 4·(P + A + G + O) next to the exact sum, and why they differ."""
+    m = p.memory
+    exact = m.param_bytes + m.activation_bytes + m.grad_bytes + m.optimizer_bytes + m.master_bytes
+    count, scalar_bytes = m.optimizer_scalars
+    line = (f"parameters + activations + gradients + optimizer state{' + master weights' if m.master_bytes else ''}"
+            f" = {exact:,} B")
+    if scalar_bytes:
+        line += (f"; the per-parameter rule of thumb gives {exact - scalar_bytes:,} B: it leaves out the "
+                 f"optimizer's {count} scalar step count(s), {scalar_bytes:,} B")
+    return line
+
+
+def render_memory(p: Profile) -> str:
+    m, c = p.memory, p.config
+    opt = c.optimizer if c.optimizer.lower() != "none" else "no optimizer"
+    precision = (f"autocast {str(c.amp).removeprefix('torch.')}" if c.amp else
+                 f"{str(c.dtype).removeprefix('torch.')}" if c.dtype else "model dtypes")
+    lines = [f"memory of one training step ({opt}, {precision}{', fp32 master weights' if c.master_weights else ''}):",
+             category_table(p), "", rule_of_thumb(p)]
+    if m.peak_train is not None:
+        pk = m.peak_train
+        lines.append(f"peak, training step: {format_bytes(pk.bytes)} ({pk.bytes:,} B) at {pk.node or 'start'} "
+                     f"({pk.phase}): {_composition(pk)}")
+    if m.peak_inference is not None:
+        pk = m.peak_inference
+        lines.append(f"peak, inference (eval, no_grad): {format_bytes(pk.bytes)} ({pk.bytes:,} B) at "
+                     f"{pk.node or 'start'}: {_composition(pk)}")
+    if m.per_rank is not None:
+        pk = m.per_rank
+        unit = f"; gathered unit {m.gathered_unit[0]} {format_bytes(m.gathered_unit[1])}" if m.gathered_unit else ""
+        lines.append(f"per rank, {c.shard} over {c.world_size} ranks: {format_bytes(pk.bytes)} ({pk.bytes:,} B): "
+                     f"{_composition(pk)}{unit}")
+    lines.append("checkpoint (state_dict + optimizer state, tensor payload): " + format_bytes(m.checkpoint_bytes)
+                 + " (" + ", ".join(f"{d} {format_bytes(b)}" for d, b in m.checkpoint_by_dtype.items()) + ")")
+    v = m.views
+    copies = "; ".join(f"{op.removeprefix('aten.')} ×{n} {format_bytes(b)}" for op, n, b in v.copies[:6]) or "none"
+    lines.append(f"views: {v.view_nodes} view nodes allocate nothing (a copy would have cost "
+                 f"{format_bytes(v.bytes_avoided)}); copies: {copies}")
+    if m.fit is not None:
+        f = m.fit
+        verdict = (f"fits, {f.headroom_bytes / GiB:.2f} GiB headroom" if f.headroom_bytes >= 0
+                   else f"DOES NOT FIT, {-f.headroom_bytes / GiB:.2f} GiB short")
+        lines.append(f"{f.gpu} ({f.capacity_bytes / GiB:.2f} GiB as the driver reports): per-rank peak "
+                     f"{f.peak_bytes / GiB:.2f} GiB, {verdict}")
+        if f.max_batch is not None:
+            lines.append(f"largest batch that fits: {f.max_batch}"
+                         + (" (checked by a trace at that batch)" if f.max_batch_verified else " (estimate)"))
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The memory timeline of one training step as a stacked-area PNG (matplotlib, optional extra).
+
+Data (``memory_timeline``) and drawing (``plot_memory``) are separate: the data is the per-op
+live bytes by category from fxacct.memory.peak's walk, for one rank under ``--shard``, so the
+tallest stack is exactly the reported training peak.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from fxacct.errors import UsageError
+from fxacct.memory import sharding
+from fxacct.memory.peak import CATEGORIES, PARAMETERS, lifetimes, walk
+from fxacct.units import GiB, format_bytes
+
+_PHASE_COLORS = {"forward": "#4c72b0", "loss": "#c44e52", "backward": "#dd8452", "optimizer": "#55a868"}
+
+
+def memory_timeline(profile) -> list[tuple[str, str, dict]]:
+    """(op name, phase, {category: live bytes}) after each op's allocations, one item per op;
+    per rank when the profile is sharded (as fxacct.profile.rank_peak walks it)."""
+    timeline: list = []
+    life = lifetimes(profile.capture)
+    if profile.memory.per_rank is None:
+        walk(life, timeline=timeline)
+        return timeline
+    cfg = profile.config
+    unit = profile.memory.gathered_unit
+    extra = {PARAMETERS: unit[1]} if unit is not None else {}
+    walk(life, sharding.partitioned(cfg.shard, cfg.world_size), extra, timeline=timeline)
+    return timeline
+
+
+def _phase_spans(phases: list[str]) -> list[tuple[str, int, int]]:
+    """Runs of consecutive ops in one phase: (phase, first index, last index)."""
+    spans: list[tuple[str, int, int]] = []
+    for i, phase in enumerate(phases):
+        if spans and spans[-1][0] == phase:
+            spans[-1] = (phase, spans[-1][1], i)
+        else:
+            spans.append((phase, i, i))
+    return spans
+
+
+def _title(profile) -> str:
+    cfg = profile.config
+    target = cfg.target or "module"
+    path, sep, name = target.rpartition(":")
+    if sep and os.path.isabs(path):
+        target = f"{Path(path).name}:{name}"
+    title = f"{target}, batch {cfg.batch}: memory over one training step"
+    if profile.memory.per_rank is not None:
+        title += f"\nper rank, --shard {cfg.shard} --world-size {cfg.world_size}"
+    return title
+
+
+def require_matplotlib() -> None:
+    """Fail before any tracing when --plot cannot be honoured."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'fxacct[plot]'") from None
+
+
+def plot_memory(profile, path: str) -> None:
+    """Write the stacked memory timeline of ``profile``'s training step to ``path`` (PNG unless
+    the suffix names another format matplotlib writes), atomically."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'fxacct[plot]'") from None
+
+    timeline = memory_timeline(profile)
+    if not timeline:
+        raise UsageError("nothing to plot: the captured step has no ops")
+    names = [name for name, _, _ in timeline]
+    phases = [phase for _, phase, _ in timeline]
+    x = list(range(len(timeline)))
+    stacks = [[live[c] / GiB for _, _, live in timeline] for c in CATEGORIES]
+    totals = [sum(live.values()) for _, _, live in timeline]
+    peak_i = max(x, key=totals.__getitem__)
+
+    fig = Figure(figsize=(11, 5.5))
+    FigureCanvasAgg(fig)  # Agg: render to a file, never to a display
+    ax = fig.add_subplot()
+    ax.stackplot(x, *stacks, labels=[c.replace("_", " ") for c in CATEGORIES],
+                 colors=[f"C{i}" for i in range(len(CATEGORIES))], alpha=0.85, linewidth=0)
+
+    top = max(totals) / GiB * 1.15 or 1.0
+    for phase, first, last in _phase_spans(phases):
+        color = _PHASE_COLORS.get(phase, "grey")
+        ax.axvspan(first - 0.5, last + 0.5, color=color, alpha=0.1, linewidth=0)
+        if first > 0:
+            ax.axvline(first - 0.5, color=color, linestyle="--", linewidth=0.8)
+
+    peak_gib = totals[peak_i] / GiB
+    ax.plot([peak_i], [peak_gib], marker="v", color="black", markersize=8, zorder=5)
+    ax.annotate(f"peak {peak_gib:.4g} GiB ({format_bytes(totals[peak_i])})\n"
+                f"at {names[peak_i]} ({phases[peak_i]})",
+                (peak_i, peak_gib), xytext=(0, 14), textcoords="offset points",
+                ha="right" if peak_i > len(x) / 2 else "left", fontsize=9)
+
+    ax.set_xlim(-0.5, len(x) - 0.5)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("op index in the step")
+    ax.set_ylabel("GiB (2^30 bytes)")
+    ax.set_title(_title(profile), fontsize=11)
+    handles, labels = ax.get_legend_handles_labels()
+    used = [(h, lab) for h, lab, ys in zip(handles, labels, stacks) if any(ys)]
+    categories = ax.legend([h for h, _ in used], [lab for _, lab in used], loc="upper left",
+                           fontsize=8, bbox_to_anchor=(1.0, 1.0), title="memory", title_fontsize=8)
+    ax.add_artist(categories)
+    shown = dict.fromkeys(phases)
+    phase_legend = ax.legend([Patch(color=_PHASE_COLORS.get(ph, "grey"), alpha=0.3) for ph in shown],
+                             list(shown), loc="lower left", fontsize=8, bbox_to_anchor=(1.0, 0.0),
+                             title="phase (shaded)", title_fontsize=8)
+
+    out = Path(path)
+    fmt = out.suffix.lstrip(".").lower() or "png"
+    # the temporary file sits beside the target, so os.replace is an atomic rename; 0o666 & umask
+    # gives it the mode a plain open() would (mkstemp's 0o600 would survive the rename)
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight",
+                        bbox_extra_artists=[categories, phase_legend])
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

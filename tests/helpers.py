@@ -1,0 +1,115 @@
+"""Helpers shared by the tests: building on meta, example targets, and the FlopCounterMode oracle.
+
+The oracle is independent of fxacct: it runs the model under ``FakeTensorMode`` with
+``torch.utils.flop_counter.FlopCounterMode`` and differentiates the same loss fxacct uses
+(DESIGN.md: the sum of ``t.float().sum()`` over every floating output).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxacct
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small configs of every example: (target, constructor kwargs). Cheap enough to trace in < 0.5 s.
+SMALL_EXAMPLES = {
+    "TwoLayer": ("examples/two_layer.py:TwoLayer", {}),
+    "DeepLinearModel": ("examples/deep_linear.py:DeepLinearModel", {}),
+    "MLP": ("examples/mlp.py:MLP", dict(d_model=32, d_hidden=64, n_blocks=2)),
+    "ResNet18": ("examples/resnet.py:ResNet18", dict(num_classes=10, image_size=32, width=8)),
+    "GPT": ("examples/gpt2.py:GPT", dict(n_layer=2, n_head=4, n_embd=64, vocab_size=100, block_size=32)),
+    "TransformerLM": ("examples/transformer_lm.py:TransformerLM",
+                      dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=96, context_length=16)),
+}
+
+
+def target(rel: str) -> str:
+    """'examples/x.py:Name' made absolute, so tests do not depend on the working directory."""
+    path, _, name = rel.rpartition(":")
+    return f"{ROOT / path}:{name}"
+
+
+def config(name: str, batch: int = 2, **overrides) -> fxacct.Config:
+    rel, kwargs = SMALL_EXAMPLES[name]
+    return fxacct.Config(target=target(rel), batch=batch, kwargs=dict(kwargs), **overrides)
+
+
+def load(cfg: fxacct.Config):
+    """(model on meta, args, kwargs) for a Config's target, as fxacct.profile loads them."""
+    from fxacct.profile import load_model
+
+    model, args, kwargs = load_model(cfg)[:3]
+    return model, args, kwargs
+
+
+def on_meta(factory, *args, **kwargs) -> torch.nn.Module:
+    """Build a module on the meta device: parameters get shapes, never memory."""
+    with torch.device("meta"):
+        return factory(*args, **kwargs)
+
+
+def model_flops(flops) -> int:
+    """matmul + attention of one fxacct Flops: the classes FlopCounterMode counts."""
+    return flops.matmul + flops.attention
+
+
+def floating_loss(output) -> torch.Tensor:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    loss = leaves[0].float().sum()
+    for t in leaves[1:]:
+        loss = loss + t.float().sum()
+    return loss
+
+
+def flop_counter_oracle(model: torch.nn.Module, args=(), kwargs=None, *, output=None,
+                        input_grads: bool = False) -> tuple[int, int]:
+    """(forward, backward) FLOPs of one training step as torch.utils.flop_counter counts them.
+
+    Recipe (the meta-built model and meta inputs are fakified on use by allow_non_fake_inputs):
+    forward under FakeTensorMode + FlopCounterMode, the loss outside the counter, then
+    ``torch.autograd.grad`` over the unique trainable parameters under a second counter.
+    ``output`` picks the tensor(s) to sum from the model's output (``lambda o: o.logits`` for
+    Hugging Face models). ``input_grads`` also differentiates w.r.t. the floating inputs.
+
+    Hugging Face note: transformers 5.x models built on meta crash when run *plainly* on meta
+    (``.all()``/``.item()`` in the mask code, DESIGN.md); under FakeTensorMode with
+    ``allow_non_fake_inputs=True`` the same meta model and meta ``input_ids`` run fine, so no
+    special recipe is needed beyond ``use_cache=False``.
+    """
+    kwargs = kwargs or {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        if input_grads:
+            args = tuple(mode.from_tensor(a).requires_grad_(a.is_floating_point())
+                         if isinstance(a, torch.Tensor) else a for a in args)
+        with FlopCounterMode(display=False) as fc_forward:
+            out = model(*args, **kwargs)
+        if output is not None:
+            out = output(out)
+        loss = floating_loss(out)
+        targets = [p for p in model.parameters() if p.requires_grad]  # .parameters() dedups ties
+        if input_grads:
+            targets += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        with FlopCounterMode(display=False) as fc_backward:
+            torch.autograd.grad(loss, targets, allow_unused=True)
+    return fc_forward.get_total_flops(), fc_backward.get_total_flops()
+
+
+def profile_meta(model: torch.nn.Module, args=(), kwargs=None, batch: int | None = None,
+                 **config) -> fxacct.Profile:
+    """fxacct.profile_module with meta example inputs; batch defaults to the first input's dim 0."""
+    if batch is None:
+        first = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        batch = first.shape[0] if first is not None else 1
+    return fxacct.profile_module(model, args, kwargs or {}, fxacct.Config(batch=batch, **config))
+
+
+def meta_input(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
