@@ -147,7 +147,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
         if phase == LOSS:
             loss_flops += cost.flops.total
         elif phase == OPTIMIZER:
-            optimizer_flops += cost.flops.total
+            optimizer_flops += cost.flops.total * n.meta.get("repeat", 1)
         elif phase == BACKWARD:
             owner = n.meta.get("fwd")
             if owner is None or owner not in backward_of:

@@ -92,6 +92,7 @@ class StateTensor(NamedTuple):
     nbytes: int
     key: int  # storage id
     scalar: bool  # a 0-dim tensor (a step count), not a per-parameter buffer
+    count: int = 1  # parameters of this shape the representative stands for
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class Capture:
     optimizer_state: tuple[StateTensor, ...] = ()  # per unique storage, after one step
     grad_storages: frozenset = frozenset()  # storage ids of the parameter gradients
     saved_storages: frozenset = frozenset()  # storage ids autograd saved for backward
-    master_weights: tuple[tuple[int, int], ...] = ()  # (storage id, bytes) of fp32 master copies
+    master_weights: tuple[tuple[int, int, int], ...] = ()  # (storage id, bytes, count) of fp32 master copies
     inference: bool = False  # forward only, under eval() and no_grad()
     # storage id -> index of the last op recorded before the traced program dropped it; storages
     # alive when the step ends are absent
@@ -170,6 +171,13 @@ class _Recorder(TorchDispatchMode):
         self.module_stack: list[str] = [""]
         self.last_seq = tp.get_sequence_nr()
         self.storages = storages
+        self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
+
+    def repeat_of(self, index: int) -> int:
+        for start, end, count in self.repeats:
+            if start <= index < end:
+                return count
+        return 1
 
     def meta(self, t: torch.Tensor) -> TensorMeta:
         return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, self.storages.id_of(t),
@@ -449,7 +457,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                     if optimizer is not None:
                         recorder.phase = OPTIMIZER
                         state_tensors, masters = _optimizer_step(optimizer, param_groups, fake_of, targets,
-                                                                 grads, master_weights)
+                                                                 grads, master_weights, recorder)
             storages.open = False  # what is still alive now lives to the end of the step
     except (UsageError, ModelError):
         raise
@@ -482,6 +490,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
             node = builder.add(index, func, a, kw, val, phase, module, rg)
             for s in link:
                 seq_owner[s] = node
+            if phase == OPTIMIZER:
+                node.meta["repeat"] = recorder.repeat_of(index)
     _attach_saved(builder.graph, saved.saved)
     out_refs = [getattr(g, _TAG) for g in grads if g is not None] + [getattr(t, _TAG) for t in outputs]
     builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
@@ -497,13 +507,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         for bid, group in buffer_groups.items()
     )
     opt_state: dict[int, StateTensor] = {}
-    for t in state_tensors:
+    for t, count in state_tensors:
         sid = storages.id_of(t)
-        opt_state.setdefault(sid, StateTensor(t.dtype, t.untyped_storage().nbytes(), sid, t.dim() == 0))
+        opt_state.setdefault(sid, StateTensor(t.dtype, t.untyped_storage().nbytes(), sid, t.dim() == 0, count))
     return Capture(
         builder.graph, params, buffers, tuple(input_nodes), bool(grads), tuple(names.values()),
         tuple(opt_state.values()), frozenset(storages.id_of(g) for g in grads if g is not None),
-        frozenset(saved.saved), tuple((storages.id_of(m), m.untyped_storage().nbytes()) for m in masters),
+        frozenset(saved.saved), tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in masters),
         inference, dict(storages.deaths),
     )
 
@@ -522,34 +532,57 @@ def _attach_saved(graph: fx.Graph, saved: dict[int, tuple[int, torch.dtype]]) ->
                 node.meta.setdefault("saved", []).append(remaining.pop(v.storage))
 
 
-def _optimizer_step(optimizer, param_groups, fake_of, targets, grads, master_weights: bool):
+STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
+
+
+def _optimizer_step(optimizer, param_groups, fake_of, targets, grads, master_weights: bool, recorder):
     """Build the real optimizer over the trainable fake parameters (DESIGN.md: the usual recipe,
     requires_grad=True), give each the gradient the backward produced, step once. What it
     allocates is what the class allocates, whatever its options. With ``master_weights`` it steps
     fp32 copies (fed fp32 casts of the gradients) and copies them back, as mixed-precision
-    recipes with fp32 master weights do. Returns (state tensors, master copies)."""
+    recipes with fp32 master weights do.
+
+    torch.optim's single-tensor implementations update each parameter on its own, so parameters
+    of one shape and dtype allocate and compute the same: when ``optimizer.per_parameter``, one
+    representative per (shape, dtype, has-grad) is stepped and stands for the others (its state
+    and ops counted that many times). Foreach/fused implementations and custom classes step all,
+    and so do models with few parameters, where stepping all is cheap and keeps one more effect
+    exact: a loop's locals (`denom`) outlive their iteration into the next parameter's update.
+    Returns ([(state tensor, count)], [(master copy, count)])."""
     params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
     is_param = {id(p) for p in params}
     for t, g in zip(targets, grads):
         if g is not None and id(t) in is_param:
             t.grad = g
-    masters: list[torch.Tensor] = []
-    stepped = params
-    if master_weights:
-        masters = [torch.empty(p.shape, dtype=torch.float32) for p in params]
-        for m, p in zip(masters, params):
-            if p.grad is not None:
-                m.grad = p.grad.float()
-        stepped = masters
-    opt = optimizer.build(stepped)
-    if opt is None:
-        return [], masters
-    opt.step()
-    if master_weights:
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m)
-    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)], masters
+    if optimizer.per_parameter and len(params) > STEP_ALL_BELOW:
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
+        batches = [([ps[0]], len(ps)) for ps in groups.values()]
+    else:
+        batches = [(params, 1)]
+    states: list[tuple[torch.Tensor, int]] = []
+    masters: list[tuple[torch.Tensor, int]] = []
+    for batch, count in batches:
+        start = len(recorder.records)
+        stepped = batch
+        if master_weights:
+            stepped = [torch.empty(p.shape, dtype=torch.float32) for p in batch]
+            for m, p in zip(stepped, batch):
+                if p.grad is not None:
+                    m.grad = p.grad.float()
+            masters += [(m, count) for m in stepped]
+        opt = optimizer.build(stepped)
+        if opt is None:
+            return [], masters
+        opt.step()
+        if master_weights:
+            with torch.no_grad():
+                for p, m in zip(batch, stepped):
+                    p.copy_(m)
+        states += [(v, count) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        recorder.repeats.append((start, len(recorder.records), count))
+    return states, masters
 
 
 def _positional_leaves(model, args):

@@ -38,6 +38,13 @@ class OptimizerSpec:
     name: str = "adamw"  # a key of OPTIMIZERS, "none", or "PATH.py:Name"
     args: dict = field(default_factory=dict)
 
+    @property
+    def per_parameter(self) -> bool:
+        """A built-in optimizer in its single-tensor implementation: each parameter is updated on
+        its own (torch/optim/*.py, _single_tensor_*), so one parameter per shape stands for all."""
+        return (self.name.lower() in OPTIMIZERS and not self.args.get("foreach")
+                and not self.args.get("fused") and not self.args.get("differentiable"))
+
     def resolve(self):
         """The optimizer class, or None for "none"."""
         key = self.name.lower()

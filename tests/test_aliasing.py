@@ -12,20 +12,30 @@ import torch
 import torch.nn as nn
 
 import fxacct
+import fxacct.capture
 from fxacct.aliasing import KINDS
 from helpers import config, meta_input, on_meta, profile_meta
 
 
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
+# meta["val"] holds what the capture kept of each fake output: a TensorMeta whose `storage` is
+# the FakeTensor's storage identity (untyped_storage()._cdata, made unique over the capture), or
+# the fake tensor itself
+_TensorMeta = getattr(fxacct.capture, "TensorMeta", torch.Tensor)
+_TENSOR_TYPES = (torch.Tensor, _TensorMeta)
+
+
+def _tensors(val) -> list:
+    if isinstance(val, _TENSOR_TYPES):
         return [val]
     if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
+        return [v for v in val if isinstance(v, _TENSOR_TYPES)]
     return []
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def _storage(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.untyped_storage()._cdata
+    return t.storage
 
 
 def kind_mismatches(graph) -> list[str]:

@@ -37,7 +37,7 @@ def attention_forward_flops(b_h, tq, tk, d, dv) -> int:
 
 
 def attention_backward_flops(b_h, tq, tk, d, dv, grad_mask) -> int:
-    need_q, need_k, need_v = grad_mask if grad_mask is not None else (True, True, True)
+    need_q, need_k, need_v = grad_mask[:3] if grad_mask is not None else (True, True, True)
     per = FLOPS_PER_FMA * b_h * tq * tk
     flops = 0
     if need_v:

@@ -67,24 +67,19 @@ def convolution(x_shape, w_shape, bias_shape, stride, padding, dilation, transpo
     return Flops(matmul=conv_flops(x_shape, w_shape, out_shape, transposed), other=bias)
 
 
-def _t(shape):
-    return [shape[1], shape[0], *shape[2:]]
-
-
 @register(aten.convolution_backward)
 def convolution_backward(grad_out_shape, x_shape, w_shape, bias_sizes, stride, padding, dilation,
                          transposed, output_padding, groups, output_mask, *, out_shape, ctx,
                          **kwargs) -> Flops:
     """Only the gradients in output_mask are computed (the backward asks for what it needs):
-    grad_input is a convolution of grad_out with w, transposed-ness flipped; grad_weight a
-    convolution of x with grad_out (channels and batch swapped); grad_bias a sum over grad_out."""
+    grad_input is a convolution of grad_out with w, transposed-ness flipped; grad_weight pairs
+    every (input, kernel tap, output) triple the forward did, once each: as many multiply-adds as
+    the forward, groups included (a channel-swapped formulation as in torch.utils.flop_counter
+    overcounts grouped convolutions by the group count); grad_bias a sum over grad_out."""
     flops = 0
     if output_mask[0]:
         flops += conv_flops(grad_out_shape, w_shape, x_shape, not transposed)
     if output_mask[1]:
-        if transposed:
-            flops += conv_flops(_t(grad_out_shape), _t(x_shape), _t(w_shape), False)
-        else:
-            flops += conv_flops(_t(x_shape), _t(grad_out_shape), _t(w_shape), False)
+        flops += conv_flops(x_shape, w_shape, grad_out_shape, transposed)
     other = numel(grad_out_shape) if output_mask[2] else 0
     return Flops(matmul=flops, other=other)

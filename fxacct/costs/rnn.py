@@ -6,7 +6,8 @@ h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per s
 the gate activations (GH) and, with more than one gate, the cell update c = f·c + i·g and
 h = o·tanh(c) (5·H). The backward, like any matmul backward, takes one product per required
 gradient: dX (2·T·B·GH·I, if the input needs it), dW_ih (same size), the recurrent dh through W_hh
-(2·T·B·GH·H, always needed to go back in time) and dW_hh (same size).
+(2·(T-1)·B·GH·H to go back in time, 2·T·B·GH·H when hx needs a gradient too) and dW_hh
+(2·T·B·GH·H).
 """
 
 import torch
@@ -50,7 +51,9 @@ def mkldnn_rnn_layer_backward(x_shape, w_ih, w_hh, b_ih, b_hh, hx, cx_tmp, outpu
     mask = ctx.grad_mask or (True,) * 7
     per_ih = FLOPS_PER_FMA * t * b * gh * i
     per_hh = FLOPS_PER_FMA * t * b * gh * h
-    matmul = per_hh  # recurrent dh_{t-1} = dgates · W_hh
+    # recurrent dh_{t-1} = dgates_t · W_hh for t = 1..T-1; at t = 0 it is the gradient of hx,
+    # computed only when hx needs one
+    matmul = FLOPS_PER_FMA * (t if mask[5] else t - 1) * b * gh * h
     matmul += per_ih if mask[0] else 0  # dX = dgates · W_ih
     matmul += per_ih if mask[1] else 0  # dW_ih = dgatesᵀ · X
     matmul += per_hh if mask[2] else 0  # dW_hh = dgatesᵀ · H

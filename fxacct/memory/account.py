@@ -103,7 +103,7 @@ def checkpoint_payload(model: torch.nn.Module, dtype: torch.dtype | None, captur
         dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
         out[dtype_name(dt)] = out.get(dtype_name(dt), 0) + t.numel() * _itemsize(dt)
     for state in capture.optimizer_state:
-        out[dtype_name(state.dtype)] = out.get(dtype_name(state.dtype), 0) + state.nbytes
+        out[dtype_name(state.dtype)] = out.get(dtype_name(state.dtype), 0) + state.nbytes * state.count
     return dict(sorted(out.items()))
 
 
@@ -120,9 +120,9 @@ def by_dtype(capture: Capture, accounting: Accounting) -> dict:
         if p.got_grad:
             add(p.dtype, "grad_bytes", nbytes)
     for state in capture.optimizer_state:
-        add(state.dtype, "optimizer_bytes", state.nbytes)
-    for _, nbytes in capture.master_weights:
-        add(torch.float32, "master_bytes", nbytes)
+        add(state.dtype, "optimizer_bytes", state.nbytes * state.count)
+    for _, nbytes, count in capture.master_weights:
+        add(torch.float32, "master_bytes", nbytes * count)
     for dt, d in accounting.by_dtype.items():
         if d.activation_bytes:
             add(dt, "activation_bytes", d.activation_bytes)

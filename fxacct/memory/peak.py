@@ -68,10 +68,13 @@ def lifetimes(capture: Capture) -> Lifetimes:
     traced program dropped it (capture.deaths; absent: alive at the end of the step)."""
     graph = capture.graph
     resident: dict[int, tuple[str, int]] = {}
+    repeated: list[tuple[str, int]] = []  # the parameters a stepped representative stands for
     for state in capture.optimizer_state:
         resident[state.key] = (OPTIMIZER_STATE, state.nbytes)
-    for sid, nbytes in capture.master_weights:
+        repeated += [(OPTIMIZER_STATE, state.nbytes)] * (state.count - 1)
+    for sid, nbytes, count in capture.master_weights:
         resident[sid] = (MASTER_WEIGHTS, nbytes)
+        repeated += [(MASTER_WEIGHTS, nbytes)] * (count - 1)
     for node in graph.nodes:
         if node.op != "placeholder" or _is_lifted_constant(node):
             continue
@@ -92,7 +95,7 @@ def lifetimes(capture: Capture) -> Lifetimes:
             category = (GRADIENTS if sid in capture.grad_storages
                         else ACTIVATIONS if sid in capture.saved_storages else TEMPORARIES)
             born[sid] = (i, max(i, deaths.get(sid, end)), category, t.storage_nbytes)
-    return Lifetimes(tuple(resident.values()), tuple(born.values()),
+    return Lifetimes(tuple(resident.values()) + tuple(repeated), tuple(born.values()),
                      tuple(n.name for n in ops), tuple(n.meta["phase"] for n in ops))
 
 
