@@ -134,6 +134,16 @@ class _Storages:
         self.clock = -1  # index of the last recorded op
         self.open = True
 
+    @property
+    def next_id(self) -> int:
+        return len(self.nbytes)
+
+    def synthetic(self, nbytes: int) -> int:
+        """An id for a storage that a replayed block (fxacct.replay) would have allocated."""
+        sid = len(self.nbytes)
+        self.nbytes[sid] = nbytes
+        return sid
+
     def id_of(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
         cdata = st._cdata
@@ -172,6 +182,16 @@ class _Recorder(TorchDispatchMode):
         self.last_seq = tp.get_sequence_nr()
         self.storages = storages
         self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
+        self.recording = True
+
+    @contextlib.contextmanager
+    def suppressed(self):
+        """Ops run but are not recorded (fxacct.replay makes a replayed block's outputs)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
 
     def repeat_of(self, index: int) -> int:
         for start, end, count in self.repeats:
@@ -206,7 +226,7 @@ class _Recorder(TorchDispatchMode):
             return args[0].fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace in _NOT_RECORDED:
+        if func.namespace in _NOT_RECORDED or not self.recording:
             return out
         index = len(self.records)
         rg: list[bool] = []
@@ -262,7 +282,9 @@ def _module_tracking(recorder: _Recorder, names: dict[int, str]):
 
 class _SavedTracker:
     """Pack hook of ``saved_tensors_hooks``: which storages autograd saves (ids, each once).
-    It returns the tensor itself, so what autograd keeps alive is what it would keep anyway."""
+    It keeps the tensor itself, so what autograd keeps alive is what it would keep anyway, and
+    its version: with a hook installed autograd skips its own check that a saved tensor was not
+    modified in place, so unpack makes it, with autograd's message."""
 
     def __init__(self, storages: _Storages, excluded: set[int]):
         self.storages = storages
@@ -273,10 +295,16 @@ class _SavedTracker:
         sid = self.storages.id_of(t)
         if sid not in self.excluded and sid not in self.saved:
             self.saved[sid] = (t.untyped_storage().nbytes(), t.dtype)
-        return t
+        return t, t._version
 
     @staticmethod
-    def unpack(t):
+    def unpack(packed):
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
+                f"expected version {version}")
         return t
 
 
@@ -360,7 +388,8 @@ def _loss_of(output, loss_output: int | None) -> torch.Tensor:
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype | None = None,
             input_requires_grad: bool = False, loss_output: int | None = None,
             backward: bool = True, optimizer=None, inference: bool = False,
-            amp: torch.dtype | None = None, master_weights: bool = False, cuda: bool = False) -> Capture:
+            amp: torch.dtype | None = None, master_weights: bool = False, cuda: bool = False,
+            dedup: bool = True) -> Capture:
     """Trace ``model(*args, **kwargs)``, the loss, its backward and one optimizer step on fake
     CPU tensors.
 
@@ -369,8 +398,11 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     ``amp``: forward and loss under autocast to that dtype. ``master_weights``: the optimizer
     steps fp32 copies of the parameters. ``cuda``: apply fxacct.targets' CUDA kernel rules.
     ``optimizer``: an fxacct.optim.OptimizerSpec stepped once after the backward.
-    ``inference``: the forward alone, under eval() and no_grad().
+    ``inference``: the forward alone, under eval() and no_grad(); with ``dedup``, repeated
+    blocks proven identical are traced once and replayed (fxacct.replay).
     """
+    from fxacct.replay import BlockReplay, find_runs
+
     from fxacct.targets import CudaRules
 
     def autocast():
@@ -378,7 +410,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
 
     names = {id(m): n for n, m in model.named_modules()}
     was_training = {m: m.training for m in model.modules()}
-    mode = tp.FakeTensorMode()
+    mode = tp.FakeTensorMode(allow_non_fake_inputs=True)  # a stray CPU tensor becomes a fake one
     storages = _Storages()
     quiet = _QuietFakeTensorLog()
     recorder = _Recorder(storages)
@@ -407,6 +439,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
 
         fake_args = torch.utils._pytree.tree_map(to_fake, args)
         fake_kwargs = torch.utils._pytree.tree_map(to_fake, kwargs)
+        # tensors a module keeps as plain attributes (not parameters or buffers): swapped too
+        attributes = [(m, k, v, _fake_like(v, dtype)) for m in model.modules() for k, v in vars(m).items()
+                      if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
 
     flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))
     input_nodes = []
@@ -427,6 +462,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     saved = _SavedTracker(storages, excluded)
 
     model.train(not inference)
+    for m, k, _, fake in attributes:
+        setattr(m, k, fake)
     grads: tuple = ()
     targets: list[torch.Tensor] = []
     state_tensors: list[torch.Tensor] = []
@@ -436,7 +473,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         with quiet, mode, recorder, _module_tracking(recorder, names), \
                 tp.reparametrize_module(model, state, strict=False), \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), \
-                (CudaRules() if cuda else contextlib.nullcontext()):
+                (CudaRules() if cuda else contextlib.nullcontext()), \
+                (BlockReplay(recorder, storages, find_runs(model)) if inference and dedup
+                 else contextlib.nullcontext()):
             with torch.no_grad() if inference else contextlib.nullcontext(), autocast():
                 output = model(*fake_args, **fake_kwargs)
             if inference:
@@ -475,6 +514,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         storages.open = False
         for m, flag in was_training.items():
             m.training = flag
+        for m, k, original, _ in attributes:
+            setattr(m, k, original)
 
     for key, meta in recorder.constants:
         builder.placeholder(key, "constant", meta, constant=True)

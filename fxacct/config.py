@@ -32,6 +32,7 @@ class Config:
     world_size: int = 1
     shard: str = "none"
     find_max_batch: bool = True  # with a gpu: search the largest batch that fits
+    dedup: bool = True  # trace repeated blocks once where proven identical (fxacct.replay)
 
     def __post_init__(self):
         from fxacct.devices import get_device

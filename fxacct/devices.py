@@ -33,6 +33,7 @@ class Device:
     bandwidth: float  # bytes/s of device memory
     peak_flops: dict  # dtype name -> dense FLOP/s on tensor cores ("float32": the non-tensor rate)
     cuda: bool = True
+    source: str = ""  # the datasheet (and driver report) the figures come from
 
     def matmul_peak(self, dtype: torch.dtype) -> float:
         """Tensor-core peak for a matmul in ``dtype`` (float32 matmuls: TF32, PyTorch's default for
@@ -47,19 +48,24 @@ class Device:
 DEVICES: dict[str, Device] = {
     "h100": Device("NVIDIA H100 SXM5 80GB", 80 * 10**9, 81559 * MiB, 3.35e12,
                    {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.5e12,
-                    "float16": 989.5e12, "float8": 1979e12}),
+                    "float16": 989.5e12, "float8": 1979e12},
+                   source="NVIDIA H100 datasheet, SXM column, dense (sparse / 2); nvidia-smi 81559 MiB"),
     "h100-pcie": Device("NVIDIA H100 PCIe 80GB", 80 * 10**9, 81559 * MiB, 2.0e12,
                         {"float64": 51e12, "float32": 51e12, "tf32": 378e12, "bfloat16": 756e12,
-                         "float16": 756e12, "float8": 1513e12}),
+                         "float16": 756e12, "float8": 1513e12},
+                        source="NVIDIA H100 datasheet, PCIe column, dense (sparse / 2); nvidia-smi 81559 MiB"),
     "h200": Device("NVIDIA H200 SXM 141GB", 141 * 10**9, 143771 * MiB, 4.8e12,
                    {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.5e12,
-                    "float16": 989.5e12, "float8": 1979e12}),
+                    "float16": 989.5e12, "float8": 1979e12},
+                   source="NVIDIA H200 datasheet, SXM column, dense (sparse / 2); nvidia-smi 143771 MiB"),
     "a100": Device("NVIDIA A100 SXM4 80GB", 80 * 10**9, 81920 * MiB, 2.039e12,
                    {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12,
-                    "float16": 312e12}),
+                    "float16": 312e12},
+                   source="NVIDIA A100 datasheet, 80GB SXM column, dense; nvidia-smi 81920 MiB"),
     "a100-40gb": Device("NVIDIA A100 SXM4 40GB", 40 * 10**9, 40960 * MiB, 1.555e12,
                         {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12,
-                         "float16": 312e12}),
+                         "float16": 312e12},
+                        source="NVIDIA A100 datasheet, 40GB SXM column, dense; nvidia-smi 40960 MiB"),
 }
 ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "h200-sxm": "h200"}
 

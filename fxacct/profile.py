@@ -40,7 +40,8 @@ def _capture(model, args, kwargs, config: Config, inference: bool = False) -> Ca
     return capture(model, tuple(args), kwargs, dtype=config.dtype,
                    input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
                    optimizer=None if inference else config.optimizer_spec(), inference=inference,
-                   amp=config.amp, master_weights=config.master_weights, cuda=config.gpu is not None)
+                   amp=config.amp, master_weights=config.master_weights, cuda=config.gpu is not None,
+                   dedup=config.dedup)
 
 
 def rank_peak(cap: Capture, model, config: Config) -> tuple[Peak, Peak | None, tuple[str, int] | None]:

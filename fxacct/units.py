@@ -34,3 +34,23 @@ def format_count(n: int | float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.3f}{unit}"
     raise AssertionError("unreachable")
+
+
+# Byte units a flag may carry ("80GB", "79.6GiB", "512MiB"): decimal SI (vendors) and binary IEC
+# (drivers, allocators), per IEC 80000-13. A bare number is bytes.
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80_000_000_000, '79.6GiB' -> 85_469_849_190 (exact, rounded down to a whole byte);
+    a ValueError naming the accepted units otherwise."""
+    import re
+    from fractions import Fraction
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else ""
+    if m is None or (unit and unit not in BYTE_UNITS):
+        raise ValueError(f"{text!r} is not a byte size: write a number with a unit such as 80GB, 79.6GiB, "
+                         "512MiB or 1KB (GB = 1e9 B, GiB = 2^30 B)")
+    return int(Fraction(m.group(1)) * BYTE_UNITS[unit or "B"])

@@ -13,9 +13,10 @@ import fxacct
 from examples.resnet import ResNet18
 from helpers import config, flop_counter_oracle, meta_input, model_flops, on_meta, profile_meta, target
 
+# every global hook registry of torch.nn.Module (forward, pre, backward, always-called, with-kwargs...)
 GLOBAL_HOOK_DICTS = [name for name in dir(module_globals)
-                     if name.startswith("_global_") and name.endswith("hooks")
-                     or name in ("_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")]
+                     if name.startswith("_global_") and ("hooks" in name or name.endswith("hook"))
+                     and isinstance(getattr(module_globals, name), dict)]
 
 
 def _global_hooks():
@@ -270,14 +271,9 @@ def test_lstm_forward_matches_flop_counter():
     assert model_flops(t.forward) == fwd == 72_960
 
 
-_LSTM_BATCH_FIRST_BUG = pytest.mark.xfail(strict=True, reason=(
-    "fxacct/costs/rnn.py _steps_batch trusts mkldnn_rnn_layer's batch_first argument, but torch "
-    "calls the layer with the input already time-major (T, B, I) while still passing "
-    "batch_first=True; the forward formula is symmetric in T and B, the backward's (T-1) recurrent "
-    "term is not: T=5, B=2 is costed as T=2, B=5 (LSTM backward 40,960 instead of 47,104)"))
-
-
-@pytest.mark.parametrize("batch_first", [False, pytest.param(True, marks=_LSTM_BATCH_FIRST_BUG)])
+# Regression: torch calls mkldnn_rnn_layer with the input already time-major (T, B, I) while still
+# passing batch_first=True; fxacct once trusted the flag and costed T=5, B=2 as T=2, B=5.
+@pytest.mark.parametrize("batch_first", [False, True])
 def test_lstm_backward_matches_flop_counter(batch_first):
     # one LSTM layer, I = 8, H = 16, 4 gates (GH = 64), T = 5, B = 2; the input and h0 need no grad.
     # Per step t the cell computes x_t W_ihᵀ and h_{t-1} W_hhᵀ (h_{-1} = 0, a constant). Backward:
@@ -335,11 +331,8 @@ class PlainTensorAttribute(nn.Module):
         return self.lin(x) * self.scale
 
 
-@pytest.mark.xfail(strict=True, raises=fxacct.ModelError, reason=(
-    "fxacct/capture.py creates tp.FakeTensorMode() without allow_non_fake_inputs, so a tensor the "
-    "module holds as a plain attribute (not a parameter or buffer) makes FakeTensorMode raise "
-    "'Please convert all Tensors to FakeTensors first' -> ModelError; eager runs the model, and the "
-    "capture's own 'constant held by the module' placeholder path is never reached"))
+# Regression: a tensor held as a plain attribute (not a parameter or buffer) once made
+# FakeTensorMode raise 'Please convert all Tensors to FakeTensors first'.
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_plain_tensor_attribute_traces(device):
     with torch.device(device):
@@ -367,10 +360,8 @@ def test_mutating_a_saved_tensor_fails_in_eager():
         model(torch.randn(2, 8)).sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fxacct/capture.py _SavedTracker.pack returns the tensor itself from a saved_tensors_hooks pack "
-    "hook; with pack hooks autograd skips its saved-tensor version check, so a model whose eager "
-    "backward raises 'modified by an inplace operation' is profiled as if it trained (no ModelError)"))
+# Regression: with a saved_tensors_hooks pack hook autograd skips its version check; fxacct's
+# unpack makes it, so a model whose eager backward raises fails here too.
 def test_mutating_a_saved_tensor_is_a_model_error():
     with pytest.raises(fxacct.ModelError):
         profile_meta(on_meta(MutatesSavedTensor), (meta_input(2, 8),))

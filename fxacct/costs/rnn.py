@@ -19,8 +19,10 @@ aten = torch.ops.aten
 
 
 def _steps_batch(x_shape, batch_first: bool):
-    # (T, B, I), or (B, T, I) when batch_first
-    return (x_shape[1], x_shape[0]) if batch_first else (x_shape[0], x_shape[1])
+    # (T, B, I) always: nn.LSTM transposes a batch_first input before calling the layer kernel and
+    # still passes batch_first=True along (aten/src/ATen/native/mkldnn/RNN.cpp), so the flag
+    # says nothing about this tensor's layout
+    return x_shape[0], x_shape[1]
 
 
 def rnn_elementwise(t, b, gh, h, has_biases) -> int:

@@ -1,0 +1,129 @@
+"""Budgets a profile must hold (`fxacct check`, fxacct.testing): each a frozen verdict with the
+value, the limit and how far over. Values are for one rank, as every figure of a profile is
+(DESIGN.md: `--batch` is the per-rank micro-batch; memory is what one GPU holds).
+
+- memory: the per-rank training peak (peak_train_bytes; the inference peak for a model with
+  nothing to train) against --max-memory, by default the --gpu's capacity as the driver reports
+  it (nvidia-smi memory.total, fxacct.devices), the memory a job can actually use.
+- params: all parameters (trainable or not).
+- flops: forward + backward FLOPs of one step, every class; flops_per_example: that ÷ batch.
+- step_time: model FLOPs (forward + backward, matmul + attention: the FLOPs MFU is defined on)
+  ÷ (the --gpu's matmul peak in the step's precision × MFU); the optimizer and loss are left out.
+- unsupported_ops: op nodes without a cost formula (their FLOPs are unknown, not zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from fxacct.devices import get_device
+from fxacct.errors import UsageError
+from fxacct.profile import Profile
+from fxacct.quantities import check_mfu
+
+DEFAULT_MFU = 0.4  # an assumption: the middle of the seeds' "0.3 to 0.5 is good" MFU range
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_memory_bytes: int | None = None  # None: the --gpu's reported capacity, if a --gpu is set
+    max_params: int | None = None
+    max_flops: int | None = None  # forward + backward, one step on one rank
+    max_flops_per_example: int | None = None
+    max_step_seconds: Fraction | None = None
+    mfu: float = DEFAULT_MFU
+    require_no_unsupported_ops: bool = False
+
+
+@dataclass(frozen=True)
+class Budget:
+    name: str  # memory, params, flops, flops_per_example, step_time, unsupported_ops
+    what: str  # the figure checked, e.g. "peak_train_bytes per rank"
+    value: int | Fraction | float
+    limit: int | Fraction | float
+    unit: str  # bytes, params, FLOPs, s, ops
+    limit_source: str  # where the limit came from: a flag, or the GPU
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.limit
+
+    @property
+    def over(self) -> int | Fraction | float:
+        """value - limit (negative: headroom)."""
+        return self.value - self.limit
+
+    @property
+    def over_fraction(self) -> float | None:
+        """(value - limit) / limit; None for a limit of 0."""
+        return float(Fraction(self.value) / Fraction(self.limit)) - 1 if self.limit else None
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    model: str | None
+    budgets: tuple[Budget, ...]
+    assumptions: tuple[tuple[str, str], ...]  # (name, value) the figures rest on
+
+    @property
+    def ok(self) -> bool:
+        return all(b.ok for b in self.budgets)
+
+    @property
+    def failed(self) -> tuple[Budget, ...]:
+        return tuple(b for b in self.budgets if not b.ok)
+
+
+def _step_dtype(profile: Profile) -> torch.dtype:
+    c = profile.config
+    return c.amp or c.dtype or torch.float32
+
+
+def evaluate(profile: Profile, limits: Limits) -> CheckResult:
+    """Every budget ``limits`` sets, checked against ``profile``. A UsageError when none is set,
+    or when one needs a --gpu the profile has not."""
+    c, t, m = profile.config, profile.accounting.totals, profile.memory
+    device = get_device(c.gpu) if c.gpu is not None else None
+    budgets, assumptions = [], []
+    memory_limit, memory_source = limits.max_memory_bytes, "--max-memory"
+    if memory_limit is None and device is not None:
+        memory_limit, memory_source = device.capacity_reported, f"{device.name}, as the driver reports"
+    if memory_limit is not None:
+        peak, what = m.rank_peak, "peak_train_bytes"
+        if peak is None:
+            peak, what = m.peak_inference, "peak_inference_bytes"
+        label = f"{what} per rank" + (f" ({c.shard} over {c.world_size})" if c.shard != "none" else "")
+        budgets.append(Budget("memory", label, peak.bytes, memory_limit, "bytes", memory_source))
+    if limits.max_params is not None:
+        budgets.append(Budget("params", "parameters", t.params, limits.max_params, "params", "--max-params"))
+    step_flops = t.forward.total + t.backward.total
+    if limits.max_flops is not None:
+        budgets.append(Budget("flops", "forward+backward FLOPs per step", step_flops, limits.max_flops,
+                              "FLOPs", "--max-flops"))
+    if limits.max_flops_per_example is not None:
+        per_example = Fraction(step_flops, c.batch)
+        budgets.append(Budget("flops_per_example", "forward+backward FLOPs per example",
+                              int(per_example) if per_example.denominator == 1 else per_example,
+                              limits.max_flops_per_example, "FLOPs", "--max-flops-per-example"))
+    if limits.max_step_seconds is not None:
+        if device is None:
+            raise UsageError("--max-step-time needs --gpu NAME: the step time is the model FLOPs at that GPU's peak × --mfu")
+        check_mfu(limits.mfu)
+        peak = device.matmul_peak(_step_dtype(profile))
+        seconds = t.model_flops / (peak * limits.mfu)
+        budgets.append(Budget("step_time", "model FLOPs ÷ (peak × MFU)", seconds, limits.max_step_seconds, "s",
+                              "--max-step-time"))
+        assumptions += [("mfu", f"{limits.mfu:g}"), ("peak_flops_per_s", f"{peak:.4g}")]
+    if limits.require_no_unsupported_ops:
+        count = sum(profile.accounting.unsupported_ops.values())
+        budgets.append(Budget("unsupported_ops", "op nodes without a cost formula", count, 0, "ops",
+                              "--require-no-unsupported-ops"))
+    if not budgets:
+        raise UsageError("no budget to check: give --gpu NAME or --max-memory SIZE, --max-params, "
+                         "--max-flops-per-example, --max-step-time or --require-no-unsupported-ops")
+    if device is not None:
+        assumptions.insert(0, ("gpu", device.name))
+    return CheckResult(c.target, tuple(budgets), tuple(assumptions))

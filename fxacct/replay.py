@@ -1,0 +1,329 @@
+"""Repeated blocks traced once: the forward of an inference capture replays a proven template.
+
+A model's stack of identical blocks (the items of a ModuleList or Sequential) costs the same op
+for op; tracing each on fake tensors is most of fxacct's time on a 70B model. Here the first two
+blocks of a run are traced, their recorded ops compared, and, only when they match, every later
+block whose inputs match too is *replayed*: the template's records are appended again with the
+block's own module names, parameters, inputs and fresh storages, and the block returns new fake
+outputs of the template's shapes. The account is the same op for op, bytes for bytes; `--no-dedup`
+turns this off, and tests/test_replay.py checks both ways agree.
+
+What counts as identical, before any op is compared: same class; same parameter and buffer
+names, shapes, dtypes and requires_grad; same plain attributes in every submodule (an int such
+as a `layer_idx` that differs — it can change a sliding window, a RoPE base or a scale — makes
+blocks distinct); no parameter shared with anything outside the block. Then the two traced
+blocks must record the same ops, arguments, shapes, strides, dtypes and storage lifetimes, with
+arguments that point at the same relative places (own inputs, own parameters, own earlier ops).
+
+Only forward-only (inference) captures replay: a training step's backward runs in reverse, after
+every forward, which a replayed block would have to reproduce as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from fxacct.capture import _TAG, TensorMeta, _Ref
+
+_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
+               "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_is_full_backward_hook",
+               "forward"}
+
+
+def _attrs(module: torch.nn.Module) -> tuple:
+    """Plain attributes of every submodule: values compared by ==, objects by identity."""
+    out = []
+    for name, m in module.named_modules():
+        for k, v in sorted(vars(m).items()):
+            if k in _SKIP_ATTRS:
+                continue
+            if isinstance(v, (int, float, str, bool, type(None), tuple, frozenset)):
+                out.append((name, k, v))
+            elif isinstance(v, torch.Tensor):
+                out.append((name, k, tuple(v.shape), v.dtype))
+            else:
+                out.append((name, k, id(v)))
+    return tuple(out)
+
+
+def _signature(module: torch.nn.Module) -> tuple:
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
+    return (type(module), params, buffers, _attrs(module))
+
+
+def find_runs(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
+    """Runs of three or more consecutive identical blocks, with their FQNs."""
+    owners: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(name)
+    runs = []
+    for name, container in model.named_modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        items = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(container)]
+        run: list = []
+        for fqn, m in items + [(None, None)]:
+            if m is not None and run and _signature(m) == _signature(run[0][1]) and _own_params(m, fqn, owners):
+                run.append((fqn, m))
+                continue
+            if len(run) >= 3:
+                runs.append(run)
+            run = [(fqn, m)] if m is not None and _own_params(m, fqn, owners) else []
+    return runs
+
+
+def _own_params(module, fqn: str, owners) -> bool:
+    return all(all(o.startswith(fqn + ".") for o in owners[id(p)]) for p in module.parameters())
+
+
+class _Tensor(NamedTuple):
+    """What a span keeps of a tensor: never the tensor, which must die when the program drops it."""
+
+    ref: object  # its _TAG
+    storage: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+    whole: bool  # the tensor covers its whole storage from offset 0
+
+
+@dataclass
+class _Span:
+    start: int
+    end: int
+    inputs: list  # _Tensor per tensor leaf of (args, kwargs)
+    leaves: list  # all leaves, tensors replaced by None
+    spec: object
+    params: dict  # name -> fake tensor (reparametrized; resident anyway)
+    first_sid: int  # storages with ids from here on were born inside the span
+    output: list | None = None  # leaves: _Tensor or plain values
+    output_spec: object = None
+
+
+class BlockReplay:
+    """Installed on the blocks of every run for the length of one inference capture."""
+
+    def __init__(self, recorder, storages, runs):
+        self.recorder = recorder
+        self.storages = storages
+        self.runs = runs
+        self.installed: list[tuple[torch.nn.Module, object]] = []
+        self.replayed = 0
+
+    def __enter__(self):
+        for run in self.runs:
+            state = {"spans": [], "template": None, "ok": True}
+            for pos, (fqn, block) in enumerate(run):
+                self._install(block, fqn, pos, state)
+        return self
+
+    def __exit__(self, *exc):
+        for block, previous in self.installed:
+            if previous is None:
+                del block.forward
+            else:
+                block.forward = previous
+
+    def _install(self, block, fqn, pos, state):
+        previous = block.__dict__.get("forward")
+        original = block.forward
+
+        def forward(*args, **kwargs):
+            return self._call(block, fqn, pos, state, original, args, kwargs)
+
+        block.forward = forward
+        self.installed.append((block, previous))
+
+    def _describe(self, t: torch.Tensor) -> _Tensor:
+        st = t.untyped_storage()
+        return _Tensor(getattr(t, _TAG, None), self.storages.id_of(t), tuple(t.shape), tuple(t.stride()),
+                       t.dtype, t.requires_grad,
+                       t.storage_offset() == 0 and st.nbytes() == t.numel() * t.element_size())
+
+    def _span(self, block, args, kwargs) -> tuple[_Span, list]:
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        plain = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        params = dict(block.named_parameters())
+        params.update(("buffer:" + n, b) for n, b in block.named_buffers())
+        span = _Span(len(self.recorder.records), -1, [self._describe(t) for t in tensors], plain, spec, params,
+                     self.storages.next_id)
+        return span, tensors
+
+    def _call(self, block, fqn, pos, state, original, args, kwargs):
+        span, inputs = self._span(block, args, kwargs)
+        template = state["template"]
+        if pos >= 2 and state["ok"] and template is not None and self._inputs_match(template, span):
+            try:
+                return self._replay(template, span, inputs, state["template_fqn"], fqn)
+            except _Mismatch:
+                state["ok"] = False
+        output = original(*args, **kwargs)
+        span.end = len(self.recorder.records)
+        leaves, span.output_spec = torch.utils._pytree.tree_flatten(output)
+        span.output = [self._describe(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        if pos < 2:
+            state["spans"].append((fqn, span))
+            if pos == 1:
+                (fqn0, span0), (fqn1, span1) = state["spans"]
+                state["spans"] = []
+                if self._normalized(span0, fqn0) == self._normalized(span1, fqn1):
+                    state["template"], state["template_fqn"] = span1, fqn1
+                else:
+                    state["ok"] = False
+        return output
+
+    @staticmethod
+    def _inputs_match(template: _Span, span: _Span) -> bool:
+        def meta(t: _Tensor):
+            return t.shape, t.stride, t.dtype, t.requires_grad
+
+        return (template.spec == span.spec and template.leaves == span.leaves
+                and [meta(t) for t in template.inputs] == [meta(t) for t in span.inputs])
+
+    # -- comparing two traced blocks --------------------------------------------------------
+
+    def _external(self, span: _Span):
+        refs, stores = {}, {}
+        for j, t in enumerate(span.inputs):
+            refs.setdefault(t.ref, ("arg", j))
+            stores.setdefault(t.storage, ("arg", j))
+        for name, p in span.params.items():
+            refs.setdefault(getattr(p, _TAG, None), ("param", name))
+            stores.setdefault(self.storages.id_of(p), ("param", name))
+        return refs, stores
+
+    def _normalized(self, span: _Span, fqn: str):
+        refs, stores = self._external(span)
+        born: dict[int, int] = {}
+        out = []
+        records = self.recorder.records[span.start:span.end]
+        for i, (func, a, kw, val, phase, module, link, rg) in enumerate(records):
+            metas = val if isinstance(val, tuple) else (val,)
+            norm_val = []
+            for v in metas:
+                if isinstance(v, TensorMeta):
+                    if v.storage in stores:
+                        where = stores[v.storage]
+                    elif v.storage < span.first_sid:
+                        where = ("ext", v.storage)
+                    else:
+                        where = ("born", born.setdefault(v.storage, i))
+                        death = self.storages.deaths.get(v.storage)
+                        where += (death - span.start if death is not None and death < span.end else "alive",)
+                    norm_val.append((v.shape, v.stride, v.dtype, v.requires_grad, where))
+                else:
+                    norm_val.append(v)
+            out.append((func, self._norm_args(a, span, refs), self._norm_args(kw, span, refs), tuple(norm_val),
+                        phase, _relative(module, fqn), rg, len(link)))
+        outputs = [(self._norm_ref(x.ref, span, refs), x.shape, x.stride, x.dtype, x.whole)
+                   if isinstance(x, _Tensor) else x for x in span.output]
+        return out, outputs, span.output_spec
+
+    def _norm_ref(self, ref, span, refs):
+        if isinstance(ref, _Ref) and isinstance(ref.source, int) and span.start <= ref.source < span.end:
+            return ("op", ref.source - span.start, ref.index)
+        if ref in refs:
+            return refs[ref]
+        return ("other", ref)
+
+    def _norm_args(self, a, span, refs):
+        if isinstance(a, _Ref):
+            return self._norm_ref(a, span, refs)
+        if isinstance(a, dict):
+            return {k: self._norm_args(v, span, refs) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._norm_args(x, span, refs) for x in a)
+        return a
+
+    # -- replaying ---------------------------------------------------------------------------
+
+    def _replay(self, template: _Span, span: _Span, inputs: list, template_fqn: str, fqn: str):
+        rec = self.recorder
+        t_refs, t_stores = self._external(template)
+        k_ref, k_store = {}, {}
+        for key in set(t_refs.values()) | set(t_stores.values()):
+            if key[0] == "arg":
+                k_ref[key], k_store[key] = span.inputs[key[1]].ref, span.inputs[key[1]].storage
+            else:
+                p = span.params[key[1]]
+                k_ref[key], k_store[key] = getattr(p, _TAG, None), self.storages.id_of(p)
+        offset = len(rec.records) - template.start
+        out_leaves, out_store = [], {}
+        with rec.suppressed():
+            for leaf in template.output:
+                if not isinstance(leaf, _Tensor):
+                    out_leaves.append(leaf)
+                    continue
+                if leaf.ref in t_refs:  # the block hands one of its own inputs back
+                    key = t_refs[leaf.ref]
+                    if key[0] != "arg":
+                        raise _Mismatch
+                    out_leaves.append(inputs[key[1]])
+                    continue
+                if not leaf.whole or not isinstance(leaf.ref, _Ref) or not isinstance(leaf.ref.source, int):
+                    raise _Mismatch  # a view of a larger buffer: not reproducible by a fresh tensor
+                new = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device="cpu")
+                out_store[leaf.storage] = self.storages.id_of(new)
+                setattr(new, _TAG, _Ref(leaf.ref.source + offset, leaf.ref.index))
+                out_leaves.append(new)
+        store_map = {sid: k_store[key] for sid, key in t_stores.items()}
+        store_map.update(out_store)
+        for i in range(template.start, template.end):
+            func, a, kw, val, phase, module, link, rg = rec.records[i]
+            rec.records.append((func, self._map_args(a, template, t_refs, k_ref, offset),
+                                self._map_args(kw, template, t_refs, k_ref, offset),
+                                self._map_val(val, store_map, template, offset), phase,
+                                _renamed(module, template_fqn, fqn), range(0), rg))
+            self.storages.clock = len(rec.records) - 1
+        self.replayed += 1
+        return torch.utils._pytree.tree_unflatten(out_leaves, template.output_spec)
+
+    def _map_val(self, val, store_map, template: _Span, offset: int):
+        if isinstance(val, tuple):
+            return tuple(self._map_val(v, store_map, template, offset) for v in val)
+        if not isinstance(val, TensorMeta):
+            return val
+        sid = store_map.get(val.storage)
+        if sid is None and val.storage < template.first_sid:
+            sid = val.storage  # a storage from outside every block (a shared table): the same one
+        if sid is None:  # a storage born inside the template: a fresh one, same lifetime in the span
+            sid = self.storages.synthetic(val.storage_nbytes)
+            store_map[val.storage] = sid
+            death = self.storages.deaths.get(val.storage)
+            if death is not None and template.start <= death < template.end:
+                self.storages.deaths[sid] = death + offset
+        return TensorMeta(val.shape, val.stride, val.dtype, sid, val.storage_nbytes, val.requires_grad)
+
+    def _map_args(self, a, template, t_refs, k_ref, offset):
+        if isinstance(a, _Ref):
+            if isinstance(a.source, int) and template.start <= a.source < template.end:
+                return _Ref(a.source + offset, a.index)
+            return k_ref[t_refs[a]] if a in t_refs else a
+        if isinstance(a, dict):
+            return {k: self._map_args(v, template, t_refs, k_ref, offset) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._map_args(x, template, t_refs, k_ref, offset) for x in a)
+        return a
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _relative(module: str, fqn: str) -> str:
+    return module[len(fqn):] if module == fqn or module.startswith(fqn + ".") else "\0" + module
+
+
+def _renamed(module: str, template_fqn: str, fqn: str) -> str:
+    if module == template_fqn or module.startswith(template_fqn + "."):
+        return fqn + module[len(template_fqn):]
+    return module
