@@ -53,3 +53,20 @@ UnsupportedOperatorException = _require(
 def storage_key(t: torch.Tensor) -> int:
     """An identity for the storage behind t: equal for a tensor and all its views."""
     return t.untyped_storage()._cdata
+
+
+def fx_append_node(graph, op: str, target, args: tuple, kwargs: dict, name: str):
+    """torch.fx.Graph.create_node without its per-node pytree walk over the arguments (a warning
+    check for raw SymInts, which fake tensors with static shapes never produce): a third of the
+    cost of building a large graph. Falls back to create_node where fx's internals differ."""
+    try:
+        namespace, insert, table = graph._graph_namespace, graph._insert, graph._find_nodes_lookup_table
+    except AttributeError:
+        return graph.create_node(op, target, args, kwargs, name=name)
+    name = namespace.create_name(name, None)
+    node = torch.fx.Node(graph, name, op, target, args, kwargs or {}, None)
+    namespace.associate_name_with_obj(name, node)
+    insert(node)
+    table.insert(node)
+    graph._len += 1
+    return node

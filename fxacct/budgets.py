@@ -22,9 +22,7 @@ import torch
 from fxacct.devices import get_device
 from fxacct.errors import UsageError
 from fxacct.profile import Profile
-from fxacct.quantities import check_mfu
-
-DEFAULT_MFU = 0.4  # an assumption: the middle of the seeds' "0.3 to 0.5 is good" MFU range
+from fxacct.quantities import DEFAULT_MFU, check_mfu
 
 
 @dataclass(frozen=True)
@@ -36,6 +34,7 @@ class Limits:
     max_step_seconds: Fraction | None = None
     mfu: float = DEFAULT_MFU
     require_no_unsupported_ops: bool = False
+    memory_defaults_to_gpu: bool = True  # no max_memory_bytes: check the --gpu's capacity
 
 
 @dataclass(frozen=True)
@@ -82,14 +81,28 @@ def _step_dtype(profile: Profile) -> torch.dtype:
     return c.amp or c.dtype or torch.float32
 
 
+def validate(limits: Limits, gpu: str | None) -> None:
+    """Fail fast, before any tracing: no budget at all, or one that needs a --gpu."""
+    check_mfu(limits.mfu)
+    memory = limits.max_memory_bytes is not None or (gpu is not None and limits.memory_defaults_to_gpu)
+    if not (memory or limits.require_no_unsupported_ops or any(
+            v is not None for v in (limits.max_params, limits.max_flops, limits.max_flops_per_example,
+                                    limits.max_step_seconds))):
+        raise UsageError("no budget to check: give --gpu NAME or --max-memory SIZE, --max-params, --max-flops, "
+                         "--max-flops-per-example, --max-step-time or --require-no-unsupported-ops")
+    if limits.max_step_seconds is not None and gpu is None:
+        raise UsageError("--max-step-time needs --gpu NAME: the step time is the model FLOPs at that GPU's "
+                         "peak × --mfu")
+
+
 def evaluate(profile: Profile, limits: Limits) -> CheckResult:
-    """Every budget ``limits`` sets, checked against ``profile``. A UsageError when none is set,
-    or when one needs a --gpu the profile has not."""
+    """Every budget ``limits`` sets, checked against ``profile`` (validated as ``validate`` does)."""
     c, t, m = profile.config, profile.accounting.totals, profile.memory
+    validate(limits, c.gpu)
     device = get_device(c.gpu) if c.gpu is not None else None
     budgets, assumptions = [], []
     memory_limit, memory_source = limits.max_memory_bytes, "--max-memory"
-    if memory_limit is None and device is not None:
+    if memory_limit is None and device is not None and limits.memory_defaults_to_gpu:
         memory_limit, memory_source = device.capacity_reported, f"{device.name}, as the driver reports"
     if memory_limit is not None:
         peak, what = m.rank_peak, "peak_train_bytes"
@@ -109,9 +122,6 @@ def evaluate(profile: Profile, limits: Limits) -> CheckResult:
                               int(per_example) if per_example.denominator == 1 else per_example,
                               limits.max_flops_per_example, "FLOPs", "--max-flops-per-example"))
     if limits.max_step_seconds is not None:
-        if device is None:
-            raise UsageError("--max-step-time needs --gpu NAME: the step time is the model FLOPs at that GPU's peak × --mfu")
-        check_mfu(limits.mfu)
         peak = device.matmul_peak(_step_dtype(profile))
         seconds = t.model_flops / (peak * limits.mfu)
         budgets.append(Budget("step_time", "model FLOPs ÷ (peak × MFU)", seconds, limits.max_step_seconds, "s",
@@ -121,9 +131,6 @@ def evaluate(profile: Profile, limits: Limits) -> CheckResult:
         count = sum(profile.accounting.unsupported_ops.values())
         budgets.append(Budget("unsupported_ops", "op nodes without a cost formula", count, 0, "ops",
                               "--require-no-unsupported-ops"))
-    if not budgets:
-        raise UsageError("no budget to check: give --gpu NAME or --max-memory SIZE, --max-params, "
-                         "--max-flops-per-example, --max-step-time or --require-no-unsupported-ops")
     if device is not None:
         assumptions.insert(0, ("gpu", device.name))
     return CheckResult(c.target, tuple(budgets), tuple(assumptions))

@@ -348,10 +348,8 @@ class _GraphBuilder:
         return a
 
     def add(self, index: int, func, args, kwargs, val, phase, module, rg) -> fx.Node:
-        node = self.graph.create_node(
-            "call_function", func, self.map_arg(args), {k: self.map_arg(v) for k, v in kwargs.items()},
-            name=_op_name(func),
-        )
+        node = tp.fx_append_node(self.graph, "call_function", func, self.map_arg(args),
+                                 {k: self.map_arg(v) for k, v in kwargs.items()}, _op_name(func))
         node.meta.update(val=val, phase=phase, module=module, args_requires_grad=rg)
         self.nodes[index] = node
         return node

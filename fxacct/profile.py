@@ -25,6 +25,31 @@ class Profile:
     accounting: Accounting
     memory: memory_account.MemoryAccount
     capture: Capture
+    warnings: tuple[str, ...] = ()
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def precision_warnings(cap: Capture) -> tuple[str, ...]:
+    """fp8 storage is real, fp8 matmuls through aten.mm are not: neither the CPU nor CUDA has an
+    mm/bmm/addmm/convolution kernel for float8 (fp8 training calls torch._scaled_mm with scales,
+    e.g. torchao.float8), so a model whose plain matmuls take fp8 tensors cannot run as traced."""
+    ops = set()
+    for node in cap.graph.nodes:
+        cost = node.meta.get("fxacct")
+        val = node.meta.get("val")
+        if cost is None or cost.flops.matmul == 0 or node.op != "call_function":
+            continue
+        vals = val if isinstance(val, tuple) else (val,)
+        if any(getattr(v, "dtype", None) in FP8 for v in vals):
+            ops.add(str(node.target))
+    if not ops:
+        return ()
+    return (f"{', '.join(sorted(ops))} take float8 tensors, which no CPU or CUDA kernel runs (fp8 "
+            "training uses torch._scaled_mm with scales): weight, gradient and optimizer bytes are "
+            "exact for fp8 storage; FLOPs, activations and peaks are those of a model that cannot run "
+            "as traced",)
 
 
 def tokens_per_example(args, kwargs, batch: int) -> int | None:
@@ -90,7 +115,7 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     )
     if config.gpu is not None:
         memory = _with_fit(memory, model, config, inputs_for)
-    return Profile(config, acct, memory, cap)
+    return Profile(config, acct, memory, cap, precision_warnings(cap))
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:

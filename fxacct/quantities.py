@@ -53,6 +53,10 @@ def parse_duration(text: str, flag: str) -> Fraction:
     return value
 
 
+# An assumption, not a measurement: the middle of the seeds' "0.3 to 0.5 is good" MFU range.
+DEFAULT_MFU = 0.4
+
+
 def check_mfu(mfu: float) -> float:
     """Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1]."""
     if not 0 < mfu <= 1:

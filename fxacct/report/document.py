@@ -60,6 +60,7 @@ def document(p: Profile) -> dict:
             for n in a.nodes
         ],
         "unsupported_ops": dict(a.unsupported_ops),
+        "warnings": list(p.warnings),
     }
 
 

@@ -90,7 +90,8 @@ def unsupported_footer(p: Profile) -> str:
 def render_text(p: Profile, depth: int = 2, top: int = 10) -> str:
     from fxacct.report.memory_text import render_memory
 
-    parts = [summary(p), "", render_memory(p), "", f"modules (depth {depth}, inclusive):", modules_table(p, depth), "",
+    warnings = [f"WARNING: {w}" for w in p.warnings]
+    parts = [*warnings, *([""] if warnings else []), summary(p), "", render_memory(p), "", f"modules (depth {depth}, inclusive):", modules_table(p, depth), "",
              f"top {top} nodes by forward+backward FLOPs:", nodes_table(p, top), "", unsupported_footer(p)]
     return "\n".join(parts) + "\n"
 

@@ -1,0 +1,46 @@
+"""`fxacct diff`: two profile JSON files compared, with --max-increase budgets that set the exit
+code (0 all hold, 1 one is over, 2 usage error)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from fxacct.diff import diff
+from fxacct.profile_file import read_profile, same_schema
+from fxacct.report.diff_text import diff_document, render_diff
+from fxacct_cli.main import cli, write_output
+
+
+@cli.command("diff")
+@click.argument("old", metavar="BASELINE.json")
+@click.argument("new", metavar="NEW.json")
+@click.option("--max-increase", "max_increase", multiple=True, metavar="KEY=PCT",
+              help="Fail when totals KEY grows by more than PCT percent (flops=5%, peak_train_bytes=2%). "
+                   "KEY: any totals key (dotted for nested ones), or flops = forward + backward. Repeatable.")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
+              help="How many changed modules to list.")
+@click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True)
+@click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.pass_context
+def diff_command(ctx, old, new, max_increase, top, fmt, output, debug):
+    """Compare two `fxacct profile --format json` files of the same schema version.
+
+    \b
+    Examples:
+      fxacct diff baseline.json new.json
+      fxacct diff baseline.json new.json --max-increase flops=5% --max-increase peak_train_bytes=2%
+
+    Exit codes: 0 every budget holds, 1 a budget is over, 2 usage error.
+    """
+    a, b = read_profile(old), read_profile(new)
+    same_schema(a, b, old, new)
+    result = diff(a, b, max_increase, top)
+    if fmt == "json":
+        text = json.dumps(diff_document(result, old, new), indent=2) + "\n"
+    else:
+        text = render_diff(result, old, new)
+    write_output(text, output)
+    ctx.exit(0 if result.ok else 1)

@@ -1,0 +1,143 @@
+"""`fxacct estimate`: the back-of-envelope calculators (train-time, max-params, flops) as short
+tables or JSON. Flags → one fxacct.estimate call → report."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+from fxacct import estimate
+from fxacct.config import Config
+from fxacct.dtypes import parse_dtype
+from fxacct.errors import UsageError
+from fxacct.optim import parse_optim_arg
+from fxacct.profile_file import read_profile
+from fxacct.quantities import DEFAULT_MFU, parse_count
+from fxacct.report import estimate_text
+from fxacct.units import parse_bytes
+from fxacct_cli.main import cli, write_output
+
+FORMAT = click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True)
+OUTPUT = click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
+DEBUG = click.option("--debug", is_flag=True, help="Show tracebacks.")
+WORLD_SIZE = click.option("--world-size", "--gpus", "world_size", type=int, default=1, show_default=True,
+                          help="GPUs (data-parallel ranks); --gpus is the same flag.")
+
+
+def _count(text, flag):
+    return parse_count(text, flag) if text is not None else None
+
+
+def _emit(result, fmt, output, render, to_doc) -> None:
+    text = json.dumps(to_doc(result), indent=2) + "\n" if fmt == "json" else render(result)
+    write_output(text, output)
+
+
+@cli.group("estimate")
+def estimate_group():
+    """Back-of-envelope calculators: train-time, max-params, flops (every constant sourced)."""
+
+
+@estimate_group.command("train-time")
+@click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9.")
+@click.option("--from", "from_file", default=None, metavar="PROFILE.json",
+              help="Use this profile's own FLOPs per token (forward + backward, matmul + attention) instead of 6·N.")
+@click.option("--tokens", required=True, metavar="D", help="Training tokens D, e.g. 15e12.")
+@click.option("--gpu", required=True, help="GPU whose peak FLOP/s is used (h100, h100-pcie, h200, a100, a100-40gb).")
+@click.option("--mfu", type=float, default=DEFAULT_MFU,
+              show_default=True, help="Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1].")
+@click.option("--dtype", default=None,
+              help="Matmul precision whose peak is used (default bf16, as the seeds; with --from, the profile's --amp or --dtype).")
+@WORLD_SIZE
+@FORMAT
+@OUTPUT
+@DEBUG
+def train_time_command(params, from_file, tokens, gpu, mfu, dtype, world_size, fmt, output, debug):
+    """Days (and 30-day months) to train on D tokens.
+
+    \b
+    Examples:
+      fxacct estimate train-time --params 70e9 --tokens 15e12 --world-size 1024 --gpu h100 --mfu 0.3
+      fxacct estimate train-time --from profile.json --tokens 1e12 --world-size 64 --gpu h100 --mfu 0.4
+    """
+    if params is not None and from_file is not None:
+        raise UsageError("give --params N or --from PROFILE.json, not both")
+    result = estimate.train_time(
+        tokens=parse_count(tokens, "--tokens"), gpu=gpu, mfu=mfu, world_size=world_size,
+        params=_count(params, "--params"), profile_doc=read_profile(from_file) if from_file else None,
+        peak_dtype=parse_dtype(dtype) if dtype is not None else None)
+    _emit(result, fmt, output, estimate_text.render_train_time, estimate_text.train_time_document)
+
+
+@estimate_group.command("max-params")
+@click.option("--gpu", default=None, help="GPU whose nominal memory (marketed GB × 1e9: 80e9 for an H100) is the budget.")
+@click.option("--max-memory", default=None, metavar="SIZE", help="Per-GPU memory instead of --gpu's, e.g. 80GB or 79.6GiB.")
+@click.option("--optimizer", default="adamw", show_default=True,
+              help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name.")
+@click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
+              help="Optimizer option such as momentum=0.9; repeatable.")
+@click.option("--dtype", default=None, help="Parameter (and gradient) dtype: fp32 (default), bf16, fp16, fp8.")
+@click.option("--amp", default=None, help="Autocast dtype (bf16, fp16): fp32 parameters and gradients.")
+@click.option("--master-weights", is_flag=True, help="With --dtype bf16/fp16: fp32 master copies the optimizer steps.")
+@click.option("--shard", default="none", show_default=True, help="none, zero1, zero2, zero3, fsdp.")
+@WORLD_SIZE
+@FORMAT
+@OUTPUT
+@DEBUG
+def max_params_command(gpu, max_memory, optimizer, optim_items, dtype, amp, master_weights, shard, world_size,
+                       fmt, output, debug):
+    """The largest model whose parameters, gradients, master weights and optimizer state fit each
+    GPU (activations not included).
+
+    \b
+    Examples:
+      fxacct estimate max-params --world-size 8 --shard zero3 --gpu h100 --optimizer adamw --dtype fp32
+      fxacct estimate max-params --gpu h100 --dtype bf16 --master-weights
+    """
+    config = Config(optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
+                    dtype=parse_dtype(dtype) if dtype is not None else None,
+                    amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights,
+                    world_size=world_size, shard=shard)
+    capacity = None
+    if max_memory is not None:
+        try:
+            capacity = parse_bytes(max_memory)
+        except ValueError as e:
+            raise UsageError(f"--max-memory: {e}") from None
+    result = estimate.max_params(config, gpu=gpu, capacity_bytes=capacity)
+    _emit(result, fmt, output, estimate_text.render_max_params, estimate_text.max_params_document)
+
+
+def _mm(text: str) -> tuple[int, int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+    if m is None:
+        raise UsageError(f"malformed --mm {text!r}: expected MxNxP such as 256x512x256 for (M×N)@(N×P)")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+@estimate_group.command("flops")
+@click.option("--mm", default=None, metavar="MxNxP", help="(M×N)@(N×P) matmul: 2·M·N·P FLOPs.")
+@click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D.")
+@click.option("--tokens", default=None, metavar="D", help="Tokens D of 6·N·D.")
+@FORMAT
+@OUTPUT
+@DEBUG
+def flops_command(mm, params, tokens, fmt, output, debug):
+    """FLOPs of a matmul (--mm) or of training (--params --tokens: 6·N·D).
+
+    \b
+    Examples:
+      fxacct estimate flops --mm 256x512x256
+      fxacct estimate flops --params 70e9 --tokens 15e12
+    """
+    if (mm is not None) == (params is not None or tokens is not None):
+        raise UsageError("give either --mm MxNxP or --params N --tokens D")
+    if mm is not None:
+        result = estimate.matmul_flops(*_mm(mm))
+    else:
+        if params is None or tokens is None:
+            raise UsageError("6·N·D needs both --params N and --tokens D")
+        result = estimate.training_flops(parse_count(params, "--params"), parse_count(tokens, "--tokens"))
+    _emit(result, fmt, output, estimate_text.render_flops, estimate_text.flops_document)

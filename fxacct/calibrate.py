@@ -1,0 +1,209 @@
+"""Calibrate: measure this machine's achievable matmul FLOP/s per dtype and its memory bandwidth
+with short microbenchmarks, and keep the result as a device profile in the user cache dir.
+
+Predictions (fxacct.roofline) use the profile for this CPU when no ``--gpu`` is given, and for the
+local GPU in runtime mode. Without one, the CPU has no device model and predicted times are null
+("not calibrated"), never a made-up number.
+
+What is measured (each a median over repetitions that fill a small time budget):
+
+- matmul FLOP/s per dtype: ``a @ b`` on square n×n operands, 2·n³ FLOPs each (1 FMA = 2 FLOPs,
+  fxacct.units). n grows from 256 by doubling until one product takes ``MIN_OP_S`` or n reaches the
+  device's cap, and the rate at that n is kept: a sustained rate. Smaller products that fit in
+  cache can run faster for a moment (on the 2-core CI machine 512² reached 3× the 2048² rate),
+  which no model-sized matmul sustains. float32 on CUDA
+  runs with TF32 off (PyTorch's default for matmuls); "tf32" is the same product with it on.
+- bandwidth in bytes/s: ``dst.copy_(src)`` of a buffer larger than the last-level cache; each copy
+  reads and writes the buffer, so it moves 2 × its bytes (the STREAM "copy" convention).
+
+Where: ``$FXACCT_CACHE_DIR`` if set (tests point it at a tmp dir), else ``$XDG_CACHE_HOME/fxacct``,
+else ``~/.cache/fxacct``. One JSON file per device: ``device-cpu.json``, ``device-cuda-<name>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fxacct.errors import UsageError
+
+SCHEMA = "fxacct.device/1"
+MIN_OP_S = 0.01  # s: a product this long is timed reliably and runs at a sustained rate
+BUDGET_S = 0.4  # s per measurement: repetitions stop once their total passes it
+MAX_N = {"cpu": 2048, "cuda": 8192}  # largest square operand tried (2048² fp32 = 16 MiB each)
+# copy buffer: 64 MiB exceeds the last-level cache of current server CPUs (tens of MiB); 1 GiB on a GPU
+COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
+DTYPES = {"cpu": ("float32", "bfloat16", "float16"),
+          "cuda": ("float32", "tf32", "bfloat16", "float16")}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    kind: str  # "cpu" or "cuda"
+    name: str  # CPU model or GPU name
+    threads: int  # torch.get_num_threads() during the measurement (CPU)
+    torch_version: str
+    matmul_flops_per_s: dict  # dtype name ("float32", "tf32", "bfloat16", ...) -> FLOP/s
+    bandwidth_bytes_per_s: float
+    measured_at: str  # ISO 8601, UTC
+    sizes: dict  # dtype name -> n of the best matmul rate; "copy" -> buffer bytes
+    seconds: float  # wall time of the whole calibration
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FXACCT_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "fxacct"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def local_name(kind: str) -> str:
+    return torch.cuda.get_device_name() if kind == "cuda" else cpu_name()
+
+
+def profile_path(kind: str, name: str | None = None) -> Path:
+    if kind == "cpu":
+        return cache_dir() / "device-cpu.json"
+    return cache_dir() / f"device-cuda-{_slug(name or local_name('cuda'))}.json"
+
+
+def check_device(device: str) -> str:
+    """'cpu' or 'cuda' for a --device value; a usage error when CUDA is asked for and absent."""
+    kind = torch.device(device).type if device not in ("cpu", "cuda") else device
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r} is not supported: use cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here (torch "
+                         f"{torch.__version__}); use --device cpu")
+    return kind
+
+
+class _Timer:
+    """Seconds of fn(), synchronized on CUDA."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.kind == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def _repeat(timer: _Timer, fn, budget_s: float) -> float:
+    """Median seconds of fn() over repetitions that fill budget_s (at least 3), after one warm-up."""
+    fn()
+    times, spent = [], 0.0
+    while len(times) < 3 or spent < budget_s:
+        t = timer(fn)
+        times.append(t)
+        spent += t
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tuple[float, int]:
+    """(FLOP/s, n) of n×n @ n×n products in dtype_key, at the first n whose product takes MIN_OP_S."""
+    timer = _Timer(kind)
+    dtype = torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
+    n = 256
+    try:
+        while True:
+            a = torch.randn(n, n, device=kind).to(dtype)
+            b = torch.randn(n, n, device=kind).to(dtype)
+            seconds = _repeat(timer, lambda: torch.mm(a, b), budget_s / 3)
+            if seconds >= MIN_OP_S or n >= MAX_N[kind]:
+                return 2 * n**3 / seconds, n  # 2·n³ FLOPs: n³ multiply-adds
+            n *= 2
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def measure_bandwidth(kind: str, budget_s: float = BUDGET_S) -> tuple[float, int]:
+    """(bytes/s, buffer bytes) of dst.copy_(src): 2 × the buffer's bytes moved per copy."""
+    nbytes = COPY_BYTES[kind]
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=kind)
+    dst = torch.empty_like(src)
+    seconds = _repeat(_Timer(kind), lambda: dst.copy_(src), budget_s)
+    return 2 * nbytes / seconds, nbytes
+
+
+def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
+              progress: Callable[[str], None] | None = None) -> Calibration:
+    """Measure the local CPU or GPU (a few seconds; < 20 s on 2 CPU cores)."""
+    kind = check_device(device)
+    t0 = time.perf_counter()
+    rates, sizes = {}, {}
+    with torch.no_grad():
+        for key in DTYPES[kind]:
+            if progress:
+                progress(f"matmul {key}")
+            rates[key], sizes[key] = measure_matmul(kind, key, budget_s)
+        if progress:
+            progress("memory bandwidth")
+        bandwidth, sizes["copy"] = measure_bandwidth(kind, budget_s)
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, bandwidth,
+                       now, sizes, time.perf_counter() - t0)
+
+
+def save(cal: Calibration) -> Path:
+    path = profile_path(cal.kind, cal.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"schema": SCHEMA, **asdict(cal)}, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(kind: str, name: str | None = None) -> Calibration | None:
+    """The stored profile of the local CPU (kind "cpu") or of the GPU ``name``; None if there is none."""
+    path = profile_path(kind, name)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.pop("schema", None) != SCHEMA:
+            raise ValueError("unknown schema")
+        return Calibration(**data)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"device profile {path} is unreadable ({e}); rerun fxacct calibrate "
+                         f"--device {kind} or delete it") from None
+
+
+__all__ = ["Calibration", "calibrate", "save", "load", "cache_dir", "profile_path", "check_device"]

@@ -1,0 +1,76 @@
+"""`fxacct check` and fxacct.testing output: one short table of budgets (value, limit, how far
+over, verdict) that reads in a CI log (plain text, no colours), and its JSON document."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from tabulate import tabulate
+
+from fxacct.budgets import Budget, CheckResult
+from fxacct.units import format_bytes, format_count
+
+CHECK_SCHEMA = "fxacct.check/1"
+
+
+def plain_number(v):
+    """A JSON number: exact integers stay integers, fractions become floats."""
+    if isinstance(v, Fraction):
+        return int(v) if v.denominator == 1 else float(v)
+    return v
+
+
+def format_value(v, unit: str) -> str:
+    if unit == "bytes":
+        return format_bytes(int(v)) if abs(v) >= 1024 else f"{int(v):,} B"
+    if unit == "s":
+        v = float(v)
+        return f"{v * 1e3:.3g} ms" if abs(v) < 1 else f"{v:.3g} s"
+    if unit in ("params", "FLOPs"):
+        v = plain_number(v)
+        return format_count(v) if abs(v) >= 1000 else f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+    return f"{plain_number(v):,}"
+
+
+def _over(b: Budget) -> str:
+    sign = "+" if b.over > 0 else "-" if b.over < 0 else ""
+    text = sign + format_value(abs(b.over), b.unit)
+    frac = b.over_fraction
+    if frac is not None:
+        text += f" ({frac:+.1%})"
+    return text
+
+
+def budget_table(budgets) -> str:
+    rows = [[b.name, b.what, format_value(b.value, b.unit), format_value(b.limit, b.unit), _over(b),
+             "ok" if b.ok else "OVER"] for b in budgets]
+    return tabulate(rows, headers=["budget", "figure", "value", "limit", "over", "status"],
+                    colalign=("left", "left", "right", "right", "right", "left"))
+
+
+def render_check(result: CheckResult) -> str:
+    lines = [f"fxacct check: {result.model or 'module'}"]
+    if result.assumptions:
+        lines.append("  " + "; ".join(f"{k} {v}" for k, v in result.assumptions))
+    lines += [budget_table(result.budgets), ""]
+    if result.ok:
+        lines.append(f"ok: all {len(result.budgets)} budget(s) hold")
+    else:
+        names = ", ".join(b.name for b in result.failed)
+        lines.append(f"FAILED: {len(result.failed)} of {len(result.budgets)} budget(s) over ({names})")
+    return "\n".join(lines) + "\n"
+
+
+def check_document(result: CheckResult, profile_doc: dict | None = None) -> dict:
+    """The machine-readable verdict; ``profile_doc``'s config and totals ride along."""
+    doc = {
+        "schema": CHECK_SCHEMA, "model": result.model, "ok": result.ok,
+        "budgets": [{"name": b.name, "figure": b.what, "value": plain_number(b.value),
+                     "limit": plain_number(b.limit), "unit": b.unit, "ok": b.ok, "over": plain_number(b.over),
+                     "over_fraction": b.over_fraction, "limit_source": b.limit_source}
+                    for b in result.budgets],
+        "assumptions": dict(result.assumptions),
+    }
+    if profile_doc is not None:
+        doc["config"], doc["totals"] = profile_doc.get("config"), profile_doc.get("totals")
+    return doc

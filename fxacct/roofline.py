@@ -1,0 +1,241 @@
+"""Predicted time: a roofline estimate per op of the captured step, summed per node, module and phase.
+
+For every op node of the training graph (forward, loss, backward, optimizer):
+
+    t_compute = (matmul + attention FLOPs) / P_mm(dtype) + other FLOPs / P_other
+    t_memory  = (bytes read + bytes written) / bandwidth
+    t         = max(t_compute, t_memory)                    (Williams et al., "Roofline", CACM 2009)
+
+- P_mm: the tensor-core peak for the op's input dtype (fxacct.devices: bf16, fp16, fp8; fp32 runs
+  at the fp32 rate because torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at
+  TF32 because torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the
+  matmul and attention classes only; P_other is the non-tensor fp32 rate. On a calibrated CPU both
+  are the measured matmul rates (fxacct.calibrate); ops of the other class are memory-bound there.
+- bytes: every tensor input read once and every output written once (numel × element size); a
+  view moves nothing and takes no time. For a gather (embedding, index) this counts the whole
+  table read: an upper bound.
+- An op the optimizer step repeats for parameters of one shape (node.meta["repeat"]) counts that
+  many times.
+- No launch or dispatch overhead, no overlap between ops: a small model on a GPU runs slower than
+  this (kernel launches of a few µs each dominate), a large one close to it at good efficiency.
+
+Attribution follows fxacct.accounting: a backward op's time goes to the forward node it derives
+from (its autograd link, else the latest forward node feeding it); loss and optimizer ops belong to
+their phase only. Module times are inclusive, like the module FLOPs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxacct.accounting import _orphan_owner
+from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, TensorMeta
+from fxacct.config import Config
+from fxacct.devices import DEVICES, Device, get_device
+
+PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
+COMPUTE, MEMORY, FREE = "compute", "memory", "free"  # what bounds an op (FREE: a view)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Peak rates a prediction divides by. ``matmul_flops_per_s``: dtype key ("float32", "tf32",
+    "bfloat16", "float16", "float8") -> FLOP/s for the matmul and attention classes."""
+
+    name: str
+    matmul_flops_per_s: dict
+    other_flops_per_s: float  # FLOP/s of pointwise ops, reductions, norms...
+    bandwidth_bytes_per_s: float
+    source: str  # datasheet, or the calibration file and date
+    tf32_convolutions: bool = False  # cuDNN runs fp32 convolutions in TF32 by default
+
+    def matmul_peak(self, dtype: torch.dtype | None, convolution: bool = False) -> float:
+        key = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+        if key.startswith("float8"):
+            key = "float8"
+        if key == "float32" and convolution and self.tf32_convolutions and "tf32" in self.matmul_flops_per_s:
+            key = "tf32"
+        return self.matmul_flops_per_s.get(key, self.matmul_flops_per_s["float32"])
+
+
+def from_gpu(device: Device) -> DeviceModel:
+    return DeviceModel(device.name, dict(device.peak_flops), device.peak_flops["float32"], device.bandwidth,
+                       f"datasheet: {device.source}", tf32_convolutions=True)
+
+
+def from_calibration(cal) -> DeviceModel:
+    """A device model from a fxacct.calibrate.Calibration (measured, not datasheet, rates)."""
+    rates = dict(cal.matmul_flops_per_s)
+    return DeviceModel(cal.name, rates, rates["float32"], cal.bandwidth_bytes_per_s,
+                       f"calibrated {cal.measured_at} ({cal.threads} threads, torch {cal.torch_version})",
+                       tf32_convolutions=cal.kind == "cuda")
+
+
+def for_config(config: Config) -> DeviceModel | None:
+    """The target of a static profile: --gpu's datasheet entry, else this CPU if calibrated, else None."""
+    from fxacct import calibrate
+
+    if config.gpu is not None:
+        return from_gpu(get_device(config.gpu))
+    cal = calibrate.load("cpu")
+    return from_calibration(cal) if cal is not None else None
+
+
+def gpu_key(name: str) -> str | None:
+    """The fxacct.devices key of a GPU as torch.cuda.get_device_name() names it, or None."""
+    n = name.lower()
+    if "h200" in n:
+        return "h200"
+    if "h100" in n:
+        return "h100-pcie" if "pcie" in n else "h100"
+    if "a100" in n:
+        return "a100-40gb" if "40gb" in n else "a100"
+    return None
+
+
+def for_local(kind: str, gpu: str | None = None) -> DeviceModel | None:
+    """The device a runtime run executes on: its calibration if stored, else (CUDA) the datasheet
+    entry of ``gpu`` (a DEVICES key), else None."""
+    from fxacct import calibrate
+
+    cal = calibrate.load(kind)
+    if cal is not None:
+        return from_calibration(cal)
+    if kind == "cuda" and gpu in DEVICES:
+        return from_gpu(DEVICES[gpu])
+    return None
+
+
+@dataclass(frozen=True)
+class OpTime:
+    node: str  # graph node name
+    op: str
+    phase: str
+    module: str
+    owner: str | None  # the forward node the time is attributed to (None: loss, optimizer)
+    flops: int  # all classes, times the repeat count
+    bytes: int  # read + written, times the repeat count
+    seconds: float
+    bound: str  # COMPUTE, MEMORY or FREE
+
+
+@dataclass(frozen=True)
+class Prediction:
+    device: DeviceModel
+    ops: tuple[OpTime, ...]  # every op of the step, in program order
+    by_phase: dict  # phase -> seconds
+    by_node: dict  # forward node name -> (forward s, backward s)
+    by_module: dict  # module FQN -> (forward s, backward s), inclusive
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.by_phase.values())
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.step_s
+
+    @property
+    def inference_s(self) -> float:
+        """The forward alone (the training graph's forward: dropout and such ops included)."""
+        return self.by_phase[FORWARD]
+
+
+def _tensors(val) -> tuple[TensorMeta, ...]:
+    if isinstance(val, TensorMeta):
+        return (val,)
+    if isinstance(val, (tuple, list)):
+        return tuple(v for v in val if isinstance(v, TensorMeta))
+    return ()
+
+
+def op_bytes(node: fx.Node) -> int:
+    read = sum(t.nbytes for n in node.all_input_nodes for t in _tensors(n.meta.get("val")))
+    return read + sum(t.nbytes for t in _tensors(node.meta.get("val")))
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    for n in node.all_input_nodes:
+        for t in _tensors(n.meta.get("val")):
+            if t.dtype.is_floating_point:
+                return t.dtype
+    out = _tensors(node.meta.get("val"))
+    return out[0].dtype if out else None
+
+
+def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceModel,
+               convolution: bool = False) -> tuple[float, str]:
+    """(seconds, bound) of one op: max(compute, memory) of the roofline."""
+    compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution)
+               + flops.other / device.other_flops_per_s)
+    memory = nbytes / device.bandwidth_bytes_per_s
+    return (compute, COMPUTE) if compute >= memory else (memory, MEMORY)
+
+
+def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel) -> Prediction:
+    """Roofline times of every op of an annotated training graph. ``forward_nodes``: names of the
+    forward nodes of the account (fxacct.accounting's NodeRow names)."""
+    order = {n: i for i, n in enumerate(n for n in graph.nodes if n.name in forward_nodes)}
+    ops, by_phase = [], {p: 0.0 for p in PHASES}
+    by_node: dict[str, list[float]] = {name: [0.0, 0.0] for name in forward_nodes}
+    last_forward = None
+    for node in graph.nodes:
+        cost = node.meta.get("fxacct")
+        if node.op != "call_function" or node.target is operator.getitem or cost is None:
+            continue
+        phase = node.meta["phase"]
+        owner = None
+        if phase == FORWARD and node.name in forward_nodes:
+            owner = last_forward = node
+        elif phase == BACKWARD:
+            owner = node.meta.get("fwd")
+            if owner is None or owner.name not in forward_nodes:
+                owner = _orphan_owner(node, order) or last_forward
+        repeat = node.meta.get("repeat", 1)
+        if cost.kind == "view":
+            seconds, bound, nbytes = 0.0, FREE, 0
+        else:
+            nbytes = op_bytes(node)
+            seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
+                                        "convolution" in str(node.target))
+        seconds, nbytes = seconds * repeat, nbytes * repeat
+        by_phase[phase] += seconds
+        if owner is not None and phase in (FORWARD, BACKWARD):
+            by_node[owner.name][0 if phase == FORWARD else 1] += seconds
+        ops.append(OpTime(node.name, str(node.target), phase, node.meta.get("module", ""),
+                          owner.name if owner is not None else None, cost.flops.total * repeat, nbytes,
+                          seconds, bound))
+    module_of = {n.name: n.meta.get("module", "") for n in graph.nodes if n.name in forward_nodes}
+    by_module: dict[str, list[float]] = {}
+    for name, (f, b) in by_node.items():
+        for m in _ancestors(module_of.get(name, "")):
+            acc = by_module.setdefault(m, [0.0, 0.0])
+            acc[0] += f
+            acc[1] += b
+    return Prediction(device, tuple(ops), by_phase, {k: tuple(v) for k, v in by_node.items()},
+                      {k: tuple(v) for k, v in by_module.items()})
+
+
+def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | None:
+    """The prediction for a fxacct.Profile on ``device`` (default: for_config(profile.config));
+    None when there is no device model (a CPU that was never calibrated) or no backward graph."""
+    device = device or for_config(profile.config)
+    if device is None:
+        return None
+    names = {n.name for n in profile.accounting.nodes}
+    return predict(profile.capture.graph, names, device)
+
+
+def _ancestors(fqn: str):
+    yield fqn
+    while fqn:
+        fqn = fqn.rpartition(".")[0]
+        yield fqn
+
+
+__all__ = ["DeviceModel", "Prediction", "OpTime", "predict", "predict_profile", "for_config", "for_local",
+           "from_gpu", "from_calibration", "gpu_key", "op_seconds", "op_bytes", "PHASES"]
