@@ -90,6 +90,7 @@ from fxacct_cli import profile_cmd  # noqa: E402,F401  (registers the command)
 from fxacct_cli import check_cmd  # noqa: E402,F401
 from fxacct_cli import diff_cmd  # noqa: E402,F401
 from fxacct_cli import estimate_cmd  # noqa: E402,F401
+from fxacct_cli import calibrate_cmd  # noqa: E402,F401
 
 
 def main() -> None:

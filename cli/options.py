@@ -44,6 +44,8 @@ MODEL_OPTIONS = (
     click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks."),
     click.option("--shard", default="none", show_default=True,
                  help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp."),
+    click.option("--no-dedup", "no_dedup", is_flag=True,
+                 help="Trace every repeated block instead of replaying proven-identical ones."),
     click.option("--debug", is_flag=True, help="Show tracebacks."),
 )
 
@@ -56,7 +58,7 @@ def model_options(fn):
 
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
-              world_size, shard, **_) -> Config:
+              world_size, shard, no_dedup=False, **_) -> Config:
     kwargs = {}
     if kwargs_json is not None:
         try:
@@ -73,7 +75,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
         optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
         amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights, gpu=gpu,
-        world_size=world_size, shard=shard,
+        world_size=world_size, shard=shard, dedup=not no_dedup,
     )
 
 

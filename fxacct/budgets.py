@@ -20,6 +20,7 @@ from fractions import Fraction
 import torch
 
 from fxacct.devices import get_device
+from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
 from fxacct.profile import Profile
 from fxacct.quantities import DEFAULT_MFU, check_mfu
@@ -65,7 +66,10 @@ class Budget:
 class CheckResult:
     model: str | None
     budgets: tuple[Budget, ...]
-    assumptions: tuple[tuple[str, str], ...]  # (name, value) the figures rest on
+    gpu: str | None = None  # the device's full name
+    mfu: float | None = None  # assumed, for the step time
+    peak_flops_per_s: float | None = None  # the matmul peak the step time uses
+    peak_dtype: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -100,7 +104,7 @@ def evaluate(profile: Profile, limits: Limits) -> CheckResult:
     c, t, m = profile.config, profile.accounting.totals, profile.memory
     validate(limits, c.gpu)
     device = get_device(c.gpu) if c.gpu is not None else None
-    budgets, assumptions = [], []
+    budgets, step = [], {}
     memory_limit, memory_source = limits.max_memory_bytes, "--max-memory"
     if memory_limit is None and device is not None and limits.memory_defaults_to_gpu:
         memory_limit, memory_source = device.capacity_reported, f"{device.name}, as the driver reports"
@@ -122,15 +126,14 @@ def evaluate(profile: Profile, limits: Limits) -> CheckResult:
                               int(per_example) if per_example.denominator == 1 else per_example,
                               limits.max_flops_per_example, "FLOPs", "--max-flops-per-example"))
     if limits.max_step_seconds is not None:
-        peak = device.matmul_peak(_step_dtype(profile))
+        dtype = _step_dtype(profile)
+        peak = device.matmul_peak(dtype)
         seconds = t.model_flops / (peak * limits.mfu)
         budgets.append(Budget("step_time", "model FLOPs ÷ (peak × MFU)", seconds, limits.max_step_seconds, "s",
                               "--max-step-time"))
-        assumptions += [("mfu", f"{limits.mfu:g}"), ("peak_flops_per_s", f"{peak:.4g}")]
+        step = dict(mfu=limits.mfu, peak_flops_per_s=peak, peak_dtype=dtype_name(dtype))
     if limits.require_no_unsupported_ops:
         count = sum(profile.accounting.unsupported_ops.values())
         budgets.append(Budget("unsupported_ops", "op nodes without a cost formula", count, 0, "ops",
                               "--require-no-unsupported-ops"))
-    if device is not None:
-        assumptions.insert(0, ("gpu", device.name))
-    return CheckResult(c.target, tuple(budgets), tuple(assumptions))
+    return CheckResult(c.target, tuple(budgets), device.name if device is not None else None, **step)

@@ -5,16 +5,22 @@ Predictions (fxacct.roofline) use the profile for this CPU when no ``--gpu`` is 
 local GPU in runtime mode. Without one, the CPU has no device model and predicted times are null
 ("not calibrated"), never a made-up number.
 
-What is measured (each a median over repetitions that fill a small time budget):
+What is measured (each the best of repetitions that fill a small time budget: on a shared machine
+other work only ever slows a repetition down, so the fastest is the device's own rate):
 
 - matmul FLOP/s per dtype: ``a @ b`` on square n×n operands, 2·n³ FLOPs each (1 FMA = 2 FLOPs,
   fxacct.units). n grows from 256 by doubling until one product takes ``MIN_OP_S`` or n reaches the
   device's cap, and the rate at that n is kept: a sustained rate. Smaller products that fit in
   cache can run faster for a moment (on the 2-core CI machine 512² reached 3× the 2048² rate),
-  which no model-sized matmul sustains. float32 on CUDA
-  runs with TF32 off (PyTorch's default for matmuls); "tf32" is the same product with it on.
-- bandwidth in bytes/s: ``dst.copy_(src)`` of a buffer larger than the last-level cache; each copy
-  reads and writes the buffer, so it moves 2 × its bytes (the STREAM "copy" convention).
+  which no model-sized matmul sustains. float32 on CUDA runs with TF32 off (PyTorch's default for
+  matmuls); "tf32" is the same product with it on.
+- bandwidth in bytes/s, by bytes moved per op: three streaming ops, ``dst.copy_(src)`` (reads and
+  writes the buffer: 2 × its bytes, the STREAM "copy" convention), ``torch.add(a, b, out=c)``
+  (3 ×) and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three
+  rates. On a CPU an op whose tensors fit in the last-level cache streams several times faster
+  than one that goes to DRAM, so predictions look the rate up by each op's bytes moved
+  (fxacct.roofline, a cache-aware roofline: Ilic et al., IEEE CAL 2014). ``bandwidth_bytes_per_s``
+  is the rate at the largest size (DRAM).
 
 Where: ``$FXACCT_CACHE_DIR`` if set (tests point it at a tmp dir), else ``$XDG_CACHE_HOME/fxacct``,
 else ``~/.cache/fxacct``. One JSON file per device: ``device-cpu.json``, ``device-cuda-<name>.json``.
@@ -41,8 +47,9 @@ SCHEMA = "fxacct.device/1"
 MIN_OP_S = 0.01  # s: a product this long is timed reliably and runs at a sustained rate
 BUDGET_S = 0.4  # s per measurement: repetitions stop once their total passes it
 MAX_N = {"cpu": 2048, "cuda": 8192}  # largest square operand tried (2048² fp32 = 16 MiB each)
-# copy buffer: 64 MiB exceeds the last-level cache of current server CPUs (tens of MiB); 1 GiB on a GPU
-COPY_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
+# buffer sizes of the bandwidth ops: from L2-resident (1 MiB) to past the last-level cache of current
+# server CPUs (hundreds of MiB); on a GPU one size far past its L2 (50 MiB on H100)
+COPY_SIZES = {"cpu": tuple(2**20 * m for m in (1, 4, 16, 64, 256)), "cuda": (2**30,)}
 DTYPES = {"cpu": ("float32", "bfloat16", "float16"),
           "cuda": ("float32", "tf32", "bfloat16", "float16")}
 
@@ -54,9 +61,10 @@ class Calibration:
     threads: int  # torch.get_num_threads() during the measurement (CPU)
     torch_version: str
     matmul_flops_per_s: dict  # dtype name ("float32", "tf32", "bfloat16", ...) -> FLOP/s
-    bandwidth_bytes_per_s: float
+    bandwidth_bytes_per_s: float  # at the largest buffer (DRAM)
+    bandwidth_by_bytes: dict  # str(bytes moved per op) -> bytes/s, ascending sizes
     measured_at: str  # ISO 8601, UTC
-    sizes: dict  # dtype name -> n of the best matmul rate; "copy" -> buffer bytes
+    sizes: dict  # dtype name -> n of the matmul rate
     seconds: float  # wall time of the whole calibration
 
 
@@ -123,7 +131,7 @@ class _Timer:
 
 
 def _repeat(timer: _Timer, fn, budget_s: float) -> float:
-    """Median seconds of fn() over repetitions that fill budget_s (at least 3), after one warm-up."""
+    """The fastest seconds of fn() over repetitions that fill budget_s (at least 3), after one warm-up."""
     fn()
     times, spent = [], 0.0
     while len(times) < 3 or spent < budget_s:
@@ -132,7 +140,7 @@ def _repeat(timer: _Timer, fn, budget_s: float) -> float:
         spent += t
         if len(times) >= 200:
             break
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tuple[float, int]:
@@ -154,13 +162,20 @@ def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tup
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def measure_bandwidth(kind: str, budget_s: float = BUDGET_S) -> tuple[float, int]:
-    """(bytes/s, buffer bytes) of dst.copy_(src): 2 × the buffer's bytes moved per copy."""
-    nbytes = COPY_BYTES[kind]
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=kind)
-    dst = torch.empty_like(src)
-    seconds = _repeat(_Timer(kind), lambda: dst.copy_(src), budget_s)
-    return 2 * nbytes / seconds, nbytes
+def measure_bandwidth(kind: str, budget_s: float = BUDGET_S) -> dict[int, float]:
+    """{bytes moved per op: bytes/s} over COPY_SIZES (module docstring)."""
+    timer = _Timer(kind)
+    out = {}
+    for nbytes in COPY_SIZES[kind]:
+        a = torch.ones(nbytes // 4, dtype=torch.float32, device=kind)
+        b, c = torch.ones_like(a), torch.empty_like(a)
+        share = budget_s / (3 * len(COPY_SIZES[kind]))
+        rates = [2 * nbytes / _repeat(timer, lambda: c.copy_(a), share),  # read a, write c
+                 3 * nbytes / _repeat(timer, lambda: torch.add(a, b, out=c), share),  # read a, b; write c
+                 2 * nbytes / _repeat(timer, lambda: a.mul_(1.0), share)]  # read and write a
+        out[2 * nbytes] = statistics.median(rates)
+        del a, b, c
+    return out
 
 
 def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
@@ -176,10 +191,11 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
             rates[key], sizes[key] = measure_matmul(kind, key, budget_s)
         if progress:
             progress("memory bandwidth")
-        bandwidth, sizes["copy"] = measure_bandwidth(kind, budget_s)
+        curve = measure_bandwidth(kind, budget_s)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
-    return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, bandwidth,
-                       now, sizes, time.perf_counter() - t0)
+    return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates,
+                       curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
+                       time.perf_counter() - t0)
 
 
 def save(cal: Calibration) -> Path:

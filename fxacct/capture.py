@@ -400,6 +400,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     blocks proven identical are traced once and replayed (fxacct.replay).
     """
     from fxacct.replay import BlockReplay, find_runs
+    from fxacct.replay_train import TrainReplay
 
     from fxacct.targets import CudaRules
 
@@ -473,6 +474,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), \
                 (CudaRules() if cuda else contextlib.nullcontext()), \
                 (BlockReplay(recorder, storages, find_runs(model)) if inference and dedup
+                 else TrainReplay(recorder, storages, find_runs(model), saved) if dedup and backward
                  else contextlib.nullcontext()):
             with torch.no_grad() if inference else contextlib.nullcontext(), autocast():
                 output = model(*fake_args, **fake_kwargs)
@@ -520,7 +522,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     seq_owner: dict[int, fx.Node] = {}
     for index, (func, a, kw, val, phase, module, link, rg) in enumerate(recorder.records):
         if phase == BACKWARD:
-            fwd = seq_owner.get(link) if link is not None else None
+            if isinstance(link, tuple):  # ("rec", index): a replayed block's (fxacct.replay_train)
+                fwd = builder.nodes[link[1]]
+            else:
+                fwd = seq_owner.get(link) if link is not None else None
             node = builder.add(index, func, a, kw, val, BACKWARD, fwd.meta["module"] if fwd is not None else "", rg)
             node.meta["fwd"] = fwd
             if fwd is not None and fwd.meta["phase"] == LOSS:

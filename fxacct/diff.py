@@ -76,14 +76,14 @@ class DiffResult:
 
 def flatten_totals(totals: dict) -> dict[str, int | float | None]:
     """Scalar totals by key, nested dicts dotted, plus `flops` (forward + backward)."""
-    out: dict[str, int | float | None] = {}
+    fwd, bwd = totals.get("forward_flops"), totals.get("backward_flops")
+    out: dict[str, int | float | None] = {
+        FLOPS: fwd + bwd if isinstance(fwd, (int, float)) and isinstance(bwd, (int, float)) else None}
     for key, value in totals.items():
         if isinstance(value, dict):
             out.update({f"{key}.{k}": v for k, v in value.items() if _scalar(v)})
         elif _scalar(value):
             out[key] = value
-    fwd, bwd = totals.get("forward_flops"), totals.get("backward_flops")
-    out[FLOPS] = fwd + bwd if isinstance(fwd, (int, float)) and isinstance(bwd, (int, float)) else None
     return out
 
 
@@ -130,14 +130,14 @@ def diff(old: dict, new: dict, max_increase: tuple[str, ...] = (), top: int = 10
     for text in max_increase:
         key, pct = parse_increase(text)
         if key not in changes:
-            raise UsageError(f"unknown --max-increase key {key!r}: use flops or a totals key such as "
-                             f"peak_train_bytes, forward_flops, params ({', '.join(k for k in keys if '.' not in k)})")
+            raise UsageError(f"unknown --max-increase key {key!r}: use one of "
+                             f"{', '.join(k for k in keys if '.' not in k)} (or a dotted nested key)")
         change = changes[key]
         if change.old is None or change.new is None:
             which = "both files" if change.old is None and change.new is None else (
                 "the baseline" if change.old is None else "the new profile")
             raise UsageError(f"--max-increase {key}: totals.{key} is null in {which}; profile with the flags "
-                             "that compute it (e.g. --gpu for predicted_step_ms) or drop the budget")
+                             "that compute it, or drop the budget")
         budgets.append(IncreaseBudget(change, pct))
     modules, n_changed = _module_changes(old.get("modules"), new.get("modules"), top)
     return DiffResult(old.get("model"), new.get("model"), old["schema"], tuple(changes.values()), modules,

@@ -15,7 +15,8 @@ _NUMBER = r"([+-]?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 # SI count suffixes as model cards use them ("7B" parameters): k = 1e3, M = 1e6, B = G = 1e9, T = 1e12.
 COUNT_SUFFIXES = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 # Durations: a bare number is seconds.
-SECONDS = {"": 1, "s": 1, "ms": Fraction(1, 1000), "min": 60, "h": 3600}
+SECONDS = {"": 1, "s": 1, "ms": Fraction(1, 10**3), "us": Fraction(1, 10**6), "µs": Fraction(1, 10**6),
+           "min": 60, "h": 3600}
 
 
 def parse_count(text: str, flag: str) -> int:
@@ -44,7 +45,7 @@ def parse_percent(text: str, flag: str) -> Fraction:
 
 def parse_duration(text: str, flag: str) -> Fraction:
     """'250ms', '1.5s', '2' (seconds), '10min', '1h' -> seconds, exact; positive."""
-    m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([a-z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([a-zµ]*)\s*", str(text))
     if m is None or m.group(2) not in SECONDS:
         raise UsageError(f"{flag} {text!r} is not a duration: write e.g. 250ms, 1.5s, 10min or 1h")
     value = Fraction(m.group(1)) * SECONDS[m.group(2)]

@@ -14,8 +14,14 @@ For every op node of the training graph (forward, loss, backward, optimizer):
 - bytes: every tensor input read once and every output written once (numel × element size); a
   view moves nothing and takes no time. For a gather (embedding, index) this counts the whole
   table read: an upper bound.
+- bandwidth: the datasheet's DRAM figure on a GPU. On a calibrated CPU the rate measured for ops
+  moving about as many bytes (log-linear between the calibrated sizes, clamped at the ends): an op
+  whose tensors fit in the last-level cache streams faster than one that goes to DRAM
+  (a cache-aware roofline, Ilic et al., IEEE CAL 2014).
 - An op the optimizer step repeats for parameters of one shape (node.meta["repeat"]) counts that
-  many times.
+  many times. The capture steps the optimizer once from scratch, so it creates the optimizer state
+  (``zeros_like``); a steady-state step does not, and those creations take no time here (INIT).
+  A creation op (zeros, ones_like...) writes its output and reads nothing.
 - No launch or dispatch overhead, no overlap between ops: a small model on a GPU runs slower than
   this (kernel launches of a few µs each dominate), a large one close to it at good efficiency.
 
@@ -26,6 +32,7 @@ their phase only. Module times are inclusive, like the module FLOPs.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -38,7 +45,8 @@ from fxacct.config import Config
 from fxacct.devices import DEVICES, Device, get_device
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
-COMPUTE, MEMORY, FREE = "compute", "memory", "free"  # what bounds an op (FREE: a view)
+# what bounds an op; FREE: a view; INIT: creates optimizer state (not in a steady-state step)
+COMPUTE, MEMORY, FREE, INIT = "compute", "memory", "free", "state init"
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,20 @@ class DeviceModel:
     bandwidth_bytes_per_s: float
     source: str  # datasheet, or the calibration file and date
     tf32_convolutions: bool = False  # cuDNN runs fp32 convolutions in TF32 by default
+    bandwidth_curve: tuple = ()  # ((bytes moved per op, bytes/s), ...) ascending; () -> the flat figure
+
+    def bandwidth(self, nbytes: int) -> float:
+        """Bytes/s for an op moving ``nbytes``."""
+        curve = self.bandwidth_curve
+        if not curve:
+            return self.bandwidth_bytes_per_s
+        if nbytes <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if nbytes <= x1:
+                w = math.log(nbytes / x0) / math.log(x1 / x0)
+                return y0 + w * (y1 - y0)
+        return curve[-1][1]
 
     def matmul_peak(self, dtype: torch.dtype | None, convolution: bool = False) -> float:
         key = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
@@ -70,9 +92,10 @@ def from_gpu(device: Device) -> DeviceModel:
 def from_calibration(cal) -> DeviceModel:
     """A device model from a fxacct.calibrate.Calibration (measured, not datasheet, rates)."""
     rates = dict(cal.matmul_flops_per_s)
+    curve = tuple(sorted((int(k), v) for k, v in cal.bandwidth_by_bytes.items()))
     return DeviceModel(cal.name, rates, rates["float32"], cal.bandwidth_bytes_per_s,
                        f"calibrated {cal.measured_at} ({cal.threads} threads, torch {cal.torch_version})",
-                       tf32_convolutions=cal.kind == "cuda")
+                       tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve)
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -153,9 +176,11 @@ def _tensors(val) -> tuple[TensorMeta, ...]:
     return ()
 
 
-def op_bytes(node: fx.Node) -> int:
-    read = sum(t.nbytes for n in node.all_input_nodes for t in _tensors(n.meta.get("val")))
-    return read + sum(t.nbytes for t in _tensors(node.meta.get("val")))
+def op_bytes(node: fx.Node, creation: bool = False) -> int:
+    written = sum(t.nbytes for t in _tensors(node.meta.get("val")))
+    if creation:
+        return written
+    return written + sum(t.nbytes for n in node.all_input_nodes for t in _tensors(n.meta.get("val")))
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
@@ -172,13 +197,15 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
     """(seconds, bound) of one op: max(compute, memory) of the roofline."""
     compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution)
                + flops.other / device.other_flops_per_s)
-    memory = nbytes / device.bandwidth_bytes_per_s
+    memory = nbytes / device.bandwidth(nbytes)
     return (compute, COMPUTE) if compute >= memory else (memory, MEMORY)
 
 
-def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel) -> Prediction:
+def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,
+            state_storages: frozenset = frozenset()) -> Prediction:
     """Roofline times of every op of an annotated training graph. ``forward_nodes``: names of the
-    forward nodes of the account (fxacct.accounting's NodeRow names)."""
+    forward nodes of the account (fxacct.accounting's NodeRow names); ``state_storages``: storage
+    ids of the optimizer state (capture.optimizer_state keys)."""
     order = {n: i for i, n in enumerate(n for n in graph.nodes if n.name in forward_nodes)}
     ops, by_phase = [], {p: 0.0 for p in PHASES}
     by_node: dict[str, list[float]] = {name: [0.0, 0.0] for name in forward_nodes}
@@ -196,10 +223,14 @@ def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel) -> Pr
             if owner is None or owner.name not in forward_nodes:
                 owner = _orphan_owner(node, order) or last_forward
         repeat = node.meta.get("repeat", 1)
+        outputs = _tensors(node.meta.get("val"))
         if cost.kind == "view":
             seconds, bound, nbytes = 0.0, FREE, 0
+        elif phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
+                t.storage in state_storages for t in outputs):
+            seconds, bound, nbytes = 0.0, INIT, 0
         else:
-            nbytes = op_bytes(node)
+            nbytes = op_bytes(node, cost.kind == "creation")
             seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
                                         "convolution" in str(node.target))
         seconds, nbytes = seconds * repeat, nbytes * repeat
@@ -227,7 +258,8 @@ def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | 
     if device is None:
         return None
     names = {n.name for n in profile.accounting.nodes}
-    return predict(profile.capture.graph, names, device)
+    state = frozenset(s.key for s in profile.capture.optimizer_state)
+    return predict(profile.capture.graph, names, device, state)
 
 
 def _ancestors(fqn: str):
@@ -238,4 +270,5 @@ def _ancestors(fqn: str):
 
 
 __all__ = ["DeviceModel", "Prediction", "OpTime", "predict", "predict_profile", "for_config", "for_local",
-           "from_gpu", "from_calibration", "gpu_key", "op_seconds", "op_bytes", "PHASES"]
+           "from_gpu", "from_calibration", "gpu_key", "op_seconds", "op_bytes", "PHASES", "COMPUTE", "MEMORY",
+           "FREE", "INIT"]

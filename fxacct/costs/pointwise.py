@@ -132,3 +132,16 @@ register(aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
 
 # cumulative sums: one add per element
 register(aten.cumsum, aten.cumprod, aten.logcumsumexp)(per_input_element(1))
+
+
+@register("foreach")
+def foreach(*args, out_shape, ctx, **kwargs) -> Flops:
+    """A _foreach_* op (the multi-tensor path torch.optim takes on CUDA) applies one pointwise op
+    to every tensor of its first list: 1 FLOP per element, like its single-tensor twin; the
+    copies and fills among them (_foreach_copy_, _foreach_zero_) do no arithmetic."""
+    op = ctx.op.overloadpacket.__name__ if ctx.op is not None else ""
+    if op.startswith(("_foreach_copy", "_foreach_zero")):
+        return Flops()
+    first = args[0] if args else ()
+    shapes = first if isinstance(first, (list, tuple)) and first and isinstance(first[0], tuple) else ()
+    return Flops(other=sum(numel(s) for s in shapes))

@@ -68,6 +68,7 @@ class OpInfo:
 
 
 _REGISTRY: dict[object, OpInfo] = {}
+FOREACH = "foreach"  # registry key of the _foreach_* family (multi-tensor optimizer ops)
 
 
 def register(*ops, movement: bool = False, creation: bool = False, wants_grad_mask: bool = False):
@@ -104,6 +105,9 @@ def lookup(op) -> OpInfo | None:
         for tag in (torch.Tag.pointwise, torch.Tag.reduction, torch.Tag.inplace_view):
             if tag in tags:
                 return _REGISTRY[tag]
+        name = getattr(getattr(op, "overloadpacket", op), "__name__", "")
+        if name.startswith("_foreach_"):
+            return _REGISTRY.get(FOREACH)
     return info
 
 

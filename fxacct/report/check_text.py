@@ -22,13 +22,16 @@ def plain_number(v):
 
 def format_value(v, unit: str) -> str:
     if unit == "bytes":
-        return format_bytes(int(v)) if abs(v) >= 1024 else f"{int(v):,} B"
+        v = int(v)  # binary units for reading, the exact count for comparing with the flag
+        return f"{format_bytes(v)} ({v:,} B)" if abs(v) >= 1024 else f"{v:,} B"
     if unit == "s":
         v = float(v)
+        if abs(v) < 1e-3:
+            return f"{v * 1e6:.3g} µs"
         return f"{v * 1e3:.3g} ms" if abs(v) < 1 else f"{v:.3g} s"
     if unit in ("params", "FLOPs"):
-        v = plain_number(v)
-        return format_count(v) if abs(v) >= 1000 else f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+        v = plain_number(v)  # exact below 1e9 (a CI log compares digits), SI above
+        return format_count(v) if abs(v) >= 10**9 else f"{v:,}" if isinstance(v, int) else f"{v:,.6g}"
     return f"{plain_number(v):,}"
 
 
@@ -37,7 +40,7 @@ def _over(b: Budget) -> str:
     text = sign + format_value(abs(b.over), b.unit)
     frac = b.over_fraction
     if frac is not None:
-        text += f" ({frac:+.1%})"
+        text += f" ({frac:+,.1%})"
     return text
 
 
@@ -50,8 +53,12 @@ def budget_table(budgets) -> str:
 
 def render_check(result: CheckResult) -> str:
     lines = [f"fxacct check: {result.model or 'module'}"]
-    if result.assumptions:
-        lines.append("  " + "; ".join(f"{k} {v}" for k, v in result.assumptions))
+    notes = [f"gpu {result.gpu}"] if result.gpu else []
+    if result.mfu is not None:
+        notes.append(f"step time at MFU {result.mfu:g} of {result.peak_flops_per_s / 1e12:g} TFLOP/s "
+                     f"({result.peak_dtype} matmul peak)")
+    if notes:
+        lines.append("  " + "; ".join(notes))
     lines += [budget_table(result.budgets), ""]
     if result.ok:
         lines.append(f"ok: all {len(result.budgets)} budget(s) hold")
@@ -69,7 +76,8 @@ def check_document(result: CheckResult, profile_doc: dict | None = None) -> dict
                      "limit": plain_number(b.limit), "unit": b.unit, "ok": b.ok, "over": plain_number(b.over),
                      "over_fraction": b.over_fraction, "limit_source": b.limit_source}
                     for b in result.budgets],
-        "assumptions": dict(result.assumptions),
+        "assumptions": {"gpu": result.gpu, "mfu": result.mfu, "peak_flops_per_s": result.peak_flops_per_s,
+                        "peak_dtype": result.peak_dtype},
     }
     if profile_doc is not None:
         doc["config"], doc["totals"] = profile_doc.get("config"), profile_doc.get("totals")

@@ -18,7 +18,23 @@ def _by_class(f: Flops) -> dict[str, int]:
     return {k: v for k, v in f.as_dict().items() if k in FLOP_CLASSES}
 
 
-def document(p: Profile) -> dict:
+def document(p: Profile, prediction=None, runtime=None) -> dict:
+    """``prediction``: a fxacct.roofline.Prediction (fills ``totals.predicted_step_ms`` and adds
+    ``predicted``); ``runtime``: a fxacct.runtime.RuntimeResult (adds ``runtime``)."""
+    doc = _document(p)
+    if prediction is not None:
+        from fxacct.report.runtime_json import predicted
+
+        doc["totals"]["predicted_step_ms"] = prediction.step_ms
+        doc["predicted"] = predicted(prediction)
+    if runtime is not None:
+        from fxacct.report.runtime_json import runtime as runtime_json
+
+        doc["runtime"] = runtime_json(runtime)
+    return doc
+
+
+def _document(p: Profile) -> dict:
     a, c, t, m = p.accounting, p.config, p.accounting.totals, p.memory
     return {
         "schema": SCHEMA,

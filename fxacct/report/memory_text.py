@@ -24,6 +24,12 @@ def category_table(p: Profile) -> str:
     return tabulate(rows, headers=["memory", *dtypes, "total"], colalign=("left",) + ("right",) * (len(dtypes) + 1))
 
 
+def _bytes(n: int) -> str:
+    """'6.49 GiB (6,972,663,156 B)', or '360 B' when that is already exact."""
+    short = format_bytes(n)
+    return short if short == f"{n} B" else f"{short} ({n:,} B)"
+
+
 def _composition(peak: Peak) -> str:
     return ", ".join(f"{c.replace('_', ' ')} {format_bytes(b)}" for c, b in peak.by_category if b)
 
@@ -50,23 +56,24 @@ def render_memory(p: Profile) -> str:
              category_table(p), "", rule_of_thumb(p)]
     if m.peak_train is not None:
         pk = m.peak_train
-        lines.append(f"peak, training step: {format_bytes(pk.bytes)} ({pk.bytes:,} B) at {pk.node or 'start'} "
+        lines.append(f"peak, training step: {_bytes(pk.bytes)} at {pk.node or 'start'} "
                      f"({pk.phase}): {_composition(pk)}")
     if m.peak_inference is not None:
         pk = m.peak_inference
-        lines.append(f"peak, inference (eval, no_grad): {format_bytes(pk.bytes)} ({pk.bytes:,} B) at "
+        lines.append(f"peak, inference (eval, no_grad): {_bytes(pk.bytes)} at "
                      f"{pk.node or 'start'}: {_composition(pk)}")
     if m.per_rank is not None:
         pk = m.per_rank
         unit = f"; gathered unit {m.gathered_unit[0]} {format_bytes(m.gathered_unit[1])}" if m.gathered_unit else ""
-        lines.append(f"per rank, {c.shard} over {c.world_size} ranks: {format_bytes(pk.bytes)} ({pk.bytes:,} B): "
+        lines.append(f"per rank, {c.shard} over {c.world_size} ranks: {_bytes(pk.bytes)}: "
                      f"{_composition(pk)}{unit}")
     lines.append("checkpoint (state_dict + optimizer state, tensor payload): " + format_bytes(m.checkpoint_bytes)
                  + " (" + ", ".join(f"{d} {format_bytes(b)}" for d, b in m.checkpoint_by_dtype.items()) + ")")
     v = m.views
     copies = "; ".join(f"{op.removeprefix('aten.')} ×{n} {format_bytes(b)}" for op, n, b in v.copies[:6]) or "none"
-    lines.append(f"views: {v.view_nodes} view nodes allocate nothing (a copy would have cost "
-                 f"{format_bytes(v.bytes_avoided)}); copies: {copies}")
+    views = (f"{v.view_nodes} view nodes allocate nothing (as copies they would take "
+             f"{format_bytes(v.bytes_avoided)})" if v.view_nodes else "none")
+    lines.append(f"forward views: {views}; copies: {copies}")
     if m.fit is not None:
         f = m.fit
         verdict = (f"fits, {f.headroom_bytes / GiB:.2f} GiB headroom" if f.headroom_bytes >= 0

@@ -15,6 +15,17 @@ def _flops(n: int) -> str:
     return format_count(n)
 
 
+def _exact(n: int, fmt, unit: str = "") -> str:
+    """'124.440M (124,439,808)', or just '15' when the short form is already exact."""
+    short = fmt(n)
+    exact = f"{n:,}{unit}"
+    return short if short.replace(",", "") == exact.replace(",", "") else f"{short} ({exact})"
+
+
+def _cut(text: str, width: int = 36) -> str:
+    return text if len(text) <= width else text[: width - 13] + "…" + text[-12:]
+
+
 def summary(p: Profile) -> str:
     a, c, t = p.accounting, p.config, p.accounting.totals
     head = [
@@ -36,9 +47,9 @@ def summary(p: Profile) -> str:
                            colalign=("left", "right", "right", "right"))
     lines = head + [flops_table, ""]
     lines.append(f"loss FLOPs (sum of outputs, not in the totals above): {_flops(t.loss_flops)}")
-    lines.append(f"parameters: {format_count(t.params)} ({t.params:,}); trainable {format_count(t.trainable_params)}"
+    lines.append(f"parameters: {_exact(t.params, format_count)}; trainable {_exact(t.trainable_params, format_count)}"
                  f"; {format_bytes(t.param_bytes)}; gradients {format_bytes(t.grad_bytes)}")
-    lines.append(f"activations saved for backward: {format_bytes(t.activation_bytes)} ({t.activation_bytes:,} B)")
+    lines.append(f"activations saved for backward: {_exact(t.activation_bytes, format_bytes, ' B')}")
     per_example = (t.forward.total + t.backward.total) // c.batch
     lines.append(f"FLOPs per example (forward+backward): {_flops(per_example)}")
     if t.tokens_per_example:
@@ -69,7 +80,8 @@ def modules_table(p: Profile, depth: int) -> str:
 
 def nodes_table(p: Profile, top: int) -> str:
     nodes = sorted(p.accounting.nodes, key=lambda n: -(n.forward.total + n.backward.total))[:top]
-    rows = [[n.name, n.op.removeprefix("aten.").removesuffix(".default"), n.module or "(root)", "x".join(map(str, n.shape)),
+    rows = [[_cut(n.name), _cut(n.op.removeprefix("aten.").removesuffix(".default")), _cut(n.module or "(root)"),
+             "x".join(map(str, n.shape)),
              n.dtype or "", n.kind, _flops(n.forward.total), _flops(n.backward.total),
              format_bytes(n.activation_bytes), format_bytes(n.output_bytes)] for n in nodes]
     return tabulate(rows, headers=["node", "op", "module", "shape", "dtype", "kind", "forward", "backward",
@@ -91,10 +103,24 @@ def render_text(p: Profile, depth: int = 2, top: int = 10) -> str:
     from fxacct.report.memory_text import render_memory
 
     warnings = [f"WARNING: {w}" for w in p.warnings]
-    parts = [*warnings, *([""] if warnings else []), summary(p), "", render_memory(p), "", f"modules (depth {depth}, inclusive):", modules_table(p, depth), "",
-             f"top {top} nodes by forward+backward FLOPs:", nodes_table(p, top), "", unsupported_footer(p)]
+    parts = [*warnings, *([""] if warnings else []), summary(p), "", render_memory(p), "",
+             f"modules (depth {depth}, inclusive):", modules_table(p, depth), ""]
+    if top > 0:
+        parts += [f"top {top} node{'s' if top != 1 else ''} by forward+backward FLOPs:", nodes_table(p, top), ""]
+    parts.append(unsupported_footer(p))
     return "\n".join(parts) + "\n"
 
 
 __all__ = ["render_text", "summary", "modules_table", "nodes_table", "unsupported_footer",
            "MATMUL", "ATTENTION", "OTHER"]
+
+
+def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=None, runtime=None) -> str:
+    """render_text, then the predicted step time (fxacct.roofline) and, after --runtime, the
+    comparison of predicted and measured (fxacct.report.runtime_text)."""
+    from fxacct.report.runtime_text import predicted_section, runtime_section
+
+    parts = [render_text(p, depth=depth, top=top).rstrip("\n"), "", predicted_section(prediction)]
+    if runtime is not None:
+        parts += ["", runtime_section(runtime, depth=depth, top=top)]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,31 @@
+"""`fxacct calibrate`: measure this machine's matmul FLOP/s and memory bandwidth, store the device
+profile that predictions use (fxacct.calibrate)."""
+
+from __future__ import annotations
+
+import click
+
+from fxacct_cli.main import cli
+
+
+@cli.command("calibrate")
+@click.option("--device", default="cpu", show_default=True, help="cpu, or cuda for the local GPU.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def calibrate_command(device, debug):
+    """Measure the local device's achievable matmul FLOP/s per dtype and its memory bandwidth
+    (a few seconds) and store them in the user cache dir ($FXACCT_CACHE_DIR, else
+    $XDG_CACHE_HOME/fxacct, else ~/.cache/fxacct).
+
+    \b
+    Examples:
+      fxacct calibrate --device cpu
+      fxacct calibrate --device cuda
+
+    Exit codes: 0 success, 2 usage error (e.g. --device cuda without CUDA).
+    """
+    from fxacct import calibrate
+    from fxacct.report.calibrate_text import render_calibration
+
+    cal = calibrate.calibrate(device, progress=lambda what: click.echo(f"measuring {what}...", err=True))
+    path = calibrate.save(cal)
+    click.echo(render_calibration(cal, path), nl=False)

@@ -1,0 +1,128 @@
+"""The human report of a prediction (the roofline's step time) and of a runtime run (predicted beside
+measured: step time and phases, peak memory, achieved FLOP/s and MFU, input transfer, per module
+and per node). Ratios are measured / predicted."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from fxacct.roofline import COMPUTE, MEMORY, PHASES, Prediction
+from fxacct.runtime.compare import achieved_flops_per_s, mfu
+from fxacct.units import format_bytes, format_count
+
+NOT_CALIBRATED = ("predicted step time: not calibrated for this CPU (run `fxacct calibrate --device cpu`, "
+                  "or give --gpu NAME for a GPU's datasheet)")
+
+
+def ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    value = 1e3 * seconds
+    return f"{value:.3g} ms" if value >= 0.01 else f"{1e3 * value:.3g} µs"
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def rate(flops_per_s: float | None) -> str:
+    """'1.219 GFLOP/s'."""
+    if flops_per_s is None:
+        return "-"
+    text = format_count(flops_per_s)
+    return f"{text[:-1]} {text[-1]}FLOP/s" if text[-1:].isalpha() else f"{text} FLOP/s"
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def predicted_section(prediction: Prediction | None) -> str:
+    if prediction is None:
+        return NOT_CALIBRATED
+    d, ph = prediction.device, prediction.by_phase
+    bound = {COMPUTE: [0, 0.0], MEMORY: [0, 0.0]}
+    for op in prediction.ops:
+        if op.bound in bound:
+            bound[op.bound][0] += 1
+            bound[op.bound][1] += op.seconds
+    total = prediction.step_s or 1.0
+    phases = " + ".join(f"{p} {ms(ph[p])}" for p in PHASES)
+    return "\n".join([
+        f"predicted step time on {d.name} (roofline, {d.source}): {ms(prediction.step_s)}",
+        f"  = {phases}",
+        f"  {bound[COMPUTE][0]} compute-bound ops ({100 * bound[COMPUTE][1] / total:.1f}% of the time), "
+        f"{bound[MEMORY][0]} memory-bound ({100 * bound[MEMORY][1] / total:.1f}%); no launch overhead counted",
+    ])
+
+
+def _totals_table(result) -> str:
+    m, c = result.measured, result.comparison
+    rows = [["step", ms(c.predicted.get("step")), ms(m.step_s), ratio(c.ratio(m.step_s, "step"))]]
+    if not m.inference:
+        rows += [["forward + loss", ms(c.predicted.get("forward")), ms(m.forward_s),
+                  ratio(c.ratio(m.forward_s, "forward"))],
+                 ["backward", ms(c.predicted.get("backward")), ms(m.backward_s),
+                  ratio(c.ratio(m.backward_s, "backward"))],
+                 ["optimizer", ms(c.predicted.get("optimizer")), ms(m.optimizer_s),
+                  ratio(c.ratio(m.optimizer_s, "optimizer"))]]
+    rows += [["peak memory (allocator)", format_bytes(c.predicted_peak_bytes), format_bytes(m.peak_bytes),
+              ratio(_div(m.peak_bytes, c.predicted_peak_bytes))],
+             ["peak memory (op level)", format_bytes(c.predicted_peak_bytes), format_bytes(m.op_level_peak_bytes),
+              ratio(_div(m.op_level_peak_bytes, c.predicted_peak_bytes))]]
+    return tabulate(rows, headers=["", "predicted", "measured", "measured/predicted"],
+                    colalign=("left", "right", "right", "right"))
+
+
+def _rows_table(rows, first: str, with_op: bool) -> str:
+    body = []
+    for r in rows:
+        name = r.name if not first == "module" else (("  " * max(0, r.depth - 1) + r.name) if r.name else "(root)")
+        line = [name] + ([r.op.removeprefix("aten.").removesuffix(".default")] if with_op else [])
+        body.append(line + [format_count(r.flops), ms(r.predicted_s), ms(r.measured_s), ratio(r.ratio),
+                            rate(r.achieved_flops_per_s)])
+    headers = [first] + (["op"] if with_op else []) + ["FLOPs", "predicted", "measured", "measured/predicted",
+                                                       "achieved"]
+    return tabulate(body, headers=headers, colalign=("left",) * (2 if with_op else 1) + ("right",) * 5)
+
+
+def runtime_section(result, depth: int = 2, top: int = 10) -> str:
+    m, c = result.measured, result.comparison
+    p = result.prediction
+    what = "inference steps (forward, eval, no_grad)" if m.inference else "training steps"
+    lines = [
+        f"runtime on {m.device} ({m.device_name}, {m.threads} threads): {m.steps} timed {what} after "
+        f"{m.warmup} warm-up; medians; torch.profiler's overhead included",
+        f"predicted for: {p.device.name} ({p.device.source})" if p is not None else
+        "predicted for: nothing (this device is not calibrated: run `fxacct calibrate --device "
+        f"{m.device.split(':')[0]}`)",
+    ]
+    if m.interrupted:
+        lines.append(f"INTERRUPTED: {m.steps} of {m.steps_requested} timed steps completed; figures are over those")
+    if not m.steps:
+        return "\n".join(lines + ["no timed step completed: nothing was measured"])
+    lines += ["", _totals_table(result), "",
+              f"allocator peak: {m.peak_source}; op-level peak: fxacct.storage_tracker over one step, the level "
+              "peak_train_bytes is defined at (kernel scratch such as oneDNN buffers and allocator rounding "
+              "show only in the allocator peak)"]
+    achieved = achieved_flops_per_s(c, m)
+    u = mfu(c, m)
+    lines.append(f"achieved: {rate(achieved)} of model FLOPs (matmul + attention, {format_count(c.model_flops)} "
+                 f"per step); MFU {'-' if u is None else f'{100 * u:.1f}%'} of {rate(c.peak_flops_per_s)} "
+                 f"({c.peak_source})")
+    if m.transfer is not None:
+        t = m.transfer
+        lines.append(f"input transfer, one batch ({format_bytes(t.bytes)}) to {m.device}: pageable "
+                     f"{ms(t.pageable_s)}, pinned + non_blocking {ms(t.pinned_s)}; step {ms(m.step_s)} "
+                     f"({100 * t.pageable_s / m.step_s:.1f}% / {100 * t.pinned_s / m.step_s:.1f}% of it)")
+    modules = [r for r in c.modules if r.depth <= depth]
+    lines += ["", f"modules (depth {depth}, inclusive):", _rows_table(modules, "module", False)]
+    nodes = sorted(c.nodes, key=lambda r: -(r.measured_s or 0.0))[:top]
+    lines += ["", f"top {top} nodes by measured time (forward + its backward):", _rows_table(nodes, "node", True)]
+    if m.join is not None:
+        lines.append(f"joined {m.join.matched} of {m.join.expected} forward op nodes to profiler events; backward "
+                     f"outside modules (loss, gradient accumulation): {ms(m.join.outside_backward_s)}")
+    return "\n".join(lines)
+
+
+__all__ = ["predicted_section", "runtime_section", "NOT_CALIBRATED"]

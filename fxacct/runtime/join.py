@@ -1,0 +1,179 @@
+"""Join torch.profiler events to fxacct's modules and nodes.
+
+The run marks its structure with ``record_function`` ranges: ``fxacct.step`` around each timed step
+and ``fxacct.module:<FQN>`` around every module call (global forward pre/post hooks, the FQN from
+``named_modules()``, as fxacct.capture names modules). Then:
+
+- Module forward time: the summed duration of the module's ranges in a step (inclusive of its
+  submodules, like fxacct's module FLOPs).
+- Module backward time: every autograd function the backward runs is profiled as
+  ``autograd::engine::evaluate_function: XBackward0`` carrying the *sequence number* of the forward
+  op that created it; the forward op's event carries the same number. So a backward function
+  belongs to the module whose range holds the forward op with its number (and to that module's
+  ancestors). Backward work with no forward op inside a module (the loss's backward,
+  AccumulateGrad of the parameters) is reported apart, as outside modules.
+- Node times: within each module range, fxacct's forward nodes of that module are matched to the
+  profiler's aten events by name and occurrence: the k-th ``aten::mm`` event of the module in a
+  step is the module's k-th ``aten.mm`` node. The walk goes down from the range and stops at the
+  first event whose name is still expected (a composite such as ``aten::linear``, which fxacct
+  sees decomposed into ``t`` + ``addmm``, is descended into); nested module ranges are left to
+  their own module. A node's backward time is that of the backward functions carrying its
+  matched event's sequence number. Nodes left unmatched have no measured time (None).
+- A duration is the event's CPU time on CPU, and the time of the GPU kernels it (and its
+  children) launched on CUDA (``device_time_total``), so idle gaps are never attributed.
+
+Every figure is a median over the timed steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import dataclass
+
+MODULE_PREFIX = "fxacct.module:"
+STEP = "fxacct.step"
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+
+
+@dataclass(frozen=True)
+class Join:
+    modules: dict  # FQN -> (forward s, backward s), medians, inclusive
+    nodes: dict  # forward node name -> (forward s or None, backward s or None), medians
+    matched: int  # forward op nodes matched to a profiler event
+    expected: int  # forward op nodes
+    outside_backward_s: float  # backward work linked to no module (loss backward, AccumulateGrad)
+
+
+def profiler_name(op: str) -> str:
+    """'aten.mm.default' -> 'aten::mm' (the name torch.profiler gives the op's event)."""
+    ns, _, rest = op.partition(".")
+    return f"{ns}::{rest.partition('.')[0]}"
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ancestors(fqn: str):
+    yield fqn
+    while fqn:
+        fqn = fqn.rpartition(".")[0]
+        yield fqn
+
+
+def _module_of(event) -> str | None:
+    e = event.cpu_parent
+    while e is not None:
+        if e.name.startswith(MODULE_PREFIX):
+            return e.name[len(MODULE_PREFIX):]
+        e = e.cpu_parent
+    return None
+
+
+def join(events, node_rows, device_time: bool = False) -> Join:
+    """``events``: torch.profiler FunctionEvents (``prof.events()``); ``node_rows``: the account's
+    forward NodeRows (fxacct.accounting), in graph order."""
+    def dur(e) -> float:
+        return (e.device_time_total if device_time else e.cpu_time_total) / 1e6  # µs -> s
+
+    steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in steps]
+    n_steps = len(steps)
+
+    def step_of(e) -> int | None:
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        return i if i >= 0 and e.time_range.start <= steps[i].time_range.end else None
+
+    expected: dict[str, dict[str, list[str]]] = {}
+    rows = [r for r in node_rows if r.op != "input"]
+    for r in rows:
+        expected.setdefault(r.module, {}).setdefault(profiler_name(r.op), []).append(r.name)
+
+    mod_fwd = [dict() for _ in range(n_steps)]
+    mod_bwd = [dict() for _ in range(n_steps)]
+    node_fwd = [dict() for _ in range(n_steps)]
+    node_bwd = [dict() for _ in range(n_steps)]
+    outside = [0.0] * n_steps
+    seq_module: dict[int, str] = {}
+    seq_node: dict[int, str] = {}
+    ranges: list[list] = [[] for _ in range(n_steps)]
+    backward_events = []
+    for e in events:
+        if e.name.startswith(MODULE_PREFIX):
+            s = step_of(e)
+            if s is not None:
+                ranges[s].append(e)
+        elif e.name.startswith(BACKWARD_PREFIX):
+            backward_events.append(e)
+        elif e.sequence_nr is not None and e.sequence_nr >= 0:
+            module = _module_of(e)
+            if module is not None:
+                seq_module.setdefault(e.sequence_nr, module)
+
+    for s in range(n_steps):
+        counters: dict[str, dict[str, int]] = {}
+        for r in sorted(ranges[s], key=lambda e: e.time_range.start):
+            module = r.name[len(MODULE_PREFIX):]
+            mod_fwd[s][module] = mod_fwd[s].get(module, 0.0) + dur(r)
+            want = expected.get(module)
+            if not want:
+                continue
+            count = counters.setdefault(module, {})
+            stack = list(reversed(sorted(r.cpu_children, key=lambda e: e.time_range.start)))
+            while stack:
+                e = stack.pop()
+                if e.name.startswith(MODULE_PREFIX):
+                    continue
+                names = want.get(e.name)
+                k = count.get(e.name, 0)
+                if names is not None and k < len(names):
+                    count[e.name] = k + 1
+                    node_fwd[s][names[k]] = node_fwd[s].get(names[k], 0.0) + dur(e)
+                    if e.sequence_nr is not None and e.sequence_nr >= 0:
+                        seq_node[e.sequence_nr] = names[k]
+                    continue
+                stack.extend(reversed(sorted(e.cpu_children, key=lambda c: c.time_range.start)))
+
+    for e in backward_events:
+        s = step_of(e)
+        if s is None:
+            continue
+        module = seq_module.get(e.sequence_nr)
+        if module is None:
+            outside[s] += dur(e)
+            continue
+        for m in _ancestors(module):
+            mod_bwd[s][m] = mod_bwd[s].get(m, 0.0) + dur(e)
+        node = seq_node.get(e.sequence_nr)
+        if node is not None:
+            node_bwd[s][node] = node_bwd[s].get(node, 0.0) + dur(e)
+
+    # a module's range holds its submodules' ranges; a container never called (a ModuleList) has
+    # none, and gets the time of its nearest called descendants
+    for s in range(n_steps):
+        ranged = dict(mod_fwd[s])
+        for module, seconds in ranged.items():
+            for a in list(_ancestors(module))[1:]:
+                if a in ranged:
+                    break
+                mod_fwd[s][a] = mod_fwd[s].get(a, 0.0) + seconds
+    modules = {}
+    for m in {m for d in mod_fwd + mod_bwd for m in d}:
+        f = _median(d.get(m, 0.0) for d in mod_fwd)
+        b = _median(d.get(m, 0.0) for d in mod_bwd)
+        modules[m] = (f or 0.0, b or 0.0)
+    nodes = {}
+    matched = 0
+    for r in rows:
+        f = _median(d.get(r.name) for d in node_fwd)
+        b = _median(d.get(r.name) for d in node_bwd)
+        if f is not None:
+            matched += 1
+            b = b or 0.0
+        nodes[r.name] = (f, b)
+    return Join(modules, nodes, matched, len(rows), _median(outside) or 0.0)
+
+
+__all__ = ["Join", "join", "profiler_name", "MODULE_PREFIX", "STEP"]

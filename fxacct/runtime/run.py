@@ -1,0 +1,388 @@
+"""Measure: the real model on a real device, under torch.profiler.
+
+The model is built by calling the class or factory with the config's kwargs on the device
+(random init, seed 0), cast to ``--dtype`` if given; the inputs come from the ``--input`` specs
+(random values, integers below ``<N``) or from the model's own ``example_inputs(batch)`` on the
+device. Each step is what fxacct accounts: forward (under autocast with ``--amp``) and the loss
+(DESIGN.md: the sum of ``t.float().sum()`` over the floating outputs), ``loss.backward()``, the
+optimizer's ``step()`` and ``zero_grad(set_to_none=True)``; with ``inference``, a forward under
+``eval()`` and ``no_grad()``. ``warmup`` steps run first, unprofiled (the optimizer state is then
+allocated, caches and kernels are warm); the timed steps run under ``torch.profiler`` with CPU
+(and CUDA) activities and memory profiling, and one more step, untimed, under the storage tracker.
+
+Timing: ``time.perf_counter`` around each phase on CPU; CUDA events on CUDA, synchronized at the
+end of each step. The profiler's own overhead (a few µs per op) is inside every figure.
+
+Peak memory, two figures, both for a steady-state step (parameters, buffers, inputs and optimizer
+state resident, gradients None when it begins):
+
+- ``peak_bytes``, allocator level. CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps
+  (the caching allocator's bytes in use, rounded to its 512-byte blocks, cuBLAS workspaces
+  included). CPU: the bytes resident when the timed steps begin plus the highest running sum of
+  the profiler's memory events (every allocation and free of the CPU allocator, kernel scratch
+  such as oneDNN buffers included) over the timed steps.
+- ``op_level_peak_bytes``: fxacct.storage_tracker over one step, what fxacct's
+  ``peak_train_bytes`` predicts (aten-op level: no kernel-internal buffers, no allocator rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.autograd.profiler import record_function
+
+from fxacct import load as loading
+from fxacct.config import Config
+from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
+from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
+from fxacct.runtime.transfer import Transfer, measure_transfer
+from fxacct.storage_tracker import StorageTracker
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    forward_s: float  # the model's forward and the loss
+    backward_s: float
+    optimizer_s: float  # step() and zero_grad()
+
+
+@dataclass(frozen=True)
+class Measured:
+    device: str  # "cpu", "cuda:0"
+    device_name: str
+    inference: bool
+    warmup: int
+    steps_requested: int
+    step_times: tuple[StepTime, ...]  # the timed steps completed
+    peak_bytes: int | None  # allocator level (module docstring)
+    peak_source: str
+    op_level_peak_bytes: int | None
+    join: Join | None
+    transfer: Transfer | None  # CUDA only
+    interrupted: bool
+    threads: int  # torch.get_num_threads()
+    trace_events: tuple = ()  # the profiler's Chrome trace events, when asked for
+
+    def _median(self, field: str) -> float | None:
+        values = [getattr(s, field) for s in self.step_times]
+        return statistics.median(values) if values else None
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_times)
+
+    @property
+    def step_s(self) -> float | None:
+        return self._median("step_s")
+
+    @property
+    def forward_s(self) -> float | None:
+        return self._median("forward_s")
+
+    @property
+    def backward_s(self) -> float | None:
+        return self._median("backward_s")
+
+    @property
+    def optimizer_s(self) -> float | None:
+        return self._median("optimizer_s")
+
+
+def build_model(config: Config, device: torch.device):
+    """(model with random weights on device, file module)."""
+    obj, file_module = loading.resolve(config.target)
+    name = config.target.rpartition(":")[2]
+    torch.manual_seed(SEED)
+    try:
+        with torch.device(device):
+            model = obj(**dict(config.kwargs))
+    except torch.cuda.OutOfMemoryError as e:
+        raise ModelError(f"out of memory building {name} on {device} ({_first_line(e)}); "
+                         "use a smaller model or free the device") from e
+    except Exception as e:
+        raise ModelError(f"{name}(...) raised {describe_exception(e)} on {device}; {USER_FRAMES_HINT}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{name} returned {type(model).__name__}, not an nn.Module")
+    if config.dtype is not None:
+        model.to(config.dtype)
+    return model, file_module
+
+
+def make_inputs(config: Config, model, file_module, device: torch.device):
+    """(args, kwargs) of real tensors on device: the --input specs, else example_inputs(batch)."""
+    torch.manual_seed(SEED)
+    if config.inputs:
+        args = tuple(s.make(config.batch, device) for s in config.inputs if s.name is None)
+        kwargs = {s.name: s.make(config.batch, device) for s in config.inputs if s.name is not None}
+    else:
+        args, kwargs = loading.require_inputs(loading.example_inputs(model, file_module, config.batch, device))
+
+    def prepare(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.to(device)
+        if t.is_floating_point():
+            if config.dtype is not None:
+                t = t.to(config.dtype)
+            if config.input_requires_grad:
+                t.requires_grad_(True)
+        return t
+
+    args = torch.utils._pytree.tree_map(prepare, tuple(args))
+    kwargs = torch.utils._pytree.tree_map(prepare, dict(kwargs))
+    return args, kwargs
+
+
+def loss_of(output, loss_output: int | None) -> torch.Tensor:
+    """DESIGN.md's loss: the sum of ``t.float().sum()`` over the floating outputs (or one of them)."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if loss_output is not None:
+        leaves = leaves[loss_output:loss_output + 1]
+    if not leaves:
+        raise ModelError("the model returned no floating-point tensor to build a loss from")
+    loss = leaves[0].float().sum()
+    for t in leaves[1:]:
+        loss = loss + t.float().sum()
+    return loss
+
+
+class _Clock:
+    """Marks within a step; seconds between them. CUDA events on CUDA, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def intervals(self, marks) -> list[float]:
+        if self.cuda:
+            marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]  # ms -> s
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
+class _Step:
+    """One training (or inference) step of the model, phases marked for the profiler and clock."""
+
+    def __init__(self, config: Config, model, args, kwargs, inference: bool, device: torch.device):
+        self.model, self.args, self.kwargs = model, args, kwargs
+        self.config, self.inference, self.device = config, inference, device
+        self.optimizer = None
+        if not inference:
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = config.optimizer_spec().build(params)
+        self.inputs_with_grad = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        model.train(not inference)
+
+    def autocast(self):
+        if self.config.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.config.amp)
+
+    def __call__(self, clock: _Clock | None = None) -> StepTime | None:
+        marks = [clock.mark()] if clock else None
+        if self.inference:
+            with record_function("fxacct.forward"), torch.no_grad(), self.autocast():
+                self.model(*self.args, **self.kwargs)
+            if clock:
+                marks.append(clock.mark())
+                (forward,) = clock.intervals(marks)
+                return StepTime(forward, forward, 0.0, 0.0)
+            return None
+        with record_function("fxacct.forward"):
+            with self.autocast():
+                output = self.model(*self.args, **self.kwargs)
+                loss = loss_of(output, self.config.loss_output)
+            del output
+        if clock:
+            marks.append(clock.mark())
+        with record_function("fxacct.backward"):
+            loss.backward()
+        if clock:
+            marks.append(clock.mark())
+        with record_function("fxacct.optimizer"):
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self.model.zero_grad(set_to_none=True)
+            for t in self.inputs_with_grad:
+                t.grad = None
+        del loss
+        if clock:
+            marks.append(clock.mark())
+            f, b, o = clock.intervals(marks)
+            return StepTime(f + b + o, f, b, o)
+        return None
+
+
+@contextlib.contextmanager
+def module_ranges(model: torch.nn.Module):
+    """A record_function range ``fxacct.module:<FQN>`` around every module call (global hooks)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: list = []
+
+    def pre(module, args):
+        name = names.get(id(module))
+        r = record_function(MODULE_PREFIX + name) if name is not None else contextlib.nullcontext()
+        r.__enter__()
+        stack.append(r)
+
+    def post(module, args, output):
+        stack.pop().__exit__(None, None, None)
+
+    h_pre = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h_post = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
+    try:
+        yield
+    finally:
+        h_pre.remove()
+        h_post.remove()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _model_errors(device: torch.device, batch: int):
+    try:
+        yield
+    except (UsageError, ModelError, KeyboardInterrupt):
+        raise
+    except torch.cuda.OutOfMemoryError as e:
+        raise ModelError(f"out of memory on {device} at batch {batch} ({_first_line(e)}); "
+                         "lower --batch") from e
+    except Exception as e:
+        if "out of memory" in str(e).lower():
+            raise ModelError(f"out of memory on {device} at batch {batch}; lower --batch") from e
+        raise ModelError(f"the real run raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+
+
+def _cpu_allocator_peak(prof, baseline: int) -> int | None:
+    """Resident bytes + the highest running sum of the CPU allocator's events in the window."""
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:  # a torch release moved the kineto results
+        return None
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = best = 0
+    for _, nbytes in mem:
+        live += nbytes
+        best = max(best, live)
+    return baseline + best
+
+
+def _chrome_trace(prof) -> tuple:
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="fxacct-trace-")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return tuple(json.load(f).get("traceEvents", ()))
+    finally:
+        os.unlink(path)
+
+
+def _op_level_peak(step: _Step) -> int:
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with StorageTracker() as tracker:
+            tracker.track(step.model, step.optimizer, step.args, step.kwargs)
+            step()
+    finally:
+        if was:
+            gc.enable()
+    return tracker.peak_bytes
+
+
+def measure(config: Config, device: torch.device, steps: int, warmup: int, node_rows=(),
+            inference: bool = False, keep_trace: bool = False,
+            progress: Callable[[str, int, int], None] | None = None) -> Measured:
+    """Run ``warmup`` + ``steps`` steps of config's model on ``device`` (see the module docstring)
+    and join the profile to ``node_rows`` (the account's forward NodeRows, fxacct.runtime.join).
+    A KeyboardInterrupt during the steps ends them; what was measured is returned, interrupted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    total = warmup + steps
+    with _model_errors(device, config.batch):
+        model, file_module = build_model(config, device)
+        args, kwargs = make_inputs(config, model, file_module, device)
+        step = _Step(config, model, args, kwargs, inference, device)
+        transfer = measure_transfer(args, kwargs, device) if cuda else None
+    clock = _Clock(device)
+    interrupted = False
+    times: list[StepTime] = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = None
+    try:
+        with _model_errors(device, config.batch):
+            for i in range(warmup):
+                step()
+                if progress:
+                    progress("warm-up", i + 1, total)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            baseline = StorageTracker().track(model, step.optimizer, args, kwargs).live_bytes
+            with profile(activities=activities, profile_memory=True) as prof, module_ranges(model):
+                for i in range(steps):
+                    with record_function(STEP):
+                        times.append(step(clock))
+                    if progress:
+                        progress("step", warmup + i + 1, total)
+    except KeyboardInterrupt:
+        interrupted = True
+    peak, source = None, "none"
+    if cuda:
+        peak, source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    elif prof is not None and times:
+        peak, source = _cpu_allocator_peak(prof, baseline), "profiler memory events + resident bytes"
+    joined, trace = None, ()
+    if prof is not None and times:
+        joined = join(prof.events(), node_rows, device_time=cuda)
+        if keep_trace:
+            trace = _chrome_trace(prof)
+    op_peak = None
+    if not interrupted:
+        try:
+            with _model_errors(device, config.batch):
+                op_peak = _op_level_peak(step)
+        except KeyboardInterrupt:
+            interrupted = True
+    name = torch.cuda.get_device_name(device) if cuda else _cpu_name()
+    return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,
+                    transfer, interrupted, torch.get_num_threads(), trace)
+
+
+def _cpu_name() -> str:
+    from fxacct.calibrate import cpu_name
+
+    return cpu_name()
+
+
+__all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs", "loss_of"]

@@ -1,0 +1,164 @@
+"""Predicted time (fxacct.roofline) and the device table's units.
+
+Expected values are computed by hand in the comments, from the datasheet figures or from a toy
+device with round rates, never read back from the code under test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fxacct
+from fxacct.costs.registry import Flops
+from fxacct.devices import DEVICES, MiB, get_device
+from fxacct.roofline import (COMPUTE, FREE, INIT, MEMORY, PHASES, DeviceModel, for_config, from_gpu, gpu_key,
+                             op_seconds, predict_profile)
+from fxacct.units import GB, GiB
+from fxacct_cli.main import cli
+from helpers import ROOT, config
+
+TWO_LAYER = str(ROOT / "examples/two_layer.py") + ":TwoLayer"
+# matmul 1e6 FLOP/s, other 1e6 FLOP/s, 1e9 B/s: a tiny model is compute-bound, 1 FLOP = 1 µs
+TOY = DeviceModel("toy", {"float32": 1e6}, 1e6, 1e9, "test")
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXACCT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device table: units (TFLOP/s, GB/s, GB vs GiB) and sources
+# ---------------------------------------------------------------------------------------------
+
+def test_h100_sxm_datasheet_figures_in_their_units():
+    h100 = get_device("h100")
+    assert h100.peak_flops["bfloat16"] / 1e12 == pytest.approx(989.5)  # TFLOP/s, dense bf16
+    assert h100.peak_flops["float8"] / 1e12 == pytest.approx(1979)  # 2 × bf16
+    assert h100.peak_flops["tf32"] / 1e12 == pytest.approx(494.7)  # ½ × bf16
+    assert h100.peak_flops["float32"] / 1e12 == pytest.approx(67)  # non-tensor fp32
+    assert h100.bandwidth / 1e9 == pytest.approx(3350)  # 3.35 TB/s = 3350 GB/s (10^9 B)
+    assert h100.capacity_nominal == 80 * GB  # "80 GB" as marketed: 80e9 B
+    assert h100.capacity_nominal / GiB == pytest.approx(74.506, abs=1e-3)  # = 74.5 GiB
+    assert h100.capacity_reported == 81559 * MiB  # nvidia-smi memory.total in MiB
+    assert h100.capacity_reported / GiB == pytest.approx(79.647, abs=1e-3)
+
+
+def test_other_table_entries():
+    assert get_device("a100").peak_flops["bfloat16"] == 312e12  # A100 80GB: 312 TFLOP/s bf16 dense
+    assert get_device("a100").bandwidth == 2.039e12  # 2,039 GB/s
+    assert get_device("h200").capacity_nominal == 141 * GB and get_device("h200").bandwidth == 4.8e12
+    pcie = get_device("h100-pcie")
+    assert pcie.peak_flops["bfloat16"] == 756e12 and pcie.bandwidth == 2.0e12
+    for key, d in DEVICES.items():
+        assert d.source, key  # every entry names its datasheet
+        assert d.peak_flops["bfloat16"] > d.peak_flops["tf32"] > d.peak_flops["float32"], key
+        assert d.capacity_reported > d.capacity_nominal * 0.95, key  # MiB figure, not a GB typo
+
+
+def test_tensor_core_peaks_apply_to_matmul_and_attention_only():
+    h100 = from_gpu(get_device("h100"))
+    # 1e12 matmul FLOPs in bf16: 1e12 / 989.5e12 s; the same in the other class: 1e12 / 67e12 s
+    t, bound = op_seconds(Flops(matmul=10**12), 0, torch.bfloat16, h100)
+    assert (t, bound) == (pytest.approx(1 / 989.5), COMPUTE)
+    t, _ = op_seconds(Flops(attention=10**12), 0, torch.bfloat16, h100)
+    assert t == pytest.approx(1 / 989.5)
+    t, _ = op_seconds(Flops(other=10**12), 0, torch.bfloat16, h100)
+    assert t == pytest.approx(1 / 67)
+    # fp32 matmul runs at the fp32 rate (TF32 off by default for matmuls), a convolution at TF32
+    assert op_seconds(Flops(matmul=10**12), 0, torch.float32, h100)[0] == pytest.approx(1 / 67)
+    assert op_seconds(Flops(matmul=10**12), 0, torch.float32, h100, convolution=True)[0] == pytest.approx(1 / 494.7)
+    assert op_seconds(Flops(matmul=10**12), 0, torch.float8_e4m3fn, h100)[0] == pytest.approx(1 / 1979)
+    # memory-bound: 3.35e9 bytes at 3.35e12 B/s = 1 ms, above the 1 FLOP's compute time
+    t, bound = op_seconds(Flops(other=1), int(3.35e9), torch.bfloat16, h100)
+    assert (t, bound) == (pytest.approx(1e-3), MEMORY)
+
+
+def test_bandwidth_curve_is_log_linear_between_calibrated_sizes():
+    d = DeviceModel("c", {"float32": 1.0}, 1.0, 10.0, "test", bandwidth_curve=((1000, 100.0), (100000, 10.0)))
+    assert d.bandwidth(10) == 100.0  # clamped below
+    assert d.bandwidth(10**7) == 10.0  # clamped above
+    assert d.bandwidth(10000) == pytest.approx(55.0)  # halfway in log10: 3 → 5 at 4
+    assert DeviceModel("flat", {"float32": 1.0}, 1.0, 7.0, "t").bandwidth(123) == 7.0
+
+
+def test_gpu_names_map_to_table_keys():
+    assert gpu_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_key("NVIDIA H100 PCIe") == "h100-pcie"
+    assert gpu_key("NVIDIA H200") == "h200"
+    assert gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert gpu_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert gpu_key("Tesla T4") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicted time of a profile
+# ---------------------------------------------------------------------------------------------
+
+def test_two_layer_on_a_toy_device_by_hand():
+    # TwoLayer, B=2, D=H=3, K=2, on TOY (1 FLOP = 1 µs; bytes are ~100 B = 0.1 µs: compute-bound).
+    # forward: mm 36 FLOPs = 36 µs, mm_1 24 = 24 µs. backward: dW2 24 + dH 24 (→ mm_1: 48 µs),
+    # dW1 36 (→ mm: 36 µs). loss: sum over 2·2 outputs = 4 FLOPs = 4 µs, + ones_like writing the
+    # 4-byte fp32 seed (a creation reads nothing): 4 ns.
+    p = fxacct.profile(fxacct.Config(target=TWO_LAYER, batch=2))
+    pr = predict_profile(p, TOY)
+    assert pr.by_node["mm"] == pytest.approx((36e-6, 36e-6))
+    assert pr.by_node["mm_1"] == pytest.approx((24e-6, 48e-6))
+    assert pr.by_phase["forward"] == pytest.approx(60e-6)
+    assert pr.by_phase["backward"] == pytest.approx(84e-6)
+    assert pr.by_phase["loss"] == pytest.approx(4e-6 + 4e-9)
+    assert pr.by_module[""] == pytest.approx((60e-6, 84e-6))
+    assert pr.step_s == pytest.approx(sum(pr.by_phase.values()))
+    # AdamW's first step creates its state (zeros_like): not part of a steady-state step
+    assert {o.bound for o in pr.ops if o.node.startswith("zeros_like")} == {INIT}
+    assert all(o.seconds == 0 for o in pr.ops if o.bound in (FREE, INIT))
+
+
+def test_op_flops_sum_to_the_account_and_times_to_the_phases():
+    p = fxacct.profile(config("GPT", batch=2))
+    pr = predict_profile(p, from_gpu(get_device("h100")))
+    flops = {phase: sum(o.flops for o in pr.ops if o.phase == phase) for phase in PHASES}
+    t = p.accounting.totals
+    assert flops == {"forward": t.forward.total, "loss": t.loss_flops, "backward": t.backward.total,
+                     "optimizer": t.optimizer_flops}
+    for phase in PHASES:
+        assert pr.by_phase[phase] == pytest.approx(sum(o.seconds for o in pr.ops if o.phase == phase))
+    # every forward and backward second is on a node, and the root module holds them all
+    node_f = sum(f for f, _ in pr.by_node.values())
+    node_b = sum(b for _, b in pr.by_node.values())
+    assert (node_f, node_b) == pytest.approx((pr.by_phase["forward"], pr.by_phase["backward"]))
+    assert pr.by_module[""] == pytest.approx((node_f, node_b))
+
+
+def test_cli_fills_predicted_step_ms_with_a_gpu():
+    result = invoke("profile", TWO_LAYER, "--batch", "2", "--gpu", "h100", "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["totals"]["predicted_step_ms"] > 0
+    assert doc["predicted"]["step_ms"] == doc["totals"]["predicted_step_ms"]
+    assert doc["predicted"]["device"] == "NVIDIA H100 SXM5 80GB"
+    assert "runtime" not in doc  # only with --runtime
+
+
+def test_uncalibrated_cpu_has_no_predicted_time():
+    assert for_config(fxacct.Config(target=TWO_LAYER)) is None
+    result = invoke("profile", TWO_LAYER, "--batch", "2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["totals"]["predicted_step_ms"] is None
+    text = invoke("profile", TWO_LAYER, "--batch", "2").stdout
+    assert "not calibrated" in text
+    text = invoke("profile", TWO_LAYER, "--batch", "2", "--gpu", "a100").stdout
+    assert "predicted step time on NVIDIA A100 SXM4 80GB (roofline" in text
+
+
+def test_runtime_flags_without_runtime_are_a_usage_error():
+    result = invoke("profile", TWO_LAYER, "--steps", "3")
+    assert result.exit_code == 2
+    assert "--runtime" in result.stderr and len(result.stderr.strip().splitlines()) == 1
