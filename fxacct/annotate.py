@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from fxacct import aliasing
-from fxacct.capture import TensorMeta
+from fxacct.capture import TensorMeta, tensor_metas
 from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
 
@@ -37,14 +37,6 @@ def _shape(a):
     if isinstance(a, (list, tuple)):
         return type(a)(_shape(x) for x in a)
     return a
-
-
-def _tensors(val):
-    if isinstance(val, TensorMeta):
-        return (val,)
-    if isinstance(val, (tuple, list)):
-        return tuple(v for v in val if isinstance(v, TensorMeta))
-    return ()
 
 
 def _has_tensor_arg(node: fx.Node) -> bool:
@@ -70,7 +62,7 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
         kind = aliasing.INPUT if node.meta.get("kind") == aliasing.INPUT else "parameter"
         return NodeCost(ZERO, kind, 0, saved_bytes, saved_pairs, False)
     kind = aliasing.op_kind(op, _has_tensor_arg(node))
-    outputs = _tensors(val)
+    outputs = tensor_metas(val)
     new_bytes = 0 if kind in (aliasing.VIEW, aliasing.INPLACE) else sum(t.nbytes for t in outputs)
     if kind == aliasing.VIEW:
         return NodeCost(ZERO, kind, 0, saved_bytes, saved_pairs, False)

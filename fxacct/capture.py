@@ -75,6 +75,15 @@ class TensorMeta:
         return self.numel() * _itemsize(self.dtype)
 
 
+def tensor_metas(val) -> tuple[TensorMeta, ...]:
+    """The TensorMetas of a node's val: one for a tensor, the tensors of a multi-output op."""
+    if isinstance(val, TensorMeta):
+        return (val,)
+    if isinstance(val, (tuple, list)):
+        return tuple(v for v in val if isinstance(v, TensorMeta))
+    return ()
+
+
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
@@ -133,6 +142,9 @@ class _Storages:
         self.deaths: dict[int, int] = {}
         self.clock = -1  # index of the last recorded op
         self.open = True
+        # id -> (dtype, bytes) where the real kernel's output differs from the fake kernel's
+        self.real: dict[int, tuple[torch.dtype, int]] = {}
+        self.pinned: set[int] = set()  # deaths set by fxacct.replay_train, not by the callback
 
     @property
     def next_id(self) -> int:
@@ -158,8 +170,33 @@ class _Storages:
     def _died(self, cdata: int, sid: int) -> None:
         if self.ids.get(cdata) == sid:
             del self.ids[cdata]
-        if self.open:
+        if self.open and sid not in self.pinned:
             self.deaths[sid] = self.clock
+
+
+def _batch_norm_stats(storages: _Storages, args, out) -> None:
+    """Batch norm's saved mean and inverse std take the dtype of its weight / running stats when
+    those differ from the input's (a bf16 input with fp32 parameters under autocast): the CPU and
+    CUDA kernels compute them in the parameter type (aten/src/ATen/native/Normalization.cpp,
+    `mixed_type`), the fake kernel in the input's."""
+    x = args[0]
+    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+    if not params or params[0].dtype == x.dtype:
+        return
+    dtype = params[0].dtype
+    for t in out[1:3]:
+        if isinstance(t, torch.Tensor) and t.dtype != dtype:
+            storages.real[storages.id_of(t)] = (dtype, t.numel() * _itemsize(dtype))
+
+
+_aten = torch.ops.aten
+_KERNEL_DTYPES = {
+    op: _batch_norm_stats for op in (
+        _aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+        _aten._native_batch_norm_legit.no_stats, _aten._native_batch_norm_legit_no_training.default,
+        _aten._native_batch_norm_legit_functional.default,
+    )
+}
 
 
 class _Ref(NamedTuple):
@@ -200,8 +237,9 @@ class _Recorder(TorchDispatchMode):
         return 1
 
     def meta(self, t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, self.storages.id_of(t),
-                          t.untyped_storage().nbytes(), t.requires_grad)
+        sid = self.storages.id_of(t)
+        dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), dtype, sid, nbytes, t.requires_grad)
 
     def ref(self, t: torch.Tensor) -> _Ref:
         ref = getattr(t, _TAG, None)
@@ -228,6 +266,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace in _NOT_RECORDED or not self.recording:
             return out
+        fix = _KERNEL_DTYPES.get(func)
+        if fix is not None:
+            fix(self.storages, args, out)
         index = len(self.records)
         rg: list[bool] = []
         ref_args = self.refs(args, rg)
@@ -294,7 +335,8 @@ class _SavedTracker:
     def pack(self, t: torch.Tensor):
         sid = self.storages.id_of(t)
         if sid not in self.excluded and sid not in self.saved:
-            self.saved[sid] = (t.untyped_storage().nbytes(), t.dtype)
+            dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
+            self.saved[sid] = (nbytes, dtype)
         return t, t._version
 
     @staticmethod

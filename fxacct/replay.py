@@ -108,8 +108,9 @@ class _Span:
     output_spec: object = None
 
 
-class BlockReplay:
-    """Installed on the blocks of every run for the length of one inference capture."""
+class ForwardPatches:
+    """Routes each block's forward through ``self._call`` while active; restores every block's
+    own forward (an instance attribute only shadows the class method) on exit."""
 
     def __init__(self, recorder, storages, runs):
         self.recorder = recorder
@@ -120,7 +121,7 @@ class BlockReplay:
 
     def __enter__(self):
         for run in self.runs:
-            state = {"spans": [], "template": None, "ok": True}
+            state = self._new_state(run)
             for pos, (fqn, block) in enumerate(run):
                 self._install(block, fqn, pos, state)
         return self
@@ -141,6 +142,14 @@ class BlockReplay:
 
         block.forward = forward
         self.installed.append((block, previous))
+
+
+class BlockReplay(ForwardPatches):
+    """Installed on the blocks of every run for the length of one inference capture."""
+
+    @staticmethod
+    def _new_state(run) -> dict:
+        return {"spans": [], "template": None, "ok": True}
 
     def _describe(self, t: torch.Tensor) -> _Tensor:
         st = t.untyped_storage()

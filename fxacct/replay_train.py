@@ -28,7 +28,7 @@ import torch
 
 from fxacct import _torch_private as tp
 from fxacct.capture import _TAG, BACKWARD, FORWARD, TensorMeta, _Ref
-from fxacct.replay import _relative, _renamed
+from fxacct.replay import ForwardPatches, _relative, _renamed
 
 
 class _Mismatch(Exception):
@@ -54,44 +54,21 @@ class _Template:
     saved: dict  # template storage id -> (bytes, dtype) saved by autograd
     saved_inputs: list  # indices of input leaves autograd saved
     storage_bytes: dict  # template storage id -> bytes
+    gout_last_use: dict  # incoming gradient j -> index of the last template record reading it
 
 
-class TrainReplay:
+class TrainReplay(ForwardPatches):
     """Installed on the blocks of every run for the length of one training capture."""
 
     def __init__(self, recorder, storages, runs, saved_tracker):
-        self.recorder = recorder
-        self.storages = storages
-        self.runs = runs
+        super().__init__(recorder, storages, runs)
         self.saved = saved_tracker
-        self.installed: list = []
-        self.replayed = 0
 
-    def __enter__(self):
-        for run in self.runs:
-            state = {"template": None, "tried": False, "run": run}
-            for fqn, block in run:
-                self._install(block, fqn, state)
-        return self
+    @staticmethod
+    def _new_state(run) -> dict:
+        return {"template": None, "tried": False, "run": run}
 
-    def __exit__(self, *exc):
-        for block, previous in self.installed:
-            if previous is None:
-                del block.forward
-            else:
-                block.forward = previous
-
-    def _install(self, block, fqn, state):
-        previous = block.__dict__.get("forward")
-        original = block.forward
-
-        def forward(*args, **kwargs):
-            return self._call(block, fqn, state, original, args, kwargs)
-
-        block.forward = forward
-        self.installed.append((block, previous))
-
-    def _call(self, block, fqn, state, original, args, kwargs):
+    def _call(self, block, fqn, pos, state, original, args, kwargs):
         leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         if not state["tried"]:
             state["tried"] = True
@@ -204,6 +181,7 @@ class TrainReplay:
             grad_refs, keys, {s: d for s, d in deaths.items() if s in born}, born,
             {s: v for s, v in saved_now.items() if s in born}, saved_inputs,
             {s: self.storages.nbytes[s] for s in born},
+            _last_uses(normalized, "gout"),
         )
 
     # -- replaying a block ---------------------------------------------------------------------
@@ -312,6 +290,15 @@ class _ReplayFn(torch.autograd.Function):
                 stores[meta.storage] = replay.storages.id_of(new)
                 results[key] = new
         replay.emit(template, template.fwd_len, len(template.records), refs, stores, ctx.fqn, ctx.base)
+        # the engine frees an incoming gradient once the block's last op that reads it has run;
+        # here the engine holds it until this function returns, so its death is set from the
+        # template (the probe held its own incoming gradients to the end)
+        for j, g in enumerate(gouts):
+            last = template.gout_last_use.get(j)
+            if last is not None:
+                sid = stores[("gout", j)]
+                replay.storages.deaths[sid] = base + last - template.fwd_len
+                replay.storages.pinned.add(sid)
         for sid, death in template.deaths.items():
             if sid in stores:
                 new_death = ctx.base + death if death < template.fwd_len else base + death - template.fwd_len
@@ -319,6 +306,26 @@ class _ReplayFn(torch.autograd.Function):
         grads = [results.get(("in", j)) for j in range(ctx.n_inputs)]
         grads += [results.get(("param", n)) for n in ctx.param_names]
         return (None, None, None, None, None, None, *grads)
+
+
+def _last_uses(records, kind: str) -> dict:
+    """j -> index of the last record whose arguments read (kind, j)."""
+    last = {}
+
+    def walk(a, i):
+        if isinstance(a, tuple) and len(a) == 2 and a[0] == kind and isinstance(a[1], int):
+            last[a[1]] = i
+        elif isinstance(a, dict):
+            for v in a.values():
+                walk(v, i)
+        elif isinstance(a, (list, tuple)):
+            for v in a:
+                walk(v, i)
+
+    for i, (_, a, kw, *_rest) in enumerate(records):
+        walk(a, i)
+        walk(kw, i)
+    return last
 
 
 def _find_meta(template: _Template, ref) -> TensorMeta:

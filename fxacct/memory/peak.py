@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxacct.capture import FORWARD, Capture, TensorMeta
+from fxacct.capture import FORWARD, Capture, tensor_metas
 
 PARAMETERS, BUFFERS, INPUTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES = (
     "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries")
@@ -48,14 +48,6 @@ class Lifetimes:
     op_phases: tuple[str, ...]
 
 
-def _tensors(val):
-    if isinstance(val, TensorMeta):
-        return (val,)
-    if isinstance(val, (tuple, list)):
-        return tuple(v for v in val if isinstance(v, TensorMeta))
-    return ()
-
-
 def _is_lifted_constant(node: fx.Node) -> bool:
     """A plain tensor made during the step (torch.tensor(0.) for an optimizer's step count) that
     the fake mode lifted: the lift_fresh output stands for it, so it is not counted twice."""
@@ -80,7 +72,7 @@ def lifetimes(capture: Capture) -> Lifetimes:
             continue
         category = (PARAMETERS if "param" in node.meta else INPUTS if node.meta.get("kind") == "input"
                     else BUFFERS)
-        for t in _tensors(node.meta.get("val")):
+        for t in tensor_metas(node.meta.get("val")):
             resident.setdefault(t.storage, (category, t.storage_nbytes))
 
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
@@ -88,7 +80,7 @@ def lifetimes(capture: Capture) -> Lifetimes:
     deaths = capture.deaths or {}
     born: dict[int, tuple[int, int, str, int]] = {}
     for i, n in enumerate(ops):
-        for t in _tensors(n.meta.get("val")):
+        for t in tensor_metas(n.meta.get("val")):
             sid = t.storage
             if sid in resident or sid in born:
                 continue

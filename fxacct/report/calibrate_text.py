@@ -12,7 +12,7 @@ def render_calibration(cal, path) -> str:
             for key, rate in cal.matmul_flops_per_s.items()]
     for moved, bandwidth in cal.bandwidth_by_bytes.items():
         rows.append(["memory bandwidth", f"{bandwidth / 1e9:.2f} GB/s",
-                     f"{format_bytes(int(moved))} moved per op (copy, add, mul_)"])
+                     f"{format_bytes(int(moved))} footprint (copy, add, mul_)"])
     return "\n".join([
         f"fxacct calibrate: {cal.name} ({cal.kind}, {cal.threads} threads, torch {cal.torch_version})",
         tabulate(rows, headers=["measured", "rate", "on"], colalign=("left", "right", "left")),

@@ -22,13 +22,14 @@ and ``fxacct.module:<FQN>`` around every module call (global forward pre/post ho
 - A duration is the event's CPU time on CPU, and the time of the GPU kernels it (and its
   children) launched on CUDA (``device_time_total``), so idle gaps are never attributed.
 
-Every figure is a median over the timed steps.
+Every figure is that of one timed step, the median one (its step time is the median of the
+steps'), so figures add up: a module's children to at most the module, the root to at most the step.
+Medians per module would not (the median of a sum is not the sum of medians).
 """
 
 from __future__ import annotations
 
 import bisect
-import statistics
 from dataclasses import dataclass
 
 MODULE_PREFIX = "fxacct.module:"
@@ -38,8 +39,9 @@ BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 
 @dataclass(frozen=True)
 class Join:
-    modules: dict  # FQN -> (forward s, backward s), medians, inclusive
-    nodes: dict  # forward node name -> (forward s or None, backward s or None), medians
+    step: int  # the timed step the figures are of
+    modules: dict  # FQN -> (forward s, backward s), inclusive
+    nodes: dict  # forward node name -> (forward s or None, backward s or None)
     matched: int  # forward op nodes matched to a profiler event
     expected: int  # forward op nodes
     outside_backward_s: float  # backward work linked to no module (loss backward, AccumulateGrad)
@@ -49,11 +51,6 @@ def profiler_name(op: str) -> str:
     """'aten.mm.default' -> 'aten::mm' (the name torch.profiler gives the op's event)."""
     ns, _, rest = op.partition(".")
     return f"{ns}::{rest.partition('.')[0]}"
-
-
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def _ancestors(fqn: str):
@@ -72,9 +69,9 @@ def _module_of(event) -> str | None:
     return None
 
 
-def join(events, node_rows, device_time: bool = False) -> Join:
+def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
     """``events``: torch.profiler FunctionEvents (``prof.events()``); ``node_rows``: the account's
-    forward NodeRows (fxacct.accounting), in graph order."""
+    forward NodeRows (fxacct.accounting), in graph order; ``step``: which timed step (0-based)."""
     def dur(e) -> float:
         return (e.device_time_total if device_time else e.cpu_time_total) / 1e6  # µs -> s
 
@@ -159,21 +156,18 @@ def join(events, node_rows, device_time: bool = False) -> Join:
                 if a in ranged:
                     break
                 mod_fwd[s][a] = mod_fwd[s].get(a, 0.0) + seconds
-    modules = {}
-    for m in {m for d in mod_fwd + mod_bwd for m in d}:
-        f = _median(d.get(m, 0.0) for d in mod_fwd)
-        b = _median(d.get(m, 0.0) for d in mod_bwd)
-        modules[m] = (f or 0.0, b or 0.0)
+    if not 0 <= step < n_steps:
+        return Join(step, {}, {r.name: (None, None) for r in rows}, 0, len(rows), 0.0)
+    modules = {m: (mod_fwd[step].get(m, 0.0), mod_bwd[step].get(m, 0.0))
+               for m in set(mod_fwd[step]) | set(mod_bwd[step])}
     nodes = {}
     matched = 0
     for r in rows:
-        f = _median(d.get(r.name) for d in node_fwd)
-        b = _median(d.get(r.name) for d in node_bwd)
+        f = node_fwd[step].get(r.name)
         if f is not None:
             matched += 1
-            b = b or 0.0
-        nodes[r.name] = (f, b)
-    return Join(modules, nodes, matched, len(rows), _median(outside) or 0.0)
+        nodes[r.name] = (f, node_bwd[step].get(r.name, 0.0) if f is not None else None)
+    return Join(step, modules, nodes, matched, len(rows), outside[step])
 
 
 __all__ = ["Join", "join", "profiler_name", "MODULE_PREFIX", "STEP"]

@@ -11,7 +11,9 @@ allocated, caches and kernels are warm); the timed steps run under ``torch.profi
 (and CUDA) activities and memory profiling, and one more step, untimed, under the storage tracker.
 
 Timing: ``time.perf_counter`` around each phase on CPU; CUDA events on CUDA, synchronized at the
-end of each step. The profiler's own overhead (a few µs per op) is inside every figure.
+end of each step. The profiler's own overhead (a few µs per op) is inside every figure. Step and
+phase times are low medians over the timed steps (each an actual step's value); module and node
+times are those of the median step (fxacct.runtime.join), so they add up within it.
 
 Peak memory, two figures, both for a steady-state step (parameters, buffers, inputs and optimizer
 state resident, gradients None when it begins):
@@ -77,7 +79,7 @@ class Measured:
 
     def _median(self, field: str) -> float | None:
         values = [getattr(s, field) for s in self.step_times]
-        return statistics.median(values) if values else None
+        return statistics.median_low(values) if values else None
 
     @property
     def steps(self) -> int:
@@ -98,6 +100,12 @@ class Measured:
     @property
     def optimizer_s(self) -> float | None:
         return self._median("optimizer_s")
+
+
+def median_step(times: list[StepTime]) -> int:
+    """The index of the step whose time is the (low) median: the step per-module figures are of."""
+    order = sorted(range(len(times)), key=lambda i: times[i].step_s)
+    return order[(len(order) - 1) // 2]
 
 
 def build_model(config: Config, device: torch.device):
@@ -364,7 +372,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
         peak, source = _cpu_allocator_peak(prof, baseline), "profiler memory events + resident bytes"
     joined, trace = None, ()
     if prof is not None and times:
-        joined = join(prof.events(), node_rows, device_time=cuda)
+        joined = join(prof.events(), node_rows, device_time=cuda, step=median_step(times))
         if keep_trace:
             trace = _chrome_trace(prof)
     op_peak = None

@@ -1,0 +1,91 @@
+"""Runtime mode on CUDA (skipped where there is no CUDA device).
+
+What is checked: the run executes on the GPU with CUDA events and torch.cuda.max_memory_allocated;
+the op-level peak (storage tracker, CUDA tensors) equals fxacct's peak_train_bytes for the local
+GPU's kernel rules; the allocator-level peak is at least the op-level one (the caching allocator
+rounds to 512-byte blocks and holds cuBLAS workspaces); the host-to-device transfer of a batch is
+timed from pageable and pinned memory; MFU is against the table's datasheet peak of a known GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from fxacct import calibrate
+from fxacct.errors import ModelError
+from fxacct.roofline import gpu_key
+from fxacct.runtime.setup import check_fits, free_bytes, resolve_device
+from fxacct_cli.main import cli
+from helpers import ROOT
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MLP = [str(ROOT / "examples/mlp.py") + ":MLP", "-k", "d_model=128", "-k", "d_hidden=256", "-k", "n_blocks=2",
+       "--batch", "4"]
+GPT = [str(ROOT / "examples/gpt2.py") + ":GPT", "-k", "n_layer=2", "-k", "n_embd=64", "-k", "n_head=4",
+       "-k", "block_size=32", "-k", "vocab_size=100", "--batch", "2"]
+FAST = ["--runtime", "--device", "cuda", "--steps", "3", "--warmup", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXACCT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def runtime_doc(tmp_path, *args) -> dict:
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(cli, ["profile", *args, "--format", "json", "-o", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output + result.stderr
+    return json.loads(out.read_text())
+
+
+def test_mlp_on_cuda(tmp_path):
+    doc = runtime_doc(tmp_path, *MLP, *FAST)
+    r = doc["runtime"]
+    assert r["device"].startswith("cuda:") and r["steps"] == 3 and r["step_ms"] > 0
+    assert r["peak_source"] == "torch.cuda.max_memory_allocated"
+    predicted = doc["totals"]["peak_train_bytes"]
+    assert r["op_level_peak_bytes"] == predicted
+    assert r["peak_bytes"] >= r["op_level_peak_bytes"]
+    t = r["transfer"]
+    assert t["bytes"] == 4 * 128 * 4 and t["pageable_ms"] > 0 and t["pinned_ms"] > 0
+    assert doc["config"]["gpu"] == gpu_key(torch.cuda.get_device_name())  # the local GPU's rules
+    if doc["config"]["gpu"] is not None:  # a GPU of the table: datasheet prediction and MFU
+        assert r["predicted_step_ms"] > 0 and 0 < r["mfu"] < 1
+    modules = {m["module"]: m for m in r["modules"]}
+    assert 0 < modules[""]["measured_ms"] <= r["step_ms"]
+    assert r["join"]["matched_nodes"] == r["join"]["forward_nodes"]
+
+
+def test_gpt2_bf16_amp_and_inference_on_cuda(tmp_path):
+    doc = runtime_doc(tmp_path, *GPT, *FAST, "--amp", "bf16")
+    r = doc["runtime"]
+    assert r["step_ms"] > 0 and r["backward_ms"] > 0
+    assert r["op_level_peak_bytes"] == doc["totals"]["peak_train_bytes"]
+    doc = runtime_doc(tmp_path, *GPT, *FAST, "--inference")
+    r = doc["runtime"]
+    assert r["inference"] and r["backward_ms"] == 0
+    assert r["op_level_peak_bytes"] == doc["totals"]["peak_inference_bytes"]
+
+
+def test_calibrate_cuda_stores_the_local_gpu(tmp_path):
+    cal = calibrate.calibrate("cuda", budget_s=0.1)
+    path = calibrate.save(cal)
+    assert path.name.startswith("device-cuda-") and cal.kind == "cuda"
+    assert cal.matmul_flops_per_s["bfloat16"] > cal.matmul_flops_per_s["float32"]
+    assert calibrate.load("cuda") == cal
+
+
+def test_the_safety_check_uses_free_device_memory():
+    device = resolve_device("cuda")
+    free = free_bytes(device)
+    assert 0 < free <= torch.cuda.get_device_properties(device).total_memory
+    check_fits(free // 2, device, force=False)
+    with pytest.raises(ModelError, match="--force"):
+        check_fits(free * 2, device, force=False)
+    check_fits(free * 2, device, force=True)
