@@ -14,7 +14,9 @@ fresh gradients. A block's backward ops run contiguously in the eager engine too
 higher sequence numbers than the block before it), so the order of ops is the same.
 
 What counts as identical before any op is compared is fxacct.replay's rule (class, parameters,
-plain attributes, no shared parameters). The inputs the template saved for backward are saved by
+plain attributes, no shared parameters). Under autocast every block is traced: autocast keeps each
+parameter's low-precision copy in a cache until its region ends, outside the block, so a probe
+cannot see when those copies die. The inputs the template saved for backward are saved by
 `_ReplayFn` too, so they live as long as they would. `--no-dedup` traces every block;
 tests check both ways agree.
 """
@@ -74,7 +76,8 @@ class TrainReplay(ForwardPatches):
             state["tried"] = True
             state["template"] = self._learn(state["run"], leaves, spec)
         template = state["template"]
-        if template is not None and torch.is_grad_enabled() and self._inputs_match(template, leaves, spec):
+        if (template is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+                and self._inputs_match(template, leaves, spec)):
             return self._replay(template, block, fqn, leaves)
         return original(*args, **kwargs)
 
@@ -90,7 +93,9 @@ class TrainReplay(ForwardPatches):
     # -- learning a template from two isolated blocks ------------------------------------------
 
     def _learn(self, run, leaves, spec) -> _Template | None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+            # autocast caches each parameter's low-precision copy until the autocast region ends,
+            # outside the block: a probe cannot see when those copies die, so trace in full
             return None
         try:
             first = self._probe(run[0], leaves, spec)

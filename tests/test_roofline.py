@@ -137,6 +137,16 @@ def test_op_flops_sum_to_the_account_and_times_to_the_phases():
     assert pr.by_module[""] == pytest.approx((node_f, node_b))
 
 
+def test_replayed_blocks_predict_the_same_as_traced_ones():
+    import dataclasses
+
+    h100 = from_gpu(get_device("h100"))
+    preds = [predict_profile(fxacct.profile(dataclasses.replace(config("GPT", batch=2), dedup=d)), h100)
+             for d in (True, False)]
+    assert [(o.node, o.op, o.seconds) for o in preds[0].ops] == [(o.node, o.op, o.seconds) for o in preds[1].ops]
+    assert preds[0].by_module == preds[1].by_module
+
+
 def test_cli_fills_predicted_step_ms_with_a_gpu():
     result = invoke("profile", TWO_LAYER, "--batch", "2", "--gpu", "h100", "--format", "json")
     assert result.exit_code == 0, result.output

@@ -33,6 +33,10 @@ def rate(flops_per_s: float | None) -> str:
     return f"{text[:-1]} {text[-1]}FLOP/s" if text[-1:].isalpha() else f"{text} FLOP/s"
 
 
+def _cut(text: str, width: int = 36) -> str:
+    return text if len(text) <= width else text[: width - 13] + "…" + text[-12:]
+
+
 def _div(a, b):
     return a / b if a is not None and b else None
 
@@ -71,19 +75,20 @@ def _totals_table(result) -> str:
              ["peak memory (op level)", format_bytes(c.predicted_peak_bytes), format_bytes(m.op_level_peak_bytes),
               ratio(_div(m.op_level_peak_bytes, c.predicted_peak_bytes))]]
     return tabulate(rows, headers=["", "predicted", "measured", "measured/predicted"],
-                    colalign=("left", "right", "right", "right"))
+                    colalign=("left", "right", "right", "right"), disable_numparse=True)
 
 
 def _rows_table(rows, first: str, with_op: bool) -> str:
     body = []
     for r in rows:
         name = r.name if not first == "module" else (("  " * max(0, r.depth - 1) + r.name) if r.name else "(root)")
-        line = [name] + ([r.op.removeprefix("aten.").removesuffix(".default")] if with_op else [])
+        line = [_cut(name)] + ([_cut(r.op.removeprefix("aten.").removesuffix(".default"))] if with_op else [])
         body.append(line + [format_count(r.flops), ms(r.predicted_s), ms(r.measured_s), ratio(r.ratio),
                             rate(r.achieved_flops_per_s)])
     headers = [first] + (["op"] if with_op else []) + ["FLOPs", "predicted", "measured", "measured/predicted",
                                                        "achieved"]
-    return tabulate(body, headers=headers, colalign=("left",) * (2 if with_op else 1) + ("right",) * 5)
+    return tabulate(body, headers=headers, colalign=("left",) * (2 if with_op else 1) + ("right",) * 5,
+                    disable_numparse=True)
 
 
 def runtime_section(result, depth: int = 2, top: int = 10) -> str:

@@ -1,0 +1,143 @@
+"""Repeated blocks traced once (fxacct.replay, fxacct.replay_train): the account must be the
+same, node for node and byte for byte, as tracing every block (`dedup=False`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxacct
+from fxacct import capture as capture_module
+from fxacct.replay import find_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from llama_shapes import Llama  # noqa: E402
+
+
+def _accounts(model, args, **config):
+    out = []
+    for dedup in (True, False):
+        out.append(fxacct.profile_module(model, args, {}, fxacct.Config(batch=args[0].shape[0], dedup=dedup,
+                                                                         **config)))
+    return out
+
+
+def _assert_same(a, b):
+    assert a.accounting.totals == b.accounting.totals
+    assert a.accounting.nodes == b.accounting.nodes
+    assert a.accounting.modules == b.accounting.modules
+    assert a.memory.by_dtype == b.memory.by_dtype
+    assert a.memory.peak_train == b.memory.peak_train
+    assert a.memory.peak_inference == b.memory.peak_inference
+
+
+def _tiny_llama(layers=4):
+    with torch.device("meta"):
+        return Llama(vocab=64, d=32, L=layers, h=4, kvh=2, ff=48, T=8)
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"optimizer": "sgd"}, {"amp": torch.bfloat16}, {"gpu": "h100", "find_max_batch": False},
+    {"gpu": "h100", "amp": torch.bfloat16, "find_max_batch": False}, {"input_requires_grad": True},
+])
+def test_llama_shaped_model_same_account_both_ways(config):
+    idx = torch.empty(2, 8, dtype=torch.long, device="meta")
+    a, b = _accounts(_tiny_llama(), (idx,), **config)
+    _assert_same(a, b)
+
+
+@pytest.mark.parametrize("config", [{"dtype": torch.bfloat16}, {"dtype": torch.bfloat16, "master_weights": True},
+                                    {"optimizer": "adagrad"}])
+def test_gpt_example_same_account_both_ways(config):
+    from fxacct.load import build, example_inputs, resolve
+
+    obj, module = resolve(str(Path(__file__).resolve().parents[1] / "examples/gpt2.py") + ":GPT")
+    model = build(obj, dict(n_layer=4, n_head=4, n_embd=64, vocab_size=100, block_size=16), "GPT")
+    args, _ = example_inputs(model, module, 2)
+    a, b = _accounts(model, args, **config)
+    _assert_same(a, b)
+
+
+def test_replay_records_fewer_dispatched_ops(monkeypatch):
+    calls = {"n": 0}
+    original = capture_module._Recorder.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls["n"] += 1
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(capture_module._Recorder, "__torch_dispatch__", counting)
+    idx = torch.empty(1, 8, dtype=torch.long, device="meta")
+    model = _tiny_llama(layers=8)
+    counts = []
+    for dedup in (True, False):
+        calls["n"] = 0
+        fxacct.profile_module(model, (idx,), {}, fxacct.Config(batch=1, dedup=dedup))
+        counts.append(calls["n"])
+    # 8 layers: with replay only the two probe blocks (and nothing per replayed block) run on
+    # fake tensors, so far fewer ops are dispatched; the graphs are equal (test above)
+    assert counts[0] < counts[1] / 2, counts
+
+
+class Numbered(nn.Module):
+    def __init__(self, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Alternating(nn.Module):
+    """Same class, parameters and attributes, but every other call takes another path: the
+    probe of two blocks must see the difference."""
+
+    calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        Alternating.calls += 1
+        y = self.lin(x)
+        return torch.relu(y) if Alternating.calls % 2 else y * 2
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_blocks_with_different_plain_attributes_are_not_a_run():
+    # a layer_idx can change a sliding window, a RoPE base or a scale: distinct blocks
+    assert find_runs(Stack([Numbered(i) for i in range(4)])) == []
+    assert len(find_runs(Stack([Numbered(0) for _ in range(4)]))) == 1
+
+
+def test_shared_blocks_are_not_a_run():
+    block = nn.Linear(4, 4)
+    model = Stack([block, block, block])
+    assert find_runs(model) == []
+
+
+def test_blocks_that_differ_at_run_time_fall_back_to_a_full_trace():
+    x = torch.empty(2, 4, device="meta")
+    with torch.device("meta"):
+        model = Stack([Alternating() for _ in range(5)])
+    Alternating.calls = 0
+    a = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=True))
+    Alternating.calls = 0
+    b = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=False))
+    _assert_same(a, b)
