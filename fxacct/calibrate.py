@@ -14,6 +14,10 @@ other work only ever slows a repetition down, so the fastest is the device's own
   cache can run faster for a moment (on the 2-core CI machine 512² reached 3× the 2048² rate),
   which no model-sized matmul sustains. float32 on CUDA runs with TF32 off (PyTorch's default for
   matmuls); "tf32" is the same product with it on.
+- the same by smallest dimension: (d×n) @ (n×n) for d in ``SKINNY_DIMS``, the square's n. A
+  matmul with one small dimension (a batch of 64 rows through a 1024→4096 layer, and the weight
+  gradient that contracts over those 64) runs well below the square rate on a CPU (measured here:
+  ~half); predictions look the rate up by each matmul's smallest dimension (fxacct.roofline).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,
@@ -50,6 +54,7 @@ MAX_N = {"cpu": 2048, "cuda": 8192}  # largest square operand tried (2048² fp32
 # buffer sizes of the bandwidth ops: from L2-resident (1 MiB) to past the last-level cache of current
 # server CPUs (hundreds of MiB); on a GPU one size far past its L2 (50 MiB on H100)
 COPY_SIZES = {"cpu": tuple(2**20 * m for m in (1, 4, 16, 64, 256)), "cuda": (2**30,)}
+SKINNY_DIMS = (16, 64, 256)  # the small dimension of the (d×n) @ (n×n) products
 DTYPES = {"cpu": ("float32", "bfloat16", "float16"),
           "cuda": ("float32", "tf32", "bfloat16", "float16")}
 
@@ -60,7 +65,8 @@ class Calibration:
     name: str  # CPU model or GPU name
     threads: int  # torch.get_num_threads() during the measurement (CPU)
     torch_version: str
-    matmul_flops_per_s: dict  # dtype name ("float32", "tf32", "bfloat16", ...) -> FLOP/s
+    matmul_flops_per_s: dict  # dtype name ("float32", "tf32", "bfloat16", ...) -> FLOP/s, square
+    matmul_by_min_dim: dict  # dtype name -> {str(smallest dimension): FLOP/s}, the square's n included
     bandwidth_bytes_per_s: float  # at the largest buffer (DRAM)
     bandwidth_by_bytes: dict  # str(footprint bytes) -> bytes/s, ascending sizes
     measured_at: str  # ISO 8601, UTC
@@ -162,6 +168,23 @@ def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tup
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
+def measure_skinny(kind: str, dtype_key: str, n: int, budget_s: float = BUDGET_S) -> dict[int, float]:
+    """{d: FLOP/s} of (d×n) @ (n×n) products for d in SKINNY_DIMS below n."""
+    timer = _Timer(kind)
+    dtype = torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
+    out = {}
+    try:
+        b = torch.randn(n, n, device=kind).to(dtype)
+        for d in (d for d in SKINNY_DIMS if d < n):
+            a = torch.randn(d, n, device=kind).to(dtype)
+            out[d] = 2 * d * n * n / _repeat(timer, lambda: torch.mm(a, b), budget_s / 3)  # 2·d·n·n FLOPs
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return out
+
+
 def measure_bandwidth(kind: str, budget_s: float = BUDGET_S, sweeps: int = 2) -> dict[int, float]:
     """{footprint bytes: bytes/s} over COPY_SIZES (module docstring)."""
     timer = _Timer(kind)
@@ -184,17 +207,19 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
     """Measure the local CPU or GPU (a few seconds; < 20 s on 2 CPU cores)."""
     kind = check_device(device)
     t0 = time.perf_counter()
-    rates, sizes = {}, {}
+    rates, sizes, by_dim = {}, {}, {}
     with torch.no_grad():
         for key in DTYPES[kind]:
             if progress:
                 progress(f"matmul {key}")
             rates[key], sizes[key] = measure_matmul(kind, key, budget_s)
+            skinny = measure_skinny(kind, key, sizes[key], budget_s)
+            by_dim[key] = {str(d): r for d, r in sorted({**skinny, sizes[key]: rates[key]}.items())}
         if progress:
             progress("memory bandwidth")
         curve = measure_bandwidth(kind, budget_s)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
-    return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates,
+    return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
                        curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
                        time.perf_counter() - t0)
 

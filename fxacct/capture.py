@@ -661,7 +661,13 @@ def _optimizer_step(optimizer, param_groups, fake_of, targets, grads, master_wei
         opt = optimizer.build(stepped)
         if opt is None:
             return [], masters
-        opt.step()
+        try:
+            opt.step()
+        except Exception as e:
+            if optimizer.args:  # a value its constructor accepted but its step cannot use
+                raise UsageError(f"{type(opt).__name__}.step() failed with options {optimizer.args}: "
+                                 f"{describe_exception(e)}; check --optim-arg") from e
+            raise
         if master_weights:
             with torch.no_grad():
                 for p, m in zip(batch, stepped):

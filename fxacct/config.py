@@ -48,7 +48,7 @@ class Config:
             raise UsageError(f"--dtype {str(self.dtype).removeprefix('torch.')} is not a floating-point dtype: "
                              "parameters are cast to it; use fp32, bf16, fp16 or fp8")
         if self.amp is not None and self.amp not in AMP_DTYPES:
-            raise UsageError(f"--amp {self.amp} is not an autocast dtype: use bf16 or fp16")
+            raise UsageError(f"--amp {str(self.amp).removeprefix('torch.')} is not an autocast dtype: use bf16 or fp16")
         if self.amp is not None and self.dtype is not None and self.dtype != torch.float32:
             raise UsageError("--amp keeps fp32 parameters and casts inside autocast; drop --dtype "
                              "(or use --dtype bf16 --master-weights for pure low-precision training)")

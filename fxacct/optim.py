@@ -74,6 +74,6 @@ class OptimizerSpec:
             return None
         try:
             return cls(params, **self.args)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # the options are what the user gave: a usage error, not the model's
             raise UsageError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.args.items())}) "
                              f"rejected its options: {e}") from None

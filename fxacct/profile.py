@@ -119,9 +119,10 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
-    """Headroom on the GPU, and the largest batch that fits: the per-rank peak is affine in the
-    batch (a·B + c: weights, state and fixed buffers do not scale), so two traces give a and c,
-    and one more at the predicted batch checks it (stepping down while it does not fit)."""
+    """Headroom on the GPU, and the largest batch that fits. The per-rank peak is close to affine
+    in the batch (a·B + c: weights, state and fixed buffers do not scale), so a second trace at 2B
+    gives a first guess; the answer is then bracketed by traces (a batch that fits, the next one
+    that does not) and settled by bisection, so it is exact, not extrapolated."""
     from dataclasses import replace
 
     device = get_device(config.gpu)
@@ -129,30 +130,42 @@ def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.Memor
     peak = memory.rank_peak.bytes
     max_batch, verified = None, False
     if config.find_max_batch and inputs_for is not None:
-        def rank_peak_at(batch: int) -> int:
-            a, kw = inputs_for(batch)
-            cap = _capture(model, a, kw, replace(config, batch=batch))
-            train, per_rank, _ = rank_peak(cap, model, config)
-            return (per_rank or train).bytes
+        cache = {config.batch: peak}
+
+        def fits(batch: int) -> bool:
+            if batch not in cache:
+                a, kw = inputs_for(batch)
+                cap = _capture(model, a, kw, replace(config, batch=batch))
+                train, per_rank, _ = rank_peak(cap, model, config)
+                cache[batch] = (per_rank or train).bytes
+            return cache[batch] <= capacity
 
         b1 = config.batch
-        p2 = rank_peak_at(2 * b1)
-        slope = (p2 - peak) / b1
+        fits(2 * b1)
+        slope = (cache[2 * b1] - peak) / b1
         if slope > 0:
-            fixed = peak - slope * b1
-            guess = int((capacity - fixed) // slope)
-            for _ in range(4):
-                if guess < 1:
-                    guess = 0
-                    break
-                at = rank_peak_at(guess)
-                if at <= capacity:
-                    verified = True
-                    break
-                guess = max(0, int((capacity - fixed) // ((at - fixed) / guess)) - 1 if at > fixed else guess - 1)
-            max_batch = guess
+            guess = max(1, int((capacity - (peak - slope * b1)) // slope))
+            lo, hi = (guess, None) if fits(guess) else (0, guess)
+            step = 1
+            while hi is None and len(cache) < MAX_FIT_TRACES:  # grow until a batch does not fit
+                if fits(lo + step):
+                    lo, step = lo + step, step * 2
+                else:
+                    hi = lo + step
+            while lo > 0 and not fits(lo) and len(cache) < MAX_FIT_TRACES:
+                lo //= 2
+            if hi is None:
+                hi = lo + 1
+            while hi - lo > 1 and len(cache) < MAX_FIT_TRACES:  # bisect: lo fits, hi does not
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            max_batch = lo
+            verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
     fit = memory_account.Fit(device.name, capacity, peak, capacity - peak, max_batch, verified)
     return replace(memory, fit=fit)
+
+
+MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
 
 
 def load_model(config: Config):

@@ -6,7 +6,9 @@ For every op node of the training graph (forward, loss, backward, optimizer):
     t_memory  = (bytes read + bytes written) / bandwidth
     t         = max(t_compute, t_memory)                    (Williams et al., "Roofline", CACM 2009)
 
-- P_mm: the tensor-core peak for the op's input dtype (fxacct.devices: bf16, fp16, fp8; fp32 runs
+- P_mm: the tensor-core peak for the op's input dtype; on a calibrated device, the rate measured
+  for matmuls whose smallest dimension is the op's (log-linear between the calibrated ones), since
+  a skinny matmul runs below the square rate (fxacct.calibrate). Else the datasheet peak (fxacct.devices: bf16, fp16, fp8; fp32 runs
   at the fp32 rate because torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at
   TF32 because torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the
   matmul and attention classes only; P_other is the non-tensor fp32 rate. On a calibrated CPU both
@@ -36,6 +38,7 @@ their phase only. Module times are inclusive, like the module FLOPs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -65,27 +68,34 @@ class DeviceModel:
     source: str  # datasheet, or the calibration file and date
     tf32_convolutions: bool = False  # cuDNN runs fp32 convolutions in TF32 by default
     bandwidth_curve: tuple = ()  # ((footprint bytes, bytes/s), ...) ascending; () -> the flat figure
+    matmul_curves: dict = dataclasses.field(default_factory=dict)  # dtype key -> ((smallest dim, FLOP/s), ...)
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes/s when streaming over a footprint of ``nbytes``."""
-        curve = self.bandwidth_curve
-        if not curve:
-            return self.bandwidth_bytes_per_s
-        if nbytes <= curve[0][0]:
-            return curve[0][1]
-        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-            if nbytes <= x1:
-                w = math.log(nbytes / x0) / math.log(x1 / x0)
-                return y0 + w * (y1 - y0)
-        return curve[-1][1]
+        return _log_linear(self.bandwidth_curve, nbytes) if self.bandwidth_curve else self.bandwidth_bytes_per_s
 
-    def matmul_peak(self, dtype: torch.dtype | None, convolution: bool = False) -> float:
+    def matmul_peak(self, dtype: torch.dtype | None, convolution: bool = False, min_dim: int | None = None) -> float:
         key = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
         if key.startswith("float8"):
             key = "float8"
         if key == "float32" and convolution and self.tf32_convolutions and "tf32" in self.matmul_flops_per_s:
             key = "tf32"
-        return self.matmul_flops_per_s.get(key, self.matmul_flops_per_s["float32"])
+        if key not in self.matmul_flops_per_s:
+            key = "float32"
+        curve = self.matmul_curves.get(key)
+        if min_dim and curve:
+            return _log_linear(curve, min_dim)
+        return self.matmul_flops_per_s[key]
+
+
+def _log_linear(curve, x: float) -> float:
+    """y at x on ((x, y), ...) ascending: linear in log x between points, clamped at the ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return curve[-1][1]
 
 
 def from_gpu(device: Device) -> DeviceModel:
@@ -97,9 +107,10 @@ def from_calibration(cal) -> DeviceModel:
     """A device model from a fxacct.calibrate.Calibration (measured, not datasheet, rates)."""
     rates = dict(cal.matmul_flops_per_s)
     curve = tuple(sorted((int(k), v) for k, v in cal.bandwidth_by_bytes.items()))
+    matmul = {key: tuple(sorted((int(d), r) for d, r in by.items())) for key, by in cal.matmul_by_min_dim.items()}
     return DeviceModel(cal.name, rates, rates["float32"], cal.bandwidth_bytes_per_s,
                        f"calibrated {cal.measured_at} ({cal.threads} threads, torch {cal.torch_version})",
-                       tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve)
+                       tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve, matmul_curves=matmul)
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -196,11 +207,22 @@ def _dtype(node: fx.Node) -> torch.dtype | None:
     return out[0].dtype if out else None
 
 
+def min_dim(node: fx.Node) -> int | None:
+    """The smallest of m, k, n of a matmul (the last two dims of its first two ≥2-d tensor inputs;
+    for attention q·kᵀ, the query length, key length and head dim); None for a convolution."""
+    if "convolution" in str(node.target):
+        return None
+    mats = [t.shape for n in node.all_input_nodes for t in _tensors(n.meta.get("val")) if len(t.shape) >= 2][:2]
+    dims = [d for shape in mats for d in shape[-2:]]
+    return min(dims) if dims else None
+
+
 def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceModel,
-               convolution: bool = False, bandwidth: float | None = None) -> tuple[float, str]:
+               convolution: bool = False, bandwidth: float | None = None,
+               smallest: int | None = None) -> tuple[float, str]:
     """(seconds, bound) of one op: max(compute, memory) of the roofline; ``bandwidth`` in bytes/s
-    (default: the device's DRAM figure)."""
-    compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution)
+    (default: the device's DRAM figure); ``smallest``: the matmul's smallest dimension."""
+    compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution, smallest)
                + flops.other / device.other_flops_per_s)
     memory = nbytes / (bandwidth or device.bandwidth_bytes_per_s)
     return (compute, COMPUTE) if compute >= memory else (memory, MEMORY)
@@ -238,8 +260,9 @@ def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,
             seconds, bound, nbytes = 0.0, INIT, 0
         else:
             nbytes = op_bytes(node, cost.kind == "creation")
+            smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
             seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
-                                        "convolution" in str(node.target), bandwidth)
+                                        "convolution" in str(node.target), bandwidth, smallest)
         seconds, nbytes = seconds * repeat, nbytes * repeat
         by_phase[phase] += seconds
         if owner is not None and phase in (FORWARD, BACKWARD):

@@ -233,8 +233,9 @@ def measure_training_step(model: torch.nn.Module, inputs, optimizer_factory, los
     ``optimizer_factory`` gets the parameters with ``requires_grad=True`` (``torch.optim.AdamW``
     or ``lambda ps: torch.optim.SGD(ps, lr=0.1)``). One warm-up step runs first, untracked, so the
     optimizer state exists (it updates the model's parameters); then ``zero_grad(set_to_none=True)``
-    and the measured step: forward, loss, backward, the loss dropped, ``optimizer.step()``. The
-    model's output lives until the loss is built, as in the graph fxacct accounts. The model's
+    and the measured step: forward, loss, backward, ``optimizer.step()``, the loss held to the end
+    as a training loop's variable holds it. The model's output lives until the loss is built, as
+    in the step fxacct accounts. The model's
     train/eval mode is left as the caller set it.
     """
     args, kwargs = _as_args(inputs), dict(kwargs or {})
@@ -244,8 +245,8 @@ def measure_training_step(model: torch.nn.Module, inputs, optimizer_factory, los
     def step():
         loss = loss_fn(model(*args, **kwargs))
         loss.backward()
-        del loss
         optimizer.step()
+        return loss
 
     step()
     optimizer.zero_grad(set_to_none=True)

@@ -31,7 +31,7 @@ def invoke(*args):
 
 def fake_calibration(**over) -> calibrate.Calibration:
     values = dict(kind="cpu", name="test cpu", threads=1, torch_version=torch.__version__,
-                  matmul_flops_per_s={"float32": 1e6}, bandwidth_bytes_per_s=1e9,
+                  matmul_flops_per_s={"float32": 1e6}, matmul_by_min_dim={}, bandwidth_bytes_per_s=1e9,
                   bandwidth_by_bytes={"1000": 1e9}, measured_at="2026-01-01T00:00:00+00:00", sizes={},
                   seconds=0.0)
     values.update(over)
@@ -61,6 +61,9 @@ def test_calibrate_cpu_measures_and_stores_a_profile(cache):
     # plausible ranges for any CPU of this decade: 0.1 GFLOP/s .. 100 TFLOP/s, 0.1 .. 10,000 GB/s
     for rate in data["matmul_flops_per_s"].values():
         assert 1e8 < rate < 1e14
+    for key, by_dim in data["matmul_by_min_dim"].items():  # skinny products, then the square itself
+        assert sorted(map(int, by_dim)) == [16, 64, 256, data["sizes"][key]]
+        assert by_dim[str(data["sizes"][key])] == data["matmul_flops_per_s"][key]
     for bw in data["bandwidth_by_bytes"].values():
         assert 1e8 < bw < 1e13
     assert data["bandwidth_bytes_per_s"] == data["bandwidth_by_bytes"][max(data["bandwidth_by_bytes"], key=int)]

@@ -141,3 +141,13 @@ def test_blocks_that_differ_at_run_time_fall_back_to_a_full_trace():
     Alternating.calls = 0
     b = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=False))
     _assert_same(a, b)
+
+
+def test_replay_leaves_the_blocks_as_they_were():
+    idx = torch.empty(1, 8, dtype=torch.long, device="meta")
+    model = _tiny_llama()
+    before = {name: dict(vars(m)) for name, m in model.named_modules()}
+    fxacct.profile_module(model, (idx,), {}, fxacct.Config(batch=1))
+    for name, m in model.named_modules():
+        assert "forward" not in vars(m), name
+        assert vars(m).keys() == before[name].keys(), name

@@ -89,6 +89,18 @@ def test_bandwidth_curve_is_log_linear_between_calibrated_sizes():
     assert DeviceModel("flat", {"float32": 1.0}, 1.0, 7.0, "t").bandwidth(123) == 7.0
 
 
+def test_a_calibrated_matmul_rate_follows_the_smallest_dimension():
+    # measured: 1e9 FLOP/s when the smallest of m, k, n is 16, 4e9 at 256 (the square's n)
+    d = DeviceModel("c", {"float32": 4e9}, 4e9, 1e9, "test", matmul_curves={"float32": ((16, 1e9), (256, 4e9))})
+    assert d.matmul_peak(torch.float32, min_dim=64) == pytest.approx(2.5e9)  # 64 is halfway in log 16 → 256
+    assert d.matmul_peak(torch.float32, min_dim=8) == 1e9 and d.matmul_peak(torch.float32, min_dim=4096) == 4e9
+    assert d.matmul_peak(torch.float32) == 4e9  # no dimension known: the square rate
+    assert d.matmul_peak(torch.bfloat16, min_dim=64) == pytest.approx(2.5e9)  # uncalibrated dtype: fp32's
+    # a (64×1024) @ (1024×4096) product, 2·64·1024·4096 FLOPs, at 2.5e9 FLOP/s
+    t, _ = op_seconds(Flops(matmul=2 * 64 * 1024 * 4096), 0, torch.float32, d, smallest=64)
+    assert t == pytest.approx(2 * 64 * 1024 * 4096 / 2.5e9)
+
+
 def test_gpu_names_map_to_table_keys():
     assert gpu_key("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_key("NVIDIA H100 PCIe") == "h100-pcie"

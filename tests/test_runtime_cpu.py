@@ -82,7 +82,7 @@ def test_mlp_training_step(tmp_path):
 
 def test_gpt2_training_step_with_a_calibrated_cpu_and_a_trace(tmp_path):
     calibrate.save(calibrate.Calibration(
-        "cpu", "test cpu", 1, "x", {"float32": 1e11}, 1e10, {"1000000": 1e10}, "2026-01-01T00:00:00+00:00", {}, 0.0))
+        "cpu", "test cpu", 1, "x", {"float32": 1e11}, {}, 1e10, {"1000000": 1e10}, "2026-01-01T00:00:00+00:00", {}, 0.0))
     trace = tmp_path / "trace.json"
     doc = runtime_doc(tmp_path, *GPT, *FAST, "--trace", str(trace))
     r = check_measured(doc)

@@ -322,11 +322,7 @@ def test_fit_headroom(gpt_on_h100):
 # The per-rank peak of GPT small is not affine from batch 2 up: at batch 2 it is in the optimizer
 # step, at large batches in the backward (peak(2) = 2,171,508, peak(4) = 2,616,472, peak(6) =
 # 3,227,288). The first guess from b and 2b (384,386) does not fit; the secant step then takes
-# `... - 1` and stops at the first batch that fits, never trying the one above it.
-@pytest.mark.xfail(strict=True, reason=(
-    "fxacct/profile.py:152 (_with_fit: secant step `- 1`, and no check that max_batch + 1 does not fit): "
-    "GPT small on h100 reports largest batch 280,015, but batch 280,016 fits too (per-rank peak "
-    "85,520,521,368 B <= capacity 85,520,809,984 B); 280,017 does not (85,520,826,776 B)"))
+# `... - 1` and stopped at the first batch that fits (regression: it reported 280,015; 280,016 fits).
 def test_largest_batch_that_fits_is_the_largest(gpt_on_h100):
     fit = gpt_on_h100.memory.fit
     above = fxacct.profile(config("GPT", batch=fit.max_batch + 1, gpu="h100", find_max_batch=False))

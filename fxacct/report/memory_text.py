@@ -82,5 +82,5 @@ def render_memory(p: Profile) -> str:
                      f"{f.peak_bytes / GiB:.2f} GiB, {verdict}")
         if f.max_batch is not None:
             lines.append(f"largest batch that fits: {f.max_batch}"
-                         + (" (checked by a trace at that batch)" if f.max_batch_verified else " (estimate)"))
+                         + (f" (traced: {f.max_batch} fits, {f.max_batch + 1} does not)" if f.max_batch_verified else " (estimate: the search ran out of traces)"))
     return "\n".join(lines)

@@ -366,7 +366,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     except KeyboardInterrupt:
         interrupted = True
     peak, source = None, "none"
-    if cuda:
+    if cuda and times:
         peak, source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     elif prof is not None and times:
         peak, source = _cpu_allocator_peak(prof, baseline), "profiler memory events + resident bytes"
