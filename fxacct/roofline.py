@@ -6,13 +6,15 @@ For every op node of the training graph (forward, loss, backward, optimizer):
     t_memory  = (bytes read + bytes written) / bandwidth
     t         = max(t_compute, t_memory)                    (Williams et al., "Roofline", CACM 2009)
 
-- P_mm: the tensor-core peak for the op's input dtype; on a calibrated device, the rate measured
-  for matmuls whose smallest dimension is the op's (log-linear between the calibrated ones), since
-  a skinny matmul runs below the square rate (fxacct.calibrate). Else the datasheet peak (fxacct.devices: bf16, fp16, fp8; fp32 runs
-  at the fp32 rate because torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at
-  TF32 because torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the
-  matmul and attention classes only; P_other is the non-tensor fp32 rate. On a calibrated CPU both
-  are the measured matmul rates (fxacct.calibrate); ops of the other class are memory-bound there.
+- P_mm on a GPU of the table: the datasheet's tensor-core peak for the op's input dtype
+  (fxacct.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
+  torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at TF32 because
+  torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the matmul and
+  attention classes only; P_other is the non-tensor fp32 rate.
+- P_mm on a calibrated device (fxacct.calibrate): the rate measured for matmuls whose smallest
+  dimension is the op's (log-linear between the calibrated ones), since a skinny matmul runs
+  below the square rate; P_other is the measured fp32 square rate (ops of the other class are
+  memory-bound there).
 - bytes: every tensor input read once and every output written once (numel × element size); a
   view moves nothing and takes no time. For a gather (embedding, index) this counts the whole
   table read: an upper bound.

@@ -82,7 +82,9 @@ def test_mlp_training_step(tmp_path):
 
 def test_gpt2_training_step_with_a_calibrated_cpu_and_a_trace(tmp_path):
     calibrate.save(calibrate.Calibration(
-        "cpu", "test cpu", 1, "x", {"float32": 1e11}, {}, 1e10, {"1000000": 1e10}, "2026-01-01T00:00:00+00:00", {}, 0.0))
+        kind="cpu", name="test cpu", threads=1, torch_version="x", matmul_flops_per_s={"float32": 1e11},
+        matmul_by_min_dim={}, bandwidth_bytes_per_s=1e10, bandwidth_by_bytes={"1000000": 1e10},
+        measured_at="2026-01-01T00:00:00+00:00", sizes={}, seconds=0.0))
     trace = tmp_path / "trace.json"
     doc = runtime_doc(tmp_path, *GPT, *FAST, "--trace", str(trace))
     r = check_measured(doc)

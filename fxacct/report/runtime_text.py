@@ -97,7 +97,8 @@ def runtime_section(result, depth: int = 2, top: int = 10) -> str:
     what = "inference steps (forward, eval, no_grad)" if m.inference else "training steps"
     lines = [
         f"runtime on {m.device} ({m.device_name}, {m.threads} threads): {m.steps} timed {what} after "
-        f"{m.warmup} warm-up; medians; torch.profiler's overhead included",
+        f"{m.warmup} warm-up; step and phase times are medians, module and node times those of the median "
+        "step; torch.profiler's overhead included",
         f"predicted for: {p.device.name} ({p.device.source})" if p is not None else
         "predicted for: nothing (this device is not calibrated: run `fxacct calibrate --device "
         f"{m.device.split(':')[0]}`)",
