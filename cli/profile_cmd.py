@@ -9,7 +9,7 @@ import click
 
 import fxacct
 import fxacct.roofline
-from fxacct.report import document, render_rows, render_text
+from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
 from fxacct_cli.main import FORMATS, cli, write_output
 from fxacct_cli.options import model_options, to_config

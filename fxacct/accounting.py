@@ -9,7 +9,6 @@ Per module: inclusive totals (a module includes its submodules), in named_module
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch

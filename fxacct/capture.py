@@ -32,77 +32,22 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
-import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxacct import _torch_private as tp
 from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
+from fxacct.loss import training_loss
+from fxacct.recorder import (  # noqa: F401  (re-exported: the phases and the recorder)
+    BACKWARD, FORWARD, LOSS, OPTIMIZER, Recorder, SavedTracker, module_tracking,
+)
+from fxacct.records import (  # noqa: F401  (re-exported)
+    TAG, Ref, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
+)
 
-FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
-_PRIM_DEVICE = torch.ops.prim.device.default
-# metadata queries (prim.device, ...) and profiler markers (record_function): no tensor work
-_NOT_RECORDED = frozenset({"prim", "profiler"})
-_TAG = "_fxacct_ref"  # attribute set on each traced tensor: which record (or placeholder) made it
-
-
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """What fxacct keeps of a tensor: enough for costs and bytes, holding no memory."""
-
-    shape: tuple
-    stride: tuple
-    dtype: torch.dtype
-    storage: int  # storage id, unique within one capture; views share their base's
-    storage_nbytes: int
-    requires_grad: bool = False
-
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def element_size(self) -> int:
-        return _itemsize(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel() * _itemsize(self.dtype)
-
-
-def tensor_metas(val) -> tuple[TensorMeta, ...]:
-    """The TensorMetas of a node's val: one for a tensor, the tensors of a multi-output op."""
-    if isinstance(val, TensorMeta):
-        return (val,)
-    if isinstance(val, (tuple, list)):
-        return tuple(v for v in val if isinstance(v, TensorMeta))
-    return ()
-
-
-_ITEMSIZE: dict[torch.dtype, int] = {}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="meta").element_size()
-    return size
-
-
-class StateTensor(NamedTuple):
-    """One storage of optimizer state after a step."""
-
-    dtype: torch.dtype
-    nbytes: int
-    key: int  # storage id
-    scalar: bool  # a 0-dim tensor (a step count), not a per-parameter buffer
-    count: int = 1  # parameters of this shape the representative stands for
-
+_Recorder, _Storages, Ref, TAG = Recorder, Storages, Ref, TAG  # the names replay code used
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -133,223 +78,6 @@ class Capture:
     deaths: dict | None = None
 
 
-class _Storages:
-    """Storage ids that stay unique for the whole capture, and when each storage died."""
-
-    def __init__(self):
-        self.ids: dict[int, int] = {}  # live storage _cdata -> id
-        self.nbytes: dict[int, int] = {}  # id -> bytes
-        self.deaths: dict[int, int] = {}
-        self.clock = -1  # index of the last recorded op
-        self.open = True
-        # id -> (dtype, bytes) where the real kernel's output differs from the fake kernel's
-        self.real: dict[int, tuple[torch.dtype, int]] = {}
-        self.pinned: set[int] = set()  # deaths set by fxacct.replay_train, not by the callback
-
-    @property
-    def next_id(self) -> int:
-        return len(self.nbytes)
-
-    def synthetic(self, nbytes: int) -> int:
-        """An id for a storage that a replayed block (fxacct.replay) would have allocated."""
-        sid = len(self.nbytes)
-        self.nbytes[sid] = nbytes
-        return sid
-
-    def id_of(self, t: torch.Tensor) -> int:
-        st = t.untyped_storage()
-        cdata = st._cdata
-        sid = self.ids.get(cdata)
-        if sid is None:
-            sid = len(self.nbytes)
-            self.ids[cdata] = sid
-            self.nbytes[sid] = st.nbytes()
-            weakref.finalize(st, self._died, cdata, sid)
-        return sid
-
-    def _died(self, cdata: int, sid: int) -> None:
-        if self.ids.get(cdata) == sid:
-            del self.ids[cdata]
-        if self.open and sid not in self.pinned:
-            self.deaths[sid] = self.clock
-
-
-def _batch_norm_stats(storages: _Storages, args, out) -> None:
-    """Batch norm's saved mean and inverse std take the dtype of its weight / running stats when
-    those differ from the input's (a bf16 input with fp32 parameters under autocast): the CPU and
-    CUDA kernels compute them in the parameter type (aten/src/ATen/native/Normalization.cpp,
-    `mixed_type`), the fake kernel in the input's."""
-    x = args[0]
-    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
-    if not params or params[0].dtype == x.dtype:
-        return
-    dtype = params[0].dtype
-    for t in out[1:3]:
-        if isinstance(t, torch.Tensor) and t.dtype != dtype:
-            storages.real[storages.id_of(t)] = (dtype, t.numel() * _itemsize(dtype))
-
-
-_aten = torch.ops.aten
-_KERNEL_DTYPES = {
-    op: _batch_norm_stats for op in (
-        _aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
-        _aten._native_batch_norm_legit.no_stats, _aten._native_batch_norm_legit_no_training.default,
-        _aten._native_batch_norm_legit_functional.default,
-    )
-}
-
-
-class _Ref(NamedTuple):
-    """A tensor argument in a record: the record (or placeholder) that produced it."""
-
-    source: object  # int record index, or a placeholder key
-    index: int | None  # output position of a multi-output op
-
-
-class _Recorder(TorchDispatchMode):
-    """Records every aten op with its phase, module, autograd sequence link, argument references
-    and output metadata. Per op it does only that; the graph is built once afterwards."""
-
-    def __init__(self, storages: _Storages):
-        super().__init__()
-        self.records: list[tuple] = []
-        self.constants: list[tuple] = []  # (key, TensorMeta) of tensors no traced op produced
-        self.phase = FORWARD
-        self.module_stack: list[str] = [""]
-        self.last_seq = tp.get_sequence_nr()
-        self.storages = storages
-        self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
-        self.recording = True
-
-    @contextlib.contextmanager
-    def suppressed(self):
-        """Ops run but are not recorded (fxacct.replay makes a replayed block's outputs)."""
-        self.recording = False
-        try:
-            yield
-        finally:
-            self.recording = True
-
-    def repeat_of(self, index: int) -> int:
-        for start, end, count in self.repeats:
-            if start <= index < end:
-                return count
-        return 1
-
-    def meta(self, t: torch.Tensor) -> TensorMeta:
-        sid = self.storages.id_of(t)
-        dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
-        return TensorMeta(tuple(t.shape), tuple(t.stride()), dtype, sid, nbytes, t.requires_grad)
-
-    def ref(self, t: torch.Tensor) -> _Ref:
-        ref = getattr(t, _TAG, None)
-        if ref is None:  # made outside the traced ops: a constant held by the module or the code
-            ref = _Ref(("constant", len(self.constants)), None)
-            self.constants.append((ref.source, self.meta(t)))
-            setattr(t, _TAG, ref)
-        return ref
-
-    def refs(self, a, rg: list):
-        if isinstance(a, torch.Tensor):
-            rg.append(a.requires_grad)
-            return self.ref(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.refs(x, rg) for x in a)
-        return a
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):
-            # the backward engine asks every gradient for its device; answer as FakeTensor
-            # would (its fake_device) without a trip through the fake mode's dispatch
-            return args[0].fake_device
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.namespace in _NOT_RECORDED or not self.recording:
-            return out
-        fix = _KERNEL_DTYPES.get(func)
-        if fix is not None:
-            fix(self.storages, args, out)
-        index = len(self.records)
-        rg: list[bool] = []
-        ref_args = self.refs(args, rg)
-        ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
-        if isinstance(out, torch.Tensor):
-            val = self.meta(out)
-            setattr(out, _TAG, _Ref(index, None))
-        elif isinstance(out, (tuple, list)):
-            val = []
-            for i, o in enumerate(out):
-                if isinstance(o, torch.Tensor):
-                    val.append(self.meta(o))
-                    setattr(o, _TAG, _Ref(index, i))
-                else:
-                    val.append(None)
-            val = tuple(val)
-        else:
-            val = None
-        if self.phase == BACKWARD:
-            node = tp.current_autograd_node()
-            link = node._sequence_nr() if node is not None else None
-            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg)))
-        else:
-            hi = tp.get_sequence_nr()
-            seqs = range(self.last_seq, hi)
-            self.last_seq = hi
-            self.records.append((func, ref_args, ref_kwargs, val, self.phase, self.module_stack[-1], seqs,
-                                 tuple(rg)))
-        self.storages.clock = index
-        return out
-
-
-@contextlib.contextmanager
-def _module_tracking(recorder: _Recorder, names: dict[int, str]):
-    """Global forward pre/post hooks that keep the FQN of the running module on a stack."""
-
-    def pre(module, args):
-        name = names.get(id(module))
-        recorder.module_stack.append(recorder.module_stack[-1] if name is None else name)
-
-    def post(module, args, output):
-        recorder.module_stack.pop()
-
-    h_pre = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h_post = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
-    try:
-        yield
-    finally:
-        h_pre.remove()
-        h_post.remove()
-
-
-class _SavedTracker:
-    """Pack hook of ``saved_tensors_hooks``: which storages autograd saves (ids, each once).
-    It keeps the tensor itself, so what autograd keeps alive is what it would keep anyway, and
-    its version: with a hook installed autograd skips its own check that a saved tensor was not
-    modified in place, so unpack makes it, with autograd's message."""
-
-    def __init__(self, storages: _Storages, excluded: set[int]):
-        self.storages = storages
-        self.excluded = excluded
-        self.saved: dict[int, tuple[int, torch.dtype]] = {}  # id -> (bytes, dtype)
-
-    def pack(self, t: torch.Tensor):
-        sid = self.storages.id_of(t)
-        if sid not in self.excluded and sid not in self.saved:
-            dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
-            self.saved[sid] = (nbytes, dtype)
-        return t, t._version
-
-    @staticmethod
-    def unpack(packed):
-        t, version = packed
-        if t._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
-                f"expected version {version}")
-        return t
-
-
 def _op_name(func) -> str:
     return getattr(func, "_opname", None) or getattr(func, "__name__", "op")
 
@@ -368,7 +96,7 @@ class _GraphBuilder:
         self.nodes[key] = node
         return node
 
-    def lookup(self, ref: _Ref) -> fx.Node:
+    def lookup(self, ref: Ref) -> fx.Node:
         parent = self.nodes[ref.source]
         if ref.index is None:
             return parent
@@ -383,7 +111,7 @@ class _GraphBuilder:
         return node
 
     def map_arg(self, a):
-        if isinstance(a, _Ref):
+        if isinstance(a, Ref):
             return self.lookup(a)
         if isinstance(a, (list, tuple)):
             return type(a)(self.map_arg(x) for x in a)
@@ -402,27 +130,6 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is not None and t.is_floating_point():
         return torch.empty(t.shape, dtype=dtype, device="cpu")
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-
-
-def _loss_of(output, loss_output: int | None) -> torch.Tensor:
-    """DESIGN.md: the sum over every floating-point output tensor (pytree order) of t.float().sum(),
-    or only the output at index ``loss_output`` of that list."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if loss_output is not None:
-        if not 0 <= loss_output < len(leaves):
-            raise UsageError(
-                f"--loss-output {loss_output} is out of range: the model returns {len(leaves)} "
-                f"floating-point tensor(s); pick an index from 0 to {len(leaves) - 1}"
-            )
-        leaves = [leaves[loss_output]]
-    if not leaves:
-        raise ModelError("the model returned no floating-point tensor to build a loss from; "
-                         "return the logits or the loss from forward")
-    loss = leaves[0].float().sum()
-    for t in leaves[1:]:
-        loss = loss + t.float().sum()
-    return loss
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype | None = None,
@@ -452,9 +159,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     names = {id(m): n for n, m in model.named_modules()}
     was_training = {m: m.training for m in model.modules()}
     mode = tp.FakeTensorMode(allow_non_fake_inputs=True)  # a stray CPU tensor becomes a fake one
-    storages = _Storages()
+    storages = Storages()
     quiet = _QuietFakeTensorLog()
-    recorder = _Recorder(storages)
+    recorder = Recorder(storages)
     builder = _GraphBuilder()
     with mode:
         fake_of: dict[int, torch.Tensor] = {}
@@ -490,17 +197,17 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         if isinstance(t, torch.Tensor):
             key = ("input", len(input_nodes))
             input_nodes.append(builder.placeholder(key, name, recorder.meta(t), kind="input"))
-            setattr(t, _TAG, _Ref(key, None))
+            setattr(t, TAG, Ref(key, None))
     for pid, group in param_groups.items():
         key = ("param", pid)
         builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake_of[pid]), param=group[0])
-        setattr(fake_of[pid], _TAG, _Ref(key, None))
+        setattr(fake_of[pid], TAG, Ref(key, None))
     for bid, group in buffer_groups.items():
         key = ("buffer", bid)
         builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake_of[bid]), buffer=group[0])
-        setattr(fake_of[bid], _TAG, _Ref(key, None))
+        setattr(fake_of[bid], TAG, Ref(key, None))
     excluded = {storages.id_of(t) for t in fake_of.values()}
-    saved = _SavedTracker(storages, excluded)
+    saved = SavedTracker(storages, excluded)
 
     model.train(not inference)
     for m, k, _, fake in attributes:
@@ -511,7 +218,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     masters: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []  # inference: the model's outputs, live to the end
     try:
-        with quiet, mode, recorder, _module_tracking(recorder, names), \
+        with quiet, mode, recorder, module_tracking(recorder, names), \
                 tp.reparametrize_module(model, state, strict=False), \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), \
                 (CudaRules() if cuda else contextlib.nullcontext()), \
@@ -525,7 +232,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
             else:
                 recorder.phase = LOSS
                 with autocast():
-                    loss = _loss_of(output, loss_output)
+                    loss = training_loss(output, loss_output)
                 del output  # `loss = model(x).sum()`: the outputs live only as long as the loss needs them
                 targets = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
                 if input_requires_grad:
@@ -579,7 +286,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
             if phase == OPTIMIZER:
                 node.meta["repeat"] = recorder.repeat_of(index)
     _attach_saved(builder.graph, saved.saved)
-    out_refs = [getattr(g, _TAG) for g in grads if g is not None] + [getattr(t, _TAG) for t in outputs]
+    out_refs = [getattr(g, TAG) for g in grads if g is not None] + [getattr(t, TAG) for t in outputs]
     builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
 
     got_grad = {id(t): g is not None for t, g in zip(targets, grads)}

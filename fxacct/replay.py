@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from fxacct.capture import _TAG, TensorMeta, _Ref
+from fxacct.records import TAG, Ref, TensorMeta
 
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -86,7 +86,7 @@ def _own_params(module, fqn: str, owners) -> bool:
 class _Tensor(NamedTuple):
     """What a span keeps of a tensor: never the tensor, which must die when the program drops it."""
 
-    ref: object  # its _TAG
+    ref: object  # its TAG
     storage: int
     shape: tuple
     stride: tuple
@@ -153,7 +153,7 @@ class BlockReplay(ForwardPatches):
 
     def _describe(self, t: torch.Tensor) -> _Tensor:
         st = t.untyped_storage()
-        return _Tensor(getattr(t, _TAG, None), self.storages.id_of(t), tuple(t.shape), tuple(t.stride()),
+        return _Tensor(getattr(t, TAG, None), self.storages.id_of(t), tuple(t.shape), tuple(t.stride()),
                        t.dtype, t.requires_grad,
                        t.storage_offset() == 0 and st.nbytes() == t.numel() * t.element_size())
 
@@ -206,7 +206,7 @@ class BlockReplay(ForwardPatches):
             refs.setdefault(t.ref, ("arg", j))
             stores.setdefault(t.storage, ("arg", j))
         for name, p in span.params.items():
-            refs.setdefault(getattr(p, _TAG, None), ("param", name))
+            refs.setdefault(getattr(p, TAG, None), ("param", name))
             stores.setdefault(self.storages.id_of(p), ("param", name))
         return refs, stores
 
@@ -238,14 +238,14 @@ class BlockReplay(ForwardPatches):
         return out, outputs, span.output_spec
 
     def _norm_ref(self, ref, span, refs):
-        if isinstance(ref, _Ref) and isinstance(ref.source, int) and span.start <= ref.source < span.end:
+        if isinstance(ref, Ref) and isinstance(ref.source, int) and span.start <= ref.source < span.end:
             return ("op", ref.source - span.start, ref.index)
         if ref in refs:
             return refs[ref]
         return ("other", ref)
 
     def _norm_args(self, a, span, refs):
-        if isinstance(a, _Ref):
+        if isinstance(a, Ref):
             return self._norm_ref(a, span, refs)
         if isinstance(a, dict):
             return {k: self._norm_args(v, span, refs) for k, v in a.items()}
@@ -264,7 +264,7 @@ class BlockReplay(ForwardPatches):
                 k_ref[key], k_store[key] = span.inputs[key[1]].ref, span.inputs[key[1]].storage
             else:
                 p = span.params[key[1]]
-                k_ref[key], k_store[key] = getattr(p, _TAG, None), self.storages.id_of(p)
+                k_ref[key], k_store[key] = getattr(p, TAG, None), self.storages.id_of(p)
         offset = len(rec.records) - template.start
         out_leaves, out_store = [], {}
         with rec.suppressed():
@@ -278,11 +278,11 @@ class BlockReplay(ForwardPatches):
                         raise _Mismatch
                     out_leaves.append(inputs[key[1]])
                     continue
-                if not leaf.whole or not isinstance(leaf.ref, _Ref) or not isinstance(leaf.ref.source, int):
+                if not leaf.whole or not isinstance(leaf.ref, Ref) or not isinstance(leaf.ref.source, int):
                     raise _Mismatch  # a view of a larger buffer: not reproducible by a fresh tensor
                 new = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device="cpu")
                 out_store[leaf.storage] = self.storages.id_of(new)
-                setattr(new, _TAG, _Ref(leaf.ref.source + offset, leaf.ref.index))
+                setattr(new, TAG, Ref(leaf.ref.source + offset, leaf.ref.index))
                 out_leaves.append(new)
         store_map = {sid: k_store[key] for sid, key in t_stores.items()}
         store_map.update(out_store)
@@ -313,9 +313,9 @@ class BlockReplay(ForwardPatches):
         return TensorMeta(val.shape, val.stride, val.dtype, sid, val.storage_nbytes, val.requires_grad)
 
     def _map_args(self, a, template, t_refs, k_ref, offset):
-        if isinstance(a, _Ref):
+        if isinstance(a, Ref):
             if isinstance(a.source, int) and template.start <= a.source < template.end:
-                return _Ref(a.source + offset, a.index)
+                return Ref(a.source + offset, a.index)
             return k_ref[t_refs[a]] if a in t_refs else a
         if isinstance(a, dict):
             return {k: self._map_args(v, template, t_refs, k_ref, offset) for k, v in a.items()}

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from fxacct import _torch_private as tp
-from fxacct.capture import _TAG, BACKWARD, FORWARD, TensorMeta, _Ref
-from fxacct.replay import ForwardPatches, _relative, _renamed
+from fxacct.recorder import BACKWARD, FORWARD
+from fxacct.records import TAG, Ref, TensorMeta
+from fxacct.replay import ForwardPatches, _relative
 
 
 class _Mismatch(Exception):
@@ -128,7 +129,7 @@ class TrainReplay(ForwardPatches):
                          .requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
             inputs = [x for x in fresh if isinstance(x, torch.Tensor)]
             for j, x in enumerate(inputs):
-                setattr(x, _TAG, _Ref(("probe-in", j), None))
+                setattr(x, TAG, Ref(("probe-in", j), None))
             args, kwargs = torch.utils._pytree.tree_unflatten(fresh, spec)
             rec.module_stack.append(fqn)
             rec.phase = FORWARD
@@ -139,12 +140,12 @@ class TrainReplay(ForwardPatches):
             outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
             if not outs or any(not x.requires_grad for x in outs):
                 return None
-            if any(getattr(x, _TAG, None) is None or not isinstance(getattr(x, _TAG).source, int) for x in outs):
+            if any(getattr(x, TAG, None) is None or not isinstance(getattr(x, TAG).source, int) for x in outs):
                 return None  # an input handed back as an output: not a fresh tensor
             with rec.suppressed():
                 gouts = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in outs]
             for j, g in enumerate(gouts):
-                setattr(g, _TAG, _Ref(("probe-gout", j), None))
+                setattr(g, TAG, Ref(("probe-gout", j), None))
             keys = [("in", j) for j, x in enumerate(inputs) if x.requires_grad]
             keys += [("param", n) for n, p in params.items() if p.requires_grad]
             targets = [inputs[k[1]] if k[0] == "in" else params[k[1]] for k in keys]
@@ -153,7 +154,7 @@ class TrainReplay(ForwardPatches):
             deaths = dict(self.storages.deaths)
             saved_now = dict(self.saved.saved)
         # refs and storages in template space
-        ext_refs = {getattr(p, _TAG, None): ("param", n) for n, p in params.items()}
+        ext_refs = {getattr(p, TAG, None): ("param", n) for n, p in params.items()}
         ext_store = {self.storages.id_of(p): ("param", n) for n, p in params.items()}
         for j, x in enumerate(inputs):
             ext_store.setdefault(self.storages.id_of(x), ("in", j))
@@ -176,13 +177,13 @@ class TrainReplay(ForwardPatches):
         saved_inputs = [j for j, x in enumerate(inputs) if self.storages.id_of(x) in saved_now]
         grad_refs = []
         for g in grads:
-            ref = getattr(g, _TAG, None) if g is not None else None
+            ref = getattr(g, TAG, None) if g is not None else None
             grad_refs.append(_norm(ref, ext_refs) if ref is not None else None)
         return _Template(
             fqn, normalized, fwd_len, self._in_meta(leaves),
             [None if isinstance(x, torch.Tensor) else x for x in leaves], spec, out_spec,
             [("out", i) if isinstance(x, torch.Tensor) else x for i, x in enumerate(out_leaves)],
-            [getattr(x, _TAG) for x in outs], [self.storages.id_of(x) for x in outs],
+            [getattr(x, TAG) for x in outs], [self.storages.id_of(x) for x in outs],
             grad_refs, keys, {s: d for s, d in deaths.items() if s in born}, born,
             {s: v for s, v in saved_now.items() if s in born}, saved_inputs,
             {s: self.storages.nbytes[s] for s in born},
@@ -244,8 +245,8 @@ class _ReplayFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, replay: TrainReplay, template: _Template, block, fqn, inputs, params, *tensors):
         rec = replay.recorder
-        refs = {("param", n): getattr(p, _TAG) for n, p in params.items()}
-        refs.update({("in", j): getattr(x, _TAG) for j, x in enumerate(inputs)})
+        refs = {("param", n): getattr(p, TAG) for n, p in params.items()}
+        refs.update({("in", j): getattr(x, TAG) for j, x in enumerate(inputs)})
         stores = {("param", n): replay.storages.id_of(p) for n, p in params.items()}
         stores.update({("in", j): replay.storages.id_of(x) for j, x in enumerate(inputs)})
         base = len(rec.records)
@@ -254,7 +255,7 @@ class _ReplayFn(torch.autograd.Function):
             for ref, sid in zip(template.out_refs, template.out_storages):
                 meta = _find_meta(template, ref)
                 new = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="cpu")
-                setattr(new, _TAG, _Ref(base + ref.source, ref.index))
+                setattr(new, TAG, Ref(base + ref.source, ref.index))
                 stores[sid] = replay.storages.id_of(new)
                 outs.append(new)
         replay.emit(template, 0, template.fwd_len, refs, stores, fqn, None)
@@ -291,7 +292,7 @@ class _ReplayFn(torch.autograd.Function):
                     continue
                 meta = _find_meta(template, gref)
                 new = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="cpu")
-                setattr(new, _TAG, _Ref(base + gref.source - template.fwd_len, gref.index))
+                setattr(new, TAG, Ref(base + gref.source - template.fwd_len, gref.index))
                 stores[meta.storage] = replay.storages.id_of(new)
                 results[key] = new
         replay.emit(template, template.fwd_len, len(template.records), refs, stores, ctx.fqn, ctx.base)
@@ -339,7 +340,7 @@ def _find_meta(template: _Template, ref) -> TensorMeta:
 
 
 def _norm(a, ext_refs):
-    if isinstance(a, _Ref):
+    if isinstance(a, Ref):
         if isinstance(a.source, tuple) and a.source[0] == "probe-in":
             return ("in", a.source[1])
         if isinstance(a.source, tuple) and a.source[0] == "probe-gout":
@@ -365,12 +366,12 @@ def _map(a, refs, bases):
     """Template refs to the replayed block's: its own inputs/parameters/incoming gradients, and its
     own records (``bases``: where its forward and its backward records start, and the template's
     forward length)."""
-    if isinstance(a, _Ref):
+    if isinstance(a, Ref):
         if not isinstance(a.source, int):
             return refs.get(a, a)
         fwd_base, bwd_base, fwd_len = bases
         index = fwd_base + a.source if a.source < fwd_len else bwd_base + a.source - fwd_len
-        return _Ref(index, a.index)
+        return Ref(index, a.index)
     if isinstance(a, tuple) and len(a) == 2 and a[:1] in (("in",), ("param",), ("gout",)):
         return refs[a]
     if isinstance(a, dict):

@@ -59,7 +59,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from fxacct.errors import ModelError
+from fxacct.loss import training_loss
 
 aten = torch.ops.aten
 
@@ -213,13 +213,7 @@ class TrackedStep:
 
 def default_loss(output) -> torch.Tensor:
     """DESIGN.md's loss: the sum over floating outputs (pytree order) of ``t.float().sum()``."""
-    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not leaves:
-        raise ModelError("the model returned no floating-point tensor to build a loss from")
-    loss = leaves[0].float().sum()
-    for t in leaves[1:]:
-        loss = loss + t.float().sum()
-    return loss
+    return training_loss(output)
 
 
 def _as_args(inputs) -> tuple:

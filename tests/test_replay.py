@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxacct
-from fxacct import capture as capture_module
+from fxacct import recorder as recorder_module
 from fxacct.replay import find_runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -64,13 +64,13 @@ def test_gpt_example_same_account_both_ways(config):
 
 def test_replay_records_fewer_dispatched_ops(monkeypatch):
     calls = {"n": 0}
-    original = capture_module._Recorder.__torch_dispatch__
+    original = recorder_module.Recorder.__torch_dispatch__
 
     def counting(self, func, types, args=(), kwargs=None):
         calls["n"] += 1
         return original(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(capture_module._Recorder, "__torch_dispatch__", counting)
+    monkeypatch.setattr(recorder_module.Recorder, "__torch_dispatch__", counting)
     idx = torch.empty(1, 8, dtype=torch.long, device="meta")
     model = _tiny_llama(layers=8)
     counts = []

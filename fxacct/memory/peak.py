@@ -5,7 +5,7 @@ parameters, buffers, the inputs and the optimizer state (allocated by an earlier
 were set to None). Every other storage is allocated by the op that first produced it and freed
 when the traced program dropped its last reference to it, which fxacct.capture observed on the
 fake run: local variables going out of scope, autograd releasing what it saved, a view keeping
-its base alive. The loop is `loss = loss_of(model(x)); loss.backward(); optimizer.step()`: the
+its base alive. The loop is `loss = training_loss(model(x)); loss.backward(); optimizer.step()`: the
 outputs die once the loss is built, the loss and the gradients live to the end.
 This is what a dispatch-level storage tracker sees in a real eager run (fxacct.storage_tracker),
 not the allocator: kernel scratch (oneDNN workspaces, weight reorders) is not an aten tensor.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from fxacct.capture import FORWARD, Capture, tensor_metas

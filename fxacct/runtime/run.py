@@ -42,6 +42,8 @@ from typing import Callable
 import torch
 from torch.autograd.profiler import record_function
 
+from fxacct.loss import training_loss
+from fxacct.module_hooks import global_module_hooks
 from fxacct import load as loading
 from fxacct.config import Config
 from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
@@ -153,20 +155,6 @@ def make_inputs(config: Config, model, file_module, device: torch.device):
     return args, kwargs
 
 
-def loss_of(output, loss_output: int | None) -> torch.Tensor:
-    """DESIGN.md's loss: the sum of ``t.float().sum()`` over the floating outputs (or one of them)."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if loss_output is not None:
-        leaves = leaves[loss_output:loss_output + 1]
-    if not leaves:
-        raise ModelError("the model returned no floating-point tensor to build a loss from")
-    loss = leaves[0].float().sum()
-    for t in leaves[1:]:
-        loss = loss + t.float().sum()
-    return loss
-
-
 class _Clock:
     """Marks within a step; seconds between them. CUDA events on CUDA, perf_counter on CPU."""
 
@@ -219,7 +207,7 @@ class _Step:
         with record_function("fxacct.forward"):
             with self.autocast():
                 output = self.model(*self.args, **self.kwargs)
-                loss = loss_of(output, self.config.loss_output)
+                loss = training_loss(output, self.config.loss_output)
             del output
         if clock:
             marks.append(clock.mark())
@@ -258,13 +246,8 @@ def module_ranges(model: torch.nn.Module):
     def post(module, args, output):
         stack.pop().__exit__(None, None, None)
 
-    h_pre = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h_post = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
-    try:
+    with global_module_hooks(pre, post):
         yield
-    finally:
-        h_pre.remove()
-        h_post.remove()
 
 
 def _first_line(e: BaseException) -> str:
@@ -393,4 +376,4 @@ def _cpu_name() -> str:
     return cpu_name()
 
 
-__all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs", "loss_of"]
+__all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs"]

@@ -1,0 +1,181 @@
+"""The dispatch-level recorder of a capture, and what runs beside it: module names (global
+module hooks), what autograd saves (saved_tensors_hooks), and the few kernels whose fake version
+allocates other dtypes than the real one."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxacct import _torch_private as tp
+from fxacct.module_hooks import global_module_hooks
+from fxacct.records import TAG, Ref, Storages, TensorMeta, itemsize
+
+FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
+_PRIM_DEVICE = torch.ops.prim.device.default
+# metadata queries (prim.device, ...) and profiler markers (record_function): no tensor work
+_NOT_RECORDED = frozenset({"prim", "profiler"})
+
+
+def _batch_norm_stats(storages: Storages, args, out) -> None:
+    """Batch norm's saved mean and inverse std take the dtype of its weight / running stats when
+    those differ from the input's (a bf16 input with fp32 parameters under autocast): the CPU and
+    CUDA kernels compute them in the parameter type (aten/src/ATen/native/Normalization.cpp,
+    `mixed_type`), the fake kernel in the input's."""
+    x = args[0]
+    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+    if not params or params[0].dtype == x.dtype:
+        return
+    dtype = params[0].dtype
+    for t in out[1:3]:
+        if isinstance(t, torch.Tensor) and t.dtype != dtype:
+            storages.real[storages.id_of(t)] = (dtype, t.numel() * itemsize(dtype))
+
+
+_aten = torch.ops.aten
+_KERNEL_DTYPES = {
+    op: _batch_norm_stats for op in (
+        _aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+        _aten._native_batch_norm_legit.no_stats, _aten._native_batch_norm_legit_no_training.default,
+        _aten._native_batch_norm_legit_functional.default,
+    )
+}
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten op with its phase, module, autograd sequence link, argument references
+    and output metadata. Per op it does only that; the graph is built once afterwards."""
+
+    def __init__(self, storages: Storages):
+        super().__init__()
+        self.records: list[tuple] = []
+        self.constants: list[tuple] = []  # (key, TensorMeta) of tensors no traced op produced
+        self.phase = FORWARD
+        self.module_stack: list[str] = [""]
+        self.last_seq = tp.get_sequence_nr()
+        self.storages = storages
+        self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
+        self.recording = True
+
+    @contextlib.contextmanager
+    def suppressed(self):
+        """Ops run but are not recorded (fxacct.replay makes a replayed block's outputs)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
+
+    def repeat_of(self, index: int) -> int:
+        for start, end, count in self.repeats:
+            if start <= index < end:
+                return count
+        return 1
+
+    def meta(self, t: torch.Tensor) -> TensorMeta:
+        sid = self.storages.id_of(t)
+        dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), dtype, sid, nbytes, t.requires_grad)
+
+    def ref(self, t: torch.Tensor) -> Ref:
+        ref = getattr(t, TAG, None)
+        if ref is None:  # made outside the traced ops: a constant held by the module or the code
+            ref = Ref(("constant", len(self.constants)), None)
+            self.constants.append((ref.source, self.meta(t)))
+            setattr(t, TAG, ref)
+        return ref
+
+    def refs(self, a, rg: list):
+        if isinstance(a, torch.Tensor):
+            rg.append(a.requires_grad)
+            return self.ref(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.refs(x, rg) for x in a)
+        return a
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):
+            # the backward engine asks every gradient for its device; answer as FakeTensor
+            # would (its fake_device) without a trip through the fake mode's dispatch
+            return args[0].fake_device
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in _NOT_RECORDED or not self.recording:
+            return out
+        fix = _KERNEL_DTYPES.get(func)
+        if fix is not None:
+            fix(self.storages, args, out)
+        index = len(self.records)
+        rg: list[bool] = []
+        ref_args = self.refs(args, rg)
+        ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
+        if isinstance(out, torch.Tensor):
+            val = self.meta(out)
+            setattr(out, TAG, Ref(index, None))
+        elif isinstance(out, (tuple, list)):
+            val = []
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    val.append(self.meta(o))
+                    setattr(o, TAG, Ref(index, i))
+                else:
+                    val.append(None)
+            val = tuple(val)
+        else:
+            val = None
+        if self.phase == BACKWARD:
+            node = tp.current_autograd_node()
+            link = node._sequence_nr() if node is not None else None
+            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg)))
+        else:
+            hi = tp.get_sequence_nr()
+            seqs = range(self.last_seq, hi)
+            self.last_seq = hi
+            self.records.append((func, ref_args, ref_kwargs, val, self.phase, self.module_stack[-1], seqs,
+                                 tuple(rg)))
+        self.storages.clock = index
+        return out
+
+
+def module_tracking(recorder: Recorder, names: dict[int, str]):
+    """Global forward pre/post hooks that keep the FQN of the running module on a stack."""
+
+    def pre(module, args):
+        name = names.get(id(module))
+        recorder.module_stack.append(recorder.module_stack[-1] if name is None else name)
+
+    def post(module, args, output):
+        recorder.module_stack.pop()
+
+    return global_module_hooks(pre, post)
+
+
+class SavedTracker:
+    """Pack hook of ``saved_tensors_hooks``: which storages autograd saves (ids, each once).
+    It keeps the tensor itself, so what autograd keeps alive is what it would keep anyway, and
+    its version: with a hook installed autograd skips its own check that a saved tensor was not
+    modified in place, so unpack makes it, with autograd's message."""
+
+    def __init__(self, storages: Storages, excluded: set[int]):
+        self.storages = storages
+        self.excluded = excluded
+        self.saved: dict[int, tuple[int, torch.dtype]] = {}  # id -> (bytes, dtype)
+
+    def pack(self, t: torch.Tensor):
+        sid = self.storages.id_of(t)
+        if sid not in self.excluded and sid not in self.saved:
+            dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
+            self.saved[sid] = (nbytes, dtype)
+        return t, t._version
+
+    @staticmethod
+    def unpack(packed):
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
+                f"expected version {version}")
+        return t
