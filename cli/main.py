@@ -1,12 +1,12 @@
 """fxacct's Click CLI: flags → Config → one library call → report → exit code. No arithmetic here.
 
 Exit codes (DESIGN.md): 0 success; 1 a budget or threshold failed; 2 usage error; 3 the model
-failed. Every error is one line on stderr; --debug adds the traceback.
+failed; 4 an internal error of fxacct (a bug to report). Every error is one line on stderr;
+--debug adds the traceback.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -18,6 +18,7 @@ import click
 from fxacct.errors import FxacctError, UsageError
 
 FORMATS = ("table", "json", "csv", "markdown")
+INTERNAL_ERROR = 4  # an fxacct bug: CI must not read it as "over budget" (1) or "usage" (2)
 
 
 class FxacctGroup(click.Group):
@@ -48,13 +49,13 @@ class FxacctGroup(click.Group):
                 traceback.print_exc()
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
-        except Exception as e:  # a bug in fxacct: say so, keep the exit code distinct from usage
+        except Exception as e:  # a bug in fxacct: its own exit code, never a budget's 1 nor usage's 2
             if debug:
                 traceback.print_exc()
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             click.echo(f"error: internal error {type(e).__name__}: {first} (rerun with --debug and report it)",
                        err=True)
-            sys.exit(1)
+            sys.exit(INTERNAL_ERROR)
 
 
 @click.group(cls=FxacctGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,4 +98,4 @@ def main() -> None:
     cli()
 
 
-__all__ = ["cli", "main", "write_output", "FORMATS", "json"]
+__all__ = ["cli", "main", "write_output", "FORMATS"]

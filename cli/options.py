@@ -3,7 +3,6 @@ to a Config."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import click
@@ -44,6 +43,8 @@ MODEL_OPTIONS = (
     click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks."),
     click.option("--shard", default="none", show_default=True,
                  help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp."),
+    click.option("--no-max-batch", "no_max_batch", is_flag=True,
+                 help="With --gpu: skip the search for the largest batch that fits (it costs a few traces)."),
     click.option("--no-dedup", "no_dedup", is_flag=True,
                  help="Trace every repeated block instead of replaying proven-identical ones."),
     click.option("--debug", is_flag=True, help="Show tracebacks."),
@@ -58,7 +59,7 @@ def model_options(fn):
 
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
-              world_size, shard, no_dedup=False, **_) -> Config:
+              world_size, shard, no_dedup=False, no_max_batch=False, **_) -> Config:
     kwargs = {}
     if kwargs_json is not None:
         try:
@@ -75,8 +76,8 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
         optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
         amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights, gpu=gpu,
-        world_size=world_size, shard=shard, dedup=not no_dedup,
+        world_size=world_size, shard=shard, dedup=not no_dedup, find_max_batch=not no_max_batch,
     )
 
 
-__all__ = ["model_options", "to_config", "functools"]
+__all__ = ["model_options", "to_config"]

@@ -8,6 +8,7 @@ import sys
 import click
 
 import fxacct
+from fxacct.errors import UsageError
 import fxacct.roofline
 from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
@@ -15,14 +16,26 @@ from fxacct_cli.main import FORMATS, cli, write_output
 from fxacct_cli.options import model_options, to_config
 
 
+def _check_layout_flags(fmt: str, by, depth, top) -> None:
+    """--by picks csv/markdown rows; --depth and --top shape the table: elsewhere they would do
+    nothing, so they are refused rather than ignored."""
+    if by is not None and fmt not in ("csv", "markdown"):
+        raise UsageError(f"--by chooses the rows of --format csv or markdown; the {fmt} output has "
+                         "both modules and nodes: drop --by or add --format csv")
+    for flag, value in (("--depth", depth), ("--top", top)):
+        if value is not None and fmt != "table":
+            raise UsageError(f"{flag} shapes the text table; --format {fmt} writes every "
+                             f"{'module' if flag == '--depth' else 'node'}: drop {flag}")
+
+
 @cli.command("profile")
 @model_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
-@click.option("--by", type=click.Choice(("node", "module")), default="node", show_default=True,
+@click.option("--by", type=click.Choice(("node", "module")), default=None,
               help="Rows of the csv/markdown table.")
-@click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True,
+@click.option("--depth", type=click.IntRange(min=0), default=None,
               help="Module nesting depth shown in the table.")
-@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
+@click.option("--top", type=click.IntRange(min=0), default=None,
               help="How many nodes, by FLOPs, the table lists.")
 @click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
 @click.option("--plot", default=None, metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib).")
@@ -45,8 +58,11 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
       fxacct profile examples/gpt2.py:GPT --batch 8 --amp bf16 --gpu h100 --world-size 8 --shard zero3
       fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json
 
-    Exit codes: 0 success, 2 usage error, 3 the model failed.
+    Exit codes: 0 success, 1 not enough free memory for --runtime, 2 usage error, 3 the model
+    failed, 4 an internal error.
     """
+    _check_layout_flags(fmt, by, depth, top)
+    by, depth, top = by or "node", 2 if depth is None else depth, 10 if top is None else top
     config = to_config(**options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib

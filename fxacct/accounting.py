@@ -102,6 +102,20 @@ def _cost(node: fx.Node) -> NodeCost | None:
     return node.meta.get("fxacct")
 
 
+_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+
+
+def _is_accumulation(node: fx.Node) -> bool:
+    """The engine summing the gradients of a tensor used twice (tied weights, a residual): an add
+    of gradients that come from different forward ops. The engine runs it under whichever node
+    delivered the second gradient, so its own link says nothing about where it belongs."""
+    if node.target not in _ADDS:
+        return False
+    owners = {a.meta.get("fwd") for a in node.all_input_nodes if a.meta.get("phase") == BACKWARD}
+    owners.discard(None)
+    return len(owners) > 1
+
+
 def _orphan_owner(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
     """The latest forward node among the forward links of the ops feeding ``node``."""
     best, seen, stack = None, set(), list(node.all_input_nodes)
@@ -149,7 +163,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
             optimizer_flops += cost.flops.total * n.meta.get("repeat", 1)
         elif phase == BACKWARD:
             owner = n.meta.get("fwd")
-            if owner is None or owner not in backward_of:
+            if owner is None or owner not in backward_of or _is_accumulation(n):
                 owner = _orphan_owner(n, order) or (forward_nodes[-1] if forward_nodes else None)
             if owner is not None:
                 backward_of[owner] = backward_of[owner] + cost.flops

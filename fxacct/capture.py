@@ -251,7 +251,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         raise
     except (tp.DataDependentOutputException, tp.DynamicOutputShapeException) as e:
         raise ModelError(
-            f"the model's forward depends on tensor values ({type(e).__name__}: {_first_line(e)}), which "
+            f"the model's forward depends on tensor values ({describe_exception(e)}), which "
             "fake tensors do not have; move data-dependent control flow (.item(), if tensor:, nonzero) "
             "out of forward or make it shape-only"
         ) from e

@@ -22,6 +22,8 @@ SECONDS = {"": 1, "s": 1, "ms": Fraction(1, 10**3), "us": Fraction(1, 10**6), "Â
 def parse_count(text: str, flag: str) -> int:
     """'70e9', '15e12', '7B', '125M' -> an exact positive integer."""
     m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([A-Za-z]?)\s*", str(text))
+    if m is not None and m.group(2).upper() in COUNT_SUFFIXES and m.group(2) not in COUNT_SUFFIXES:
+        m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([A-Za-z]?)\s*", str(text).upper())  # 7b reads as 7B
     if m is None or m.group(2) not in COUNT_SUFFIXES:
         raise UsageError(f"{flag} {text!r} is not a count: write a whole number such as 70e9, 15e12 or 7B")
     value = Fraction(m.group(1)) * COUNT_SUFFIXES[m.group(2)]

@@ -50,7 +50,7 @@ def parse_bytes(text: str) -> int:
 
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).upper() if m else ""
-    if m is None or (unit and unit not in BYTE_UNITS):
+    if m is None or not unit or unit not in BYTE_UNITS:  # a bare number is ambiguous: bytes? GB?
         raise ValueError(f"{text!r} is not a byte size: write a number with a unit such as 80GB, 79.6GiB, "
                          "512MiB or 1KB (GB = 1e9 B, GiB = 2^30 B)")
     return int(Fraction(m.group(1)) * BYTE_UNITS[unit or "B"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tabulate import tabulate
+from fxacct.report.tables import tabulate
 
 from fxacct.units import format_bytes
 

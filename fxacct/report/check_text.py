@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from tabulate import tabulate
+from fxacct.report.durations import format_ms
+from fxacct.report.tables import tabulate
 
 from fxacct.budgets import Budget, CheckResult
 from fxacct.units import format_bytes, format_count
@@ -25,10 +26,7 @@ def format_value(v, unit: str) -> str:
         v = int(v)  # binary units for reading, the exact count for comparing with the flag
         return f"{format_bytes(v)} ({v:,} B)" if abs(v) >= 1024 else f"{v:,} B"
     if unit == "s":
-        v = float(v)
-        if abs(v) < 1e-3:
-            return f"{v * 1e6:.3g} µs"
-        return f"{v * 1e3:.3g} ms" if abs(v) < 1 else f"{v:.3g} s"
+        return format_ms(1e3 * float(v))
     if unit in ("params", "FLOPs"):
         v = plain_number(v)  # exact below 1e9 (a CI log compares digits), SI above
         return format_count(v) if abs(v) >= 10**9 else f"{v:,}" if isinstance(v, int) else f"{v:,.6g}"

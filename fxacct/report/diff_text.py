@@ -3,7 +3,7 @@ the --max-increase budgets; plain text for a CI log, and a JSON document."""
 
 from __future__ import annotations
 
-from tabulate import tabulate
+from fxacct.report.tables import tabulate
 
 from fxacct.diff import Change, DiffResult
 from fxacct.report.check_text import plain_number
@@ -34,7 +34,10 @@ def _ratio(c: Change) -> str:
 
 
 def render_diff(result: DiffResult, old_path: str, new_path: str) -> str:
-    lines = [f"fxacct diff: {old_path} ({result.old_model}) -> {new_path} ({result.new_model})", ""]
+    lines = [f"fxacct diff: {old_path} ({result.old_model}) -> {new_path} ({result.new_model})"]
+    if result.old_model != result.new_model:
+        lines.append("note: the two profiles are of different models")
+    lines.append("")
     rows = [[c.key, _num(c.old), _num(c.new), _delta(c), _ratio(c)] for c in result.totals]
     lines += [tabulate(rows, headers=["totals", "old", "new", "change", "change %"],
                        colalign=("left", "right", "right", "right", "right")), ""]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from tabulate import tabulate
+from fxacct.report.tables import tabulate
 
 from fxacct.estimate import DAYS_PER_MONTH, FlopsEstimate, MaxParams, TrainTime
 from fxacct.report.check_text import plain_number
@@ -26,6 +26,15 @@ def decimal(x: Fraction | int) -> str:
     return str(x.numerator) if x.denominator == 1 else f"{float(x):.4g}"
 
 
+def _months(months: float) -> str:
+    return f"{months:.1f}" if months >= 1 else f"{months:.2g}"
+
+
+def _grouped(x) -> str:
+    x = Fraction(x)
+    return f"{x.numerator:,}" if x.denominator == 1 else f"{float(x):,.4g}"
+
+
 def days_text(days: float) -> str:
     return f"{days:,.0f}" if days >= 100 else f"{days:.3g}"
 
@@ -40,7 +49,7 @@ def short_count(n: int) -> str:
 
 def render_train_time(r: TrainTime) -> str:
     if r.flops_source == "profile":
-        source = (f"{r.profile_model or 'profile'}: {decimal(r.flops_per_token)} FLOPs per token "
+        source = (f"{r.profile_model or 'profile'}: {_grouped(r.flops_per_token)} FLOPs per token "
                   "(forward + backward, matmul + attention) × D")
     else:
         source = f"6·N·D with N = {r.params:,} parameters"
@@ -51,11 +60,11 @@ def render_train_time(r: TrainTime) -> str:
         ["GPUs", f"{r.world_size:,}", ""],
         ["FLOPs per day", sci(r.flops_per_day), "peak × MFU × GPUs × 86,400 s"],
         ["days", days_text(r.days), ""],
-        [f"months ({DAYS_PER_MONTH} days)", f"{r.months:.1f}", ""],
+        [f"months ({DAYS_PER_MONTH} days)", _months(r.months), ""],
     ]
     lines = ["fxacct estimate train-time",
              tabulate(rows, headers=["quantity", "value", "from"], colalign=("left", "right", "left")), "",
-             f"{days_text(r.days)} days ≈ {r.months:.1f} months on {r.world_size:,} × {r.gpu} at MFU {r.mfu:g}"]
+             f"{days_text(r.days)} days ≈ {_months(r.months)} months on {r.world_size:,} × {r.gpu} at MFU {r.mfu:g}"]
     if r.six_n_d_flops:
         lines.append(f"(6·N·D with the profile's N = {r.params:,} would give {sci(r.six_n_d_flops)} FLOPs)")
     lines.append("not included: communication, data loading, restarts, evaluation")

@@ -3,7 +3,7 @@ fit on a GPU, checkpoint size, views vs copies."""
 
 from __future__ import annotations
 
-from tabulate import tabulate
+from fxacct.report.tables import tabulate
 
 from fxacct.memory.peak import Peak
 from fxacct.profile import Profile
@@ -43,7 +43,7 @@ def rule_of_thumb(p: Profile) -> str:
             f" = {exact:,} B")
     if scalar_bytes:
         line += (f"; the per-parameter rule of thumb gives {exact - scalar_bytes:,} B: it leaves out the "
-                 f"optimizer's {count} scalar step count(s), {scalar_bytes:,} B")
+                 f"optimizer's {count} scalar step count{'s' if count != 1 else ''}, {scalar_bytes:,} B")
     return line
 
 
@@ -71,7 +71,7 @@ def render_memory(p: Profile) -> str:
                  + " (" + ", ".join(f"{d} {format_bytes(b)}" for d, b in m.checkpoint_by_dtype.items()) + ")")
     v = m.views
     copies = "; ".join(f"{op.removeprefix('aten.')} ×{n} {format_bytes(b)}" for op, n, b in v.copies[:6]) or "none"
-    views = (f"{v.view_nodes} view nodes allocate nothing (as copies they would take "
+    views = (f"{v.view_nodes:,} view node{'s' if v.view_nodes != 1 else ''} allocate nothing (as copies they would take "
              f"{format_bytes(v.bytes_avoided)})" if v.view_nodes else "none")
     lines.append(f"forward views: {views}; copies: {copies}")
     if m.fit is not None:

@@ -100,7 +100,7 @@ def plot_memory(profile, path: str) -> None:
 
     peak_gib = totals[peak_i] / GiB
     ax.plot([peak_i], [peak_gib], marker="v", color="black", markersize=8, zorder=5)
-    ax.annotate(f"peak {peak_gib:.4g} GiB ({format_bytes(totals[peak_i])})\n"
+    ax.annotate(f"peak {peak_gib:.4g} GiB ({totals[peak_i]:,} B)\n"
                 f"at {names[peak_i]} ({phases[peak_i]})",
                 (peak_i, peak_gib), xytext=(0, 14), textcoords="offset points",
                 ha="right" if peak_i > len(x) / 2 else "left", fontsize=9)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io
 
-from tabulate import tabulate
+from fxacct.report.tables import tabulate
 
 from fxacct.profile import Profile
 
@@ -47,5 +47,6 @@ def render_rows(p: Profile, fmt: str, by: str = "node") -> str:
         w.writerows(rows)
         return buf.getvalue()
     if fmt == "markdown":
-        return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
+        align = tuple("right" if isinstance(v, int) else "left" for v in (rows[0] if rows else headers))
+        return tabulate(rows, headers=headers, tablefmt="github", colalign=align) + "\n"
     raise ValueError(fmt)

@@ -4,7 +4,8 @@ and per node). Ratios are measured / predicted."""
 
 from __future__ import annotations
 
-from tabulate import tabulate
+from fxacct.report.durations import format_ms
+from fxacct.report.tables import tabulate
 
 from fxacct.roofline import COMPUTE, MEMORY, PHASES, Prediction
 from fxacct.runtime.compare import achieved_flops_per_s, mfu
@@ -15,10 +16,7 @@ NOT_CALIBRATED = ("predicted step time: not calibrated for this CPU (run `fxacct
 
 
 def ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    value = 1e3 * seconds
-    return f"{value:.3g} ms" if value >= 0.01 else f"{1e3 * value:.3g} µs"
+    return format_ms(None if seconds is None else 1e3 * seconds)
 
 
 def ratio(value: float | None) -> str:

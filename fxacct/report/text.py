@@ -3,7 +3,7 @@ footer of ops fxacct could not cost."""
 
 from __future__ import annotations
 
-from tabulate import tabulate
+from fxacct.report.tables import tabulate
 
 from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
 from fxacct.dtypes import dtype_name
@@ -58,8 +58,10 @@ def summary(p: Profile) -> str:
                      f"({t.tokens_per_example} tokens per example)")
         six = t.six_n_d
         ratio = t.model_flops / six if six else float("nan")
+        frozen = (f"; N counts all parameters, {t.params - t.trainable_params:,} of them frozen (their "
+                  "weight gradients are not computed)" if t.trainable_params != t.params else "")
         lines.append(f"6·N·D rule of thumb: {_flops(six)} (N={t.params:,}, D={tokens:,}); exact matmul+attention "
-                     f"{_flops(t.model_flops)}; exact / 6ND = {ratio:.3f}")
+                     f"{_flops(t.model_flops)}; exact / 6ND = {ratio:.3f}{frozen}")
     return "\n".join(lines)
 
 
