@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 from fxacct.annotate import NodeCost
-from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta
-from fxacct.costs.registry import ZERO, Flops
+from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize
+from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
 
 
@@ -185,7 +185,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
     backward = sum((r.backward for r in rows), ZERO)
 
     modules = _module_rows(rows, capture.module_names)
-    param_bytes = sum(_numel(p.shape) * _itemsize(p.dtype) for p in capture.params)
+    param_bytes = sum(numel(p.shape) * itemsize(p.dtype) for p in capture.params)
     by_dtype: dict[str, DtypeTotals] = {}
 
     def bump(dt: str, **kw):
@@ -194,7 +194,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
 
     grad_bytes = 0
     for p in capture.params:
-        nbytes = _numel(p.shape) * _itemsize(p.dtype)
+        nbytes = numel(p.shape) * itemsize(p.dtype)
         bump(dtype_name(p.dtype), param_bytes=nbytes)
         if p.got_grad:
             grad_bytes += nbytes
@@ -203,8 +203,8 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
         bump(dt, activation_bytes=b)
     totals = Totals(
         forward=forward, backward=backward, loss_flops=loss_flops, optimizer_flops=optimizer_flops,
-        params=sum(_numel(p.shape) for p in capture.params),
-        trainable_params=sum(_numel(p.shape) for p in capture.params if p.requires_grad),
+        params=sum(numel(p.shape) for p in capture.params),
+        trainable_params=sum(numel(p.shape) for p in capture.params if p.requires_grad),
         param_bytes=param_bytes, grad_bytes=grad_bytes, activation_bytes=saved_total,
         tokens_per_example=tokens_per_example, batch=batch,
     )
@@ -218,7 +218,7 @@ def _module_rows(rows, module_names) -> tuple[ModuleRow, ...]:
     bwd: dict[str, Flops] = {}
     act: dict[str, int] = {}
     for r in rows:
-        for m in _ancestors(r.module):
+        for m in ancestors(r.module):
             fwd[m] = fwd.get(m, ZERO) + r.forward
             bwd[m] = bwd.get(m, ZERO) + r.backward
             act[m] = act.get(m, 0) + r.activation_bytes
@@ -226,7 +226,8 @@ def _module_rows(rows, module_names) -> tuple[ModuleRow, ...]:
                  for m in module_names if m in fwd)
 
 
-def _ancestors(fqn: str):
+def ancestors(fqn: str):
+    """'a.b.c' -> 'a.b.c', 'a.b', 'a', '' (a module and every module that contains it)."""
     yield fqn
     while fqn:
         fqn = fqn.rpartition(".")[0]
@@ -237,12 +238,3 @@ def _describe(t: TensorMeta) -> str:
     return f"{dtype_name(t.dtype)}[{','.join(str(s) for s in t.shape)}]"
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()

@@ -420,6 +420,3 @@ class _QuietFakeTensorLog:
         self.logger.setLevel(self.level)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

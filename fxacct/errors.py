@@ -35,3 +35,9 @@ def describe_exception(e: BaseException) -> str:
         where = f"{f.filename}:{f.lineno}"
         text += f" (at {where}" + (f": {f.line.strip()}" if not lines and f.line else "") + ")"
     return text
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -29,6 +29,7 @@ from fxacct.errors import UsageError
 from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAMETERS
 from fxacct.memory.sharding import partitioned
 from fxacct.optim import OptimizerSpec
+from fxacct.records import itemsize
 
 # Two sizes of the probe parameter (elements): the state's growth between them is per element.
 PROBE_SIZES = (16, 48)
@@ -62,10 +63,6 @@ class BytesPerParam:
     @property
     def per_rank(self) -> Fraction:
         return sum((p.per_rank for p in self.parts), Fraction(0))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def _state_after_step(spec: OptimizerSpec, numel: int, dtype: torch.dtype, fake: bool) -> dict[str, tuple[int, torch.dtype]]:
@@ -116,11 +113,11 @@ def bytes_per_param(config: Config) -> BytesPerParam:
     param_dtype = config.dtype or torch.float32
     stepped_dtype = torch.float32 if config.master_weights else param_dtype
     ways = partitioned(config.shard, config.world_size)
-    size = Fraction(_itemsize(param_dtype))
+    size = Fraction(itemsize(param_dtype))
     parts = [Part(PARAMETERS, size, ways.get(PARAMETERS, 1), dtype_name(param_dtype)),
              Part(GRADIENTS, size, ways.get(GRADIENTS, 1), dtype_name(param_dtype))]
     if config.master_weights:
-        parts.append(Part(MASTER_WEIGHTS, Fraction(_itemsize(torch.float32)), ways.get(MASTER_WEIGHTS, 1),
+        parts.append(Part(MASTER_WEIGHTS, Fraction(itemsize(torch.float32)), ways.get(MASTER_WEIGHTS, 1),
                           "float32"))
     spec = OptimizerSpec(config.optimizer, dict(config.optim_args))
     state = optimizer_state_per_element(spec, stepped_dtype)

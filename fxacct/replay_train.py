@@ -31,11 +31,7 @@ import torch
 from fxacct import _torch_private as tp
 from fxacct.recorder import BACKWARD, FORWARD
 from fxacct.records import TAG, Ref, TensorMeta
-from fxacct.replay import ForwardPatches, _relative
-
-
-class _Mismatch(Exception):
-    pass
+from fxacct.replay import ForwardPatches, _Mismatch, _relative
 
 
 @dataclass

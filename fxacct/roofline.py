@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxacct.accounting import ancestors
 from fxacct.accounting import _orphan_owner
 from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, TensorMeta
 from fxacct.config import Config
@@ -275,7 +276,7 @@ def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,
     module_of = {n.name: n.meta.get("module", "") for n in graph.nodes if n.name in forward_nodes}
     by_module: dict[str, list[float]] = {}
     for name, (f, b) in by_node.items():
-        for m in _ancestors(module_of.get(name, "")):
+        for m in ancestors(module_of.get(name, "")):
             acc = by_module.setdefault(m, [0.0, 0.0])
             acc[0] += f
             acc[1] += b
@@ -293,13 +294,6 @@ def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | 
     state = frozenset(s.key for s in profile.capture.optimizer_state)
     peak = profile.memory.rank_peak
     return predict(profile.capture.graph, names, device, state, peak.bytes if peak is not None else None)
-
-
-def _ancestors(fqn: str):
-    yield fqn
-    while fqn:
-        fqn = fqn.rpartition(".")[0]
-        yield fqn
 
 
 __all__ = ["DeviceModel", "Prediction", "OpTime", "predict", "predict_profile", "for_config", "for_local",

@@ -11,6 +11,8 @@ from fxacct.accounting import Accounting
 from fxacct.capture import Capture
 from fxacct.dtypes import dtype_name
 from fxacct.memory.peak import Peak
+from fxacct.costs.registry import numel
+from fxacct.records import itemsize
 
 
 @dataclass(frozen=True)
@@ -65,24 +67,13 @@ class MemoryAccount:
         return self.per_rank or self.peak_train
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def view_summary(accounting: Accounting, capture: Capture) -> ViewSummary:
     views, avoided, copies = 0, 0, {}
     for row in accounting.nodes:
         if row.kind == "view":
             views += 1
             if row.dtype is not None:
-                avoided += _numel(row.shape) * _itemsize(getattr(torch, row.dtype))
+                avoided += numel(row.shape) * itemsize(getattr(torch, row.dtype))
         elif row.kind == "copy":
             n, b = copies.get(row.op, (0, 0))
             copies[row.op] = (n + 1, b + row.output_bytes)
@@ -101,7 +92,7 @@ def checkpoint_payload(model: torch.nn.Module, dtype: torch.dtype | None, captur
             continue
         seen.add(id(t))
         dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        out[dtype_name(dt)] = out.get(dtype_name(dt), 0) + t.numel() * _itemsize(dt)
+        out[dtype_name(dt)] = out.get(dtype_name(dt), 0) + t.numel() * itemsize(dt)
     for state in capture.optimizer_state:
         out[dtype_name(state.dtype)] = out.get(dtype_name(state.dtype), 0) + state.nbytes * state.count
     return dict(sorted(out.items()))
@@ -115,7 +106,7 @@ def by_dtype(capture: Capture, accounting: Accounting) -> dict:
         row[field] = row.get(field, 0) + nbytes
 
     for p in capture.params:
-        nbytes = _numel(p.shape) * _itemsize(p.dtype)
+        nbytes = numel(p.shape) * itemsize(p.dtype)
         add(p.dtype, "param_bytes", nbytes)
         if p.got_grad:
             add(p.dtype, "grad_bytes", nbytes)

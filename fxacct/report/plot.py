@@ -14,7 +14,7 @@ from pathlib import Path
 from fxacct.errors import UsageError
 from fxacct.memory import sharding
 from fxacct.memory.peak import CATEGORIES, PARAMETERS, lifetimes, walk
-from fxacct.units import GiB, format_bytes
+from fxacct.units import GiB
 
 _PHASE_COLORS = {"forward": "#4c72b0", "loss": "#c44e52", "backward": "#dd8452", "optimizer": "#55a868"}
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from fxacct.accounting import ancestors
+
 MODULE_PREFIX = "fxacct.module:"
 STEP = "fxacct.step"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -51,13 +53,6 @@ def profiler_name(op: str) -> str:
     """'aten.mm.default' -> 'aten::mm' (the name torch.profiler gives the op's event)."""
     ns, _, rest = op.partition(".")
     return f"{ns}::{rest.partition('.')[0]}"
-
-
-def _ancestors(fqn: str):
-    yield fqn
-    while fqn:
-        fqn = fqn.rpartition(".")[0]
-        yield fqn
 
 
 def _module_of(event) -> str | None:
@@ -141,7 +136,7 @@ def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
         if module is None:
             outside[s] += dur(e)
             continue
-        for m in _ancestors(module):
+        for m in ancestors(module):
             mod_bwd[s][m] = mod_bwd[s].get(m, 0.0) + dur(e)
         node = seq_node.get(e.sequence_nr)
         if node is not None:
@@ -152,7 +147,7 @@ def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
     for s in range(n_steps):
         ranged = dict(mod_fwd[s])
         for module, seconds in ranged.items():
-            for a in list(_ancestors(module))[1:]:
+            for a in list(ancestors(module))[1:]:
                 if a in ranged:
                     break
                 mod_fwd[s][a] = mod_fwd[s].get(a, 0.0) + seconds

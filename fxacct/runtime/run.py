@@ -50,6 +50,7 @@ from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exc
 from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
 from fxacct.runtime.transfer import Transfer, measure_transfer
 from fxacct.storage_tracker import StorageTracker
+from fxacct.errors import first_line
 
 SEED = 0
 
@@ -119,7 +120,7 @@ def build_model(config: Config, device: torch.device):
         with torch.device(device):
             model = obj(**dict(config.kwargs))
     except torch.cuda.OutOfMemoryError as e:
-        raise ModelError(f"out of memory building {name} on {device} ({_first_line(e)}); "
+        raise ModelError(f"out of memory building {name} on {device} ({first_line(e)}); "
                          "use a smaller model or free the device") from e
     except Exception as e:
         raise ModelError(f"{name}(...) raised {describe_exception(e)} on {device}; {USER_FRAMES_HINT}") from e
@@ -250,11 +251,6 @@ def module_ranges(model: torch.nn.Module):
         yield
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
 @contextlib.contextmanager
 def _model_errors(device: torch.device, batch: int):
     try:
@@ -262,7 +258,7 @@ def _model_errors(device: torch.device, batch: int):
     except (UsageError, ModelError, KeyboardInterrupt):
         raise
     except torch.cuda.OutOfMemoryError as e:
-        raise ModelError(f"out of memory on {device} at batch {batch} ({_first_line(e)}); "
+        raise ModelError(f"out of memory on {device} at batch {batch} ({first_line(e)}); "
                          "lower --batch") from e
     except Exception as e:
         if "out of memory" in str(e).lower():
