@@ -30,6 +30,7 @@ def test_sharded_timeline_is_per_rank():
 
 
 def test_png_written(mlp_profile, tmp_path):
+    pytest.importorskip("matplotlib")
     out = tmp_path / "memory.png"
     plot_memory(mlp_profile, str(out))
     data = out.read_bytes()
