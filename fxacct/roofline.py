@@ -6,6 +6,12 @@ For every op node of the training graph (forward, loss, backward, optimizer):
     t_memory  = (bytes read + bytes written) / bandwidth
     t         = max(t_compute, t_memory)                    (Williams et al., "Roofline", CACM 2009)
 
+on a GPU, whose memory system streams while the cores compute. On a calibrated CPU the two add
+up, t = t_compute + t_memory (the no-overlap bound of the ECM model, Hager et al., CCPE 2016):
+measured here, the MLP example's skinny matmuls, whose weights stream from DRAM once per step,
+ran at about half their in-cache rate, and the sum brought the step's prediction from 1.35× to
+1.21× of measured (bench/calibrated_cpu.py).
+
 - P_mm on a GPU of the table: the datasheet's tensor-core peak for the op's input dtype
   (fxacct.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
   torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at TF32 because
@@ -72,6 +78,7 @@ class DeviceModel:
     tf32_convolutions: bool = False  # cuDNN runs fp32 convolutions in TF32 by default
     bandwidth_curve: tuple = ()  # ((footprint bytes, bytes/s), ...) ascending; () -> the flat figure
     matmul_curves: dict = dataclasses.field(default_factory=dict)  # dtype key -> ((smallest dim, FLOP/s), ...)
+    overlap: bool = True  # compute and memory traffic overlap (GPU); False: they add up (CPU)
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes/s when streaming over a footprint of ``nbytes``."""
@@ -113,7 +120,8 @@ def from_calibration(cal) -> DeviceModel:
     matmul = {key: tuple(sorted((int(d), r) for d, r in by.items())) for key, by in cal.matmul_by_min_dim.items()}
     return DeviceModel(cal.name, rates, rates["float32"], cal.bandwidth_bytes_per_s,
                        f"calibrated {cal.measured_at} ({cal.threads} threads, torch {cal.torch_version})",
-                       tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve, matmul_curves=matmul)
+                       tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve, matmul_curves=matmul,
+                       overlap=cal.kind != "cpu")
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -228,7 +236,8 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
     compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution, smallest)
                + flops.other / device.other_flops_per_s)
     memory = nbytes / (bandwidth or device.bandwidth_bytes_per_s)
-    return (compute, COMPUTE) if compute >= memory else (memory, MEMORY)
+    bound = COMPUTE if compute >= memory else MEMORY
+    return (max(compute, memory) if device.overlap else compute + memory), bound
 
 
 def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,

@@ -76,15 +76,17 @@ def test_calibrate_cpu_measures_and_stores_a_profile(cache):
 
 
 def test_a_stored_profile_drives_the_prediction_by_hand(cache):
-    # matmul 1e6 FLOP/s: TwoLayer at B=2 runs 60 forward matmul FLOPs = 60 µs, 84 backward = 84 µs
-    calibrate.save(fake_calibration())
-    assert calibrate.load("cpu") == fake_calibration()
+    # matmul 1e6 FLOP/s: TwoLayer at B=2 runs 60 forward matmul FLOPs = 60 µs, 84 backward = 84 µs;
+    # memory at 1e18 B/s adds nothing measurable (the CPU model adds it: test below)
+    fast_memory = {"bandwidth_bytes_per_s": 1e18, "bandwidth_by_bytes": {"1000": 1e18}}
+    calibrate.save(fake_calibration(**fast_memory))
+    assert calibrate.load("cpu") == fake_calibration(**fast_memory)
     p = fxacct.profile(fxacct.Config(target=TWO_LAYER, batch=2))
     pr = predict_profile(p)
     assert pr.device.name == "test cpu"
     assert pr.by_phase["forward"] == pytest.approx(60e-6)
     assert pr.by_phase["backward"] == pytest.approx(84e-6)
-    assert for_local("cpu") == from_calibration(fake_calibration())
+    assert for_local("cpu") == from_calibration(fake_calibration(**fast_memory))
     assert for_local("cuda", None) is None  # no GPU calibrated, no table entry named
 
 
@@ -102,3 +104,16 @@ def test_an_unreadable_profile_is_a_one_line_usage_error(cache):
     result = invoke("profile", TWO_LAYER)
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "fxacct calibrate" in result.stderr
+
+
+def test_a_calibrated_cpu_adds_compute_and_memory_time():
+    # one op: 1,000 matmul FLOPs at 1e6 FLOP/s = 1 ms, 2,000 B at 1e9 B/s = 2 µs; a CPU streams
+    # and computes in turn (fxacct.roofline: the ECM model's no-overlap bound), a GPU overlaps
+    from fxacct.costs.registry import Flops
+    from fxacct.roofline import op_seconds
+
+    cpu = from_calibration(fake_calibration())
+    seconds, bound = op_seconds(Flops(matmul=1000), 2000, torch.float32, cpu)
+    assert seconds == pytest.approx(1e-3 + 2e-6) and bound == "compute"
+    gpu = from_calibration(fake_calibration(kind="cuda"))
+    assert op_seconds(Flops(matmul=1000), 2000, torch.float32, gpu)[0] == pytest.approx(1e-3)
