@@ -72,7 +72,14 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
     ctx = CostContext(causal_attention, _grad_mask(node) if info.wants_grad_mask else None, op)
     out_shape = _shape(val)
     flops = info.formula(*_shape(node.args), out_shape=out_shape, ctx=ctx, **_shape(node.kwargs))
+    if flops.matmul and _in_attention(node):  # SDPA's math path: its products are attention
+        flops = Flops(matmul=0, attention=flops.attention + flops.matmul, other=flops.other)
     return NodeCost(flops, kind, new_bytes, saved_bytes, saved_pairs, False)
+
+
+def _in_attention(node: fx.Node) -> bool:
+    fwd = node.meta.get("fwd")
+    return node.meta.get("scope") == "attention" or (fwd is not None and fwd.meta.get("scope") == "attention")
 
 
 def annotate(graph: fx.Graph, causal_attention: str = "full") -> fx.Graph:

@@ -41,7 +41,7 @@ from fxacct import _torch_private as tp
 from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
 from fxacct.loss import training_loss
 from fxacct.recorder import (  # noqa: F401  (re-exported: the phases and the recorder)
-    BACKWARD, FORWARD, LOSS, OPTIMIZER, Recorder, SavedTracker, module_tracking,
+    BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
 )
 from fxacct.records import (  # noqa: F401  (re-exported)
     TAG, Ref, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
@@ -221,7 +221,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         with quiet, mode, recorder, module_tracking(recorder, names), \
                 tp.reparametrize_module(model, state, strict=False), \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), \
-                (CudaRules() if cuda else contextlib.nullcontext()), \
+                AttentionScope(recorder), (CudaRules() if cuda else contextlib.nullcontext()), \
                 (BlockReplay(recorder, storages, find_runs(model)) if inference and dedup
                  else TrainReplay(recorder, storages, find_runs(model), saved) if dedup and backward
                  else contextlib.nullcontext()):
@@ -269,7 +269,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     for key, meta in recorder.constants:
         builder.placeholder(key, "constant", meta, constant=True)
     seq_owner: dict[int, fx.Node] = {}
-    for index, (func, a, kw, val, phase, module, link, rg) in enumerate(recorder.records):
+    for index, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(recorder.records):
         if phase == BACKWARD:
             if isinstance(link, tuple):  # ("rec", index): a replayed block's (fxacct.replay_train)
                 fwd = builder.nodes[link[1]]
@@ -281,6 +281,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                 node.meta["phase"] = LOSS
         else:
             node = builder.add(index, func, a, kw, val, phase, module, rg)
+            if scope is not None:
+                node.meta["scope"] = scope
             for s in link:
                 seq_owner[s] = node
             if phase == OPTIMIZER:

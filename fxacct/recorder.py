@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxacct import _torch_private as tp
@@ -58,6 +59,7 @@ class Recorder(TorchDispatchMode):
         self.storages = storages
         self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
         self.recording = True
+        self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
 
     @contextlib.contextmanager
     def suppressed(self):
@@ -128,13 +130,13 @@ class Recorder(TorchDispatchMode):
         if self.phase == BACKWARD:
             node = tp.current_autograd_node()
             link = node._sequence_nr() if node is not None else None
-            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg)))
+            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg), None))
         else:
             hi = tp.get_sequence_nr()
             seqs = range(self.last_seq, hi)
             self.last_seq = hi
             self.records.append((func, ref_args, ref_kwargs, val, self.phase, self.module_stack[-1], seqs,
-                                 tuple(rg)))
+                                 tuple(rg), self.scope))
         self.storages.clock = index
         return out
 
@@ -179,3 +181,22 @@ class SavedTracker:
                 f"operation: a {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
                 f"expected version {version}")
         return t
+
+
+class AttentionScope(TorchFunctionMode):
+    """Marks the ops PyTorch runs inside F.scaled_dot_product_attention. Where it takes its math
+    path (on the CPU with dropout or some masks) those are plain bmm and softmax ops; marked,
+    their matmul FLOPs count as attention like every fused kernel's (DESIGN.md's classes)."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        outer, self.recorder.scope = self.recorder.scope, "attention"
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.recorder.scope = outer

@@ -215,7 +215,7 @@ class BlockReplay(ForwardPatches):
         born: dict[int, int] = {}
         out = []
         records = self.recorder.records[span.start:span.end]
-        for i, (func, a, kw, val, phase, module, link, rg) in enumerate(records):
+        for i, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(records):
             metas = val if isinstance(val, tuple) else (val,)
             norm_val = []
             for v in metas:
@@ -232,7 +232,7 @@ class BlockReplay(ForwardPatches):
                 else:
                     norm_val.append(v)
             out.append((func, self._norm_args(a, span, refs), self._norm_args(kw, span, refs), tuple(norm_val),
-                        phase, _relative(module, fqn), rg, len(link)))
+                        phase, _relative(module, fqn), rg, len(link), scope))
         outputs = [(self._norm_ref(x.ref, span, refs), x.shape, x.stride, x.dtype, x.whole)
                    if isinstance(x, _Tensor) else x for x in span.output]
         return out, outputs, span.output_spec
@@ -287,11 +287,11 @@ class BlockReplay(ForwardPatches):
         store_map = {sid: k_store[key] for sid, key in t_stores.items()}
         store_map.update(out_store)
         for i in range(template.start, template.end):
-            func, a, kw, val, phase, module, link, rg = rec.records[i]
+            func, a, kw, val, phase, module, link, rg, scope = rec.records[i]
             rec.records.append((func, self._map_args(a, template, t_refs, k_ref, offset),
                                 self._map_args(kw, template, t_refs, k_ref, offset),
                                 self._map_val(val, store_map, template, offset), phase,
-                                _renamed(module, template_fqn, fqn), range(0), rg))
+                                _renamed(module, template_fqn, fqn), range(0), rg, scope))
             self.storages.clock = len(rec.records) - 1
         self.replayed += 1
         return torch.utils._pytree.tree_unflatten(out_leaves, template.output_spec)

@@ -158,7 +158,7 @@ class TrainReplay(ForwardPatches):
             ext_store.setdefault(self.storages.id_of(g), ("gout", j))
         seq_owner = {}
         normalized = []
-        for i, (func, a, kw, val, phase, module, link, rg) in enumerate(records):
+        for i, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(records):
             if phase == BACKWARD:
                 link = ("rec", seq_owner[link]) if link in seq_owner else None
                 module = None
@@ -168,7 +168,7 @@ class TrainReplay(ForwardPatches):
                 link = range(0)
                 module = _relative(module, fqn)
             normalized.append((func, _norm(a, ext_refs), _norm(kw, ext_refs), _norm_val(val, ext_store),
-                               phase, module, link, rg))
+                               phase, module, link, rg, scope))
         born = {sid for sid in range(first_sid, self.storages.next_id)}
         saved_inputs = [j for j, x in enumerate(inputs) if self.storages.id_of(x) in saved_now]
         grad_refs = []
@@ -206,13 +206,13 @@ class TrainReplay(ForwardPatches):
         base = len(rec.records)
         bases = (base if fwd_base is None else fwd_base, base, template.fwd_len)
         for i in range(start, stop):
-            func, a, kw, val, phase, module, link, rg = template.records[i]
+            func, a, kw, val, phase, module, link, rg, scope = template.records[i]
             if phase == BACKWARD:
                 link = ("rec", fwd_base + link[1]) if link is not None else None
             else:
                 module = fqn + module if not module.startswith("\0") else module[1:]
             rec.records.append((func, _map(a, refs, bases), _map(kw, refs, bases),
-                                self._map_val(val, stores, template), phase, module, link, rg))
+                                self._map_val(val, stores, template), phase, module, link, rg, scope))
             self.storages.clock = len(rec.records) - 1
         return base
 
@@ -393,6 +393,6 @@ def _comparable(t: _Template):
             return (v.shape, v.stride, v.dtype, v.requires_grad, sid(v.storage))
         return v
 
-    recs = [(f, a, kw, val(v), ph, m, lk, rg) for f, a, kw, v, ph, m, lk, rg in t.records]
+    recs = [(f, a, kw, val(v), ph, m, lk, rg, sc) for f, a, kw, v, ph, m, lk, rg, sc in t.records]
     return (recs, t.fwd_len, t.in_meta, t.plain, t.out_leaves, [sid(s) for s in t.out_storages],
             t.grads, t.targets, t.saved_inputs)
