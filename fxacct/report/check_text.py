@@ -33,19 +33,19 @@ def format_value(v, unit: str) -> str:
     return f"{plain_number(v):,}"
 
 
-def _over(b: Budget) -> str:
-    sign = "+" if b.over > 0 else "-" if b.over < 0 else ""
-    text = sign + format_value(abs(b.over), b.unit)
+def _margin(b: Budget) -> str:
+    """How far over the limit (a budget that fails), or the headroom left (one that holds)."""
+    text = ("over " if b.over > 0 else "headroom ") + format_value(abs(b.over), b.unit)
     frac = b.over_fraction
     if frac is not None:
-        text += f" ({frac:+,.1%})"
+        text += f" ({abs(frac):,.1%} of the limit)"
     return text
 
 
 def budget_table(budgets) -> str:
-    rows = [[b.name, b.what, format_value(b.value, b.unit), format_value(b.limit, b.unit), _over(b),
+    rows = [[b.name, b.what, format_value(b.value, b.unit), format_value(b.limit, b.unit), _margin(b),
              "ok" if b.ok else "OVER"] for b in budgets]
-    return tabulate(rows, headers=["budget", "figure", "value", "limit", "over", "status"],
+    return tabulate(rows, headers=["budget", "figure", "value", "limit", "margin", "status"],
                     colalign=("left", "left", "right", "right", "right", "left"))
 
 
