@@ -56,7 +56,7 @@ import torch.fx as fx
 
 from fxacct.accounting import ancestors
 from fxacct.accounting import _orphan_owner
-from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, TensorMeta
+from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
 from fxacct.config import Config
 from fxacct.devices import DEVICES, Device, get_device
 
@@ -194,27 +194,19 @@ class Prediction:
         return self.by_phase[FORWARD]
 
 
-def _tensors(val) -> tuple[TensorMeta, ...]:
-    if isinstance(val, TensorMeta):
-        return (val,)
-    if isinstance(val, (tuple, list)):
-        return tuple(v for v in val if isinstance(v, TensorMeta))
-    return ()
-
-
 def op_bytes(node: fx.Node, creation: bool = False) -> int:
-    written = sum(t.nbytes for t in _tensors(node.meta.get("val")))
+    written = sum(t.nbytes for t in tensor_metas(node.meta.get("val")))
     if creation:
         return written
-    return written + sum(t.nbytes for n in node.all_input_nodes for t in _tensors(n.meta.get("val")))
+    return written + sum(t.nbytes for n in node.all_input_nodes for t in tensor_metas(n.meta.get("val")))
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
     for n in node.all_input_nodes:
-        for t in _tensors(n.meta.get("val")):
+        for t in tensor_metas(n.meta.get("val")):
             if t.dtype.is_floating_point:
                 return t.dtype
-    out = _tensors(node.meta.get("val"))
+    out = tensor_metas(node.meta.get("val"))
     return out[0].dtype if out else None
 
 
@@ -223,7 +215,7 @@ def min_dim(node: fx.Node) -> int | None:
     for attention q·kᵀ, the query length, key length and head dim); None for a convolution."""
     if "convolution" in str(node.target):
         return None
-    mats = [t.shape for n in node.all_input_nodes for t in _tensors(n.meta.get("val")) if len(t.shape) >= 2][:2]
+    mats = [t.shape for n in node.all_input_nodes for t in tensor_metas(n.meta.get("val")) if len(t.shape) >= 2][:2]
     dims = [d for shape in mats for d in shape[-2:]]
     return min(dims) if dims else None
 
@@ -264,7 +256,7 @@ def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,
             if owner is None or owner.name not in forward_nodes:
                 owner = _orphan_owner(node, order) or last_forward
         repeat = node.meta.get("repeat", 1)
-        outputs = _tensors(node.meta.get("val"))
+        outputs = tensor_metas(node.meta.get("val"))
         if cost.kind == "view":
             seconds, bound, nbytes = 0.0, FREE, 0
         elif phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
