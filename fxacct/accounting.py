@@ -45,13 +45,6 @@ class ModuleRow:
 
 
 @dataclass(frozen=True)
-class DtypeTotals:
-    param_bytes: int = 0
-    grad_bytes: int = 0
-    activation_bytes: int = 0
-
-
-@dataclass(frozen=True)
 class Totals:
     forward: Flops
     backward: Flops
@@ -84,7 +77,7 @@ class Accounting:
     totals: Totals
     nodes: tuple[NodeRow, ...]
     modules: tuple[ModuleRow, ...]
-    by_dtype: dict = field(default_factory=dict)  # dtype name -> DtypeTotals
+    activation_by_dtype: dict = field(default_factory=dict)  # dtype name -> saved bytes
     unsupported_ops: dict = field(default_factory=dict)  # "aten.x.default" -> node count
     node_count: int = 0  # op nodes in the whole graph (forward, loss, backward)
     input_shapes: tuple[str, ...] = ()
@@ -186,21 +179,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
 
     modules = _module_rows(rows, capture.module_names)
     param_bytes = sum(numel(p.shape) * itemsize(p.dtype) for p in capture.params)
-    by_dtype: dict[str, DtypeTotals] = {}
-
-    def bump(dt: str, **kw):
-        cur = by_dtype.get(dt, DtypeTotals())
-        by_dtype[dt] = DtypeTotals(**{k: getattr(cur, k) + kw.get(k, 0) for k in DtypeTotals.__dataclass_fields__})
-
-    grad_bytes = 0
-    for p in capture.params:
-        nbytes = numel(p.shape) * itemsize(p.dtype)
-        bump(dtype_name(p.dtype), param_bytes=nbytes)
-        if p.got_grad:
-            grad_bytes += nbytes
-            bump(dtype_name(p.dtype), grad_bytes=nbytes)
-    for dt, b in saved_by_dtype.items():
-        bump(dt, activation_bytes=b)
+    grad_bytes = sum(numel(p.shape) * itemsize(p.dtype) for p in capture.params if p.got_grad)
     totals = Totals(
         forward=forward, backward=backward, loss_flops=loss_flops, optimizer_flops=optimizer_flops,
         params=sum(numel(p.shape) for p in capture.params),
@@ -209,7 +188,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
         tokens_per_example=tokens_per_example, batch=batch,
     )
     inputs = tuple(_describe(n.meta["val"]) for n in capture.input_nodes)
-    return Accounting(totals, tuple(rows), modules, dict(sorted(by_dtype.items())),
+    return Accounting(totals, tuple(rows), modules, dict(sorted(saved_by_dtype.items())),
                       dict(sorted(unsupported.items(), key=lambda kv: -kv[1])), op_nodes, inputs)
 
 

@@ -194,9 +194,9 @@ def measure_bandwidth(kind: str, budget_s: float = BUDGET_S, sweeps: int = 2) ->
         for nbytes in COPY_SIZES[kind]:
             a = torch.ones(nbytes // 4, dtype=torch.float32, device=kind)
             b, c = torch.ones_like(a), torch.ones_like(a)
-            rates = [2 * nbytes / _repeat(timer, lambda: c.copy_(a), share),  # read a, write c
-                     3 * nbytes / _repeat(timer, lambda: torch.add(a, b, out=c), share),  # read a, b; write c
-                     2 * nbytes / _repeat(timer, lambda: a.mul_(1.0), share)]  # read and write a
+            rates = [2 * nbytes / _repeat(timer, lambda a=a, c=c: c.copy_(a), share),  # read a, write c
+                     3 * nbytes / _repeat(timer, lambda a=a, b=b, c=c: torch.add(a, b, out=c), share),  # a, b -> c
+                     2 * nbytes / _repeat(timer, lambda a=a: a.mul_(1.0), share)]  # read and write a
             out[2 * nbytes] = max(out.get(2 * nbytes, 0.0), statistics.median(rates))
             del a, b, c
     return out

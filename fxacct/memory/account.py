@@ -114,7 +114,7 @@ def by_dtype(capture: Capture, accounting: Accounting) -> dict:
         add(state.dtype, "optimizer_bytes", state.nbytes * state.count)
     for _, nbytes, count in capture.master_weights:
         add(torch.float32, "master_bytes", nbytes * count)
-    for dt, d in accounting.by_dtype.items():
-        if d.activation_bytes:
-            add(dt, "activation_bytes", d.activation_bytes)
+    for dt, nbytes in accounting.activation_by_dtype.items():
+        if nbytes:
+            add(dt, "activation_bytes", nbytes)
     return {k: DtypeMemory(**v) for k, v in sorted(table.items())}
