@@ -30,6 +30,8 @@ MODEL_OPTIONS = (
                  help="Index of the floating-point output that is the loss (default: sum of all)."),
     click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default="full", show_default=True,
                  help="Count causal attention kernels in full or halved."),
+    click.option("--count-recompute", is_flag=True,
+                 help="Count the ops activation checkpointing re-runs in the backward (hardware FLOPs)."),
     click.option("--tokens-per-example", type=int, default=None,
                  help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
     click.option("--optimizer", default="adamw", show_default=True,
@@ -59,7 +61,7 @@ def model_options(fn):
 
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
-              world_size, shard, no_dedup=False, no_max_batch=False, **_) -> Config:
+              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False, **_) -> Config:
     kwargs = {}
     if kwargs_json is not None:
         try:
@@ -77,6 +79,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
         amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights, gpu=gpu,
         world_size=world_size, shard=shard, dedup=not no_dedup, find_max_batch=not no_max_batch,
+        count_recompute=count_recompute,
     )
 
 

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from fxacct.annotate import NodeCost
 from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize
+from fxacct.recorder import RECOMPUTE
 from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
 
@@ -50,6 +51,7 @@ class Totals:
     backward: Flops
     loss_flops: int
     optimizer_flops: int
+    recompute_flops: int
     params: int
     trainable_params: int
     param_bytes: int
@@ -126,13 +128,16 @@ def _orphan_owner(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
     return best
 
 
-def account(capture: Capture, batch: int, tokens_per_example: int | None = None) -> Accounting:
+def account(capture: Capture, batch: int, tokens_per_example: int | None = None,
+            count_recompute: bool = False) -> Accounting:
+    """``count_recompute``: ops that activation checkpointing re-runs in the backward count in the
+    backward FLOPs (hardware FLOPs); by default they are reported apart (model FLOPs)."""
     graph = capture.graph
     forward_nodes = [n for n in graph.nodes if n.meta.get("phase") == FORWARD and _cost(n) is not None
                      and (n.op == "call_function" or n.meta.get("kind") == "input")]
     order = {n: i for i, n in enumerate(forward_nodes)}
     backward_of: dict[fx.Node, Flops] = {n: ZERO for n in forward_nodes}
-    loss_flops = optimizer_flops = 0
+    loss_flops = optimizer_flops = recompute_flops = 0
     unsupported: dict[str, int] = {}
     op_nodes = 0
     saved_total = 0
@@ -155,6 +160,10 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
         elif phase == OPTIMIZER:
             optimizer_flops += cost.flops.total * n.meta.get("repeat", 1)
         elif phase == BACKWARD:
+            if n.meta.get("scope") == RECOMPUTE:
+                recompute_flops += cost.flops.total
+                if not count_recompute:
+                    continue
             owner = n.meta.get("fwd")
             if owner is None or owner not in backward_of or _is_accumulation(n):
                 owner = _orphan_owner(n, order) or (forward_nodes[-1] if forward_nodes else None)
@@ -182,6 +191,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None)
     grad_bytes = sum(numel(p.shape) * itemsize(p.dtype) for p in capture.params if p.got_grad)
     totals = Totals(
         forward=forward, backward=backward, loss_flops=loss_flops, optimizer_flops=optimizer_flops,
+        recompute_flops=recompute_flops,
         params=sum(numel(p.shape) for p in capture.params),
         trainable_params=sum(numel(p.shape) for p in capture.params if p.requires_grad),
         param_bytes=param_bytes, grad_bytes=grad_bytes, activation_bytes=saved_total,

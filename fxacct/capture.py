@@ -276,6 +276,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
             else:
                 fwd = seq_owner.get(link) if link is not None else None
             node = builder.add(index, func, a, kw, val, BACKWARD, fwd.meta["module"] if fwd is not None else "", rg)
+            if scope is not None:
+                node.meta["scope"] = scope
             node.meta["fwd"] = fwd
             if fwd is not None and fwd.meta["phase"] == LOSS:
                 node.meta["phase"] = LOSS

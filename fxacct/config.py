@@ -23,6 +23,7 @@ class Config:
     input_requires_grad: bool = False
     loss_output: int | None = None
     causal_attention: str = "full"
+    count_recompute: bool = False  # activation checkpointing's re-run ops in the backward FLOPs
     tokens_per_example: int | None = None
     optimizer: str = "adamw"  # a torch.optim name, "none", or PATH.py:Name
     optim_args: dict = field(default_factory=dict)

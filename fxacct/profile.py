@@ -96,7 +96,7 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     cap = _capture(model, args, kwargs, config)
     annotate(cap.graph, config.causal_attention)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
-    acct = account(cap, config.batch, tokens)
+    acct = account(cap, config.batch, tokens, config.count_recompute)
     inference = _capture(model, args, kwargs, config, inference=True)
     peak_train, per_rank, unit = rank_peak(cap, model, config)
     memory = memory_account.MemoryAccount(

@@ -15,6 +15,7 @@ from fxacct.module_hooks import global_module_hooks
 from fxacct.records import TAG, Ref, Storages, TensorMeta, itemsize
 
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
+RECOMPUTE = "recompute"  # scope of a backward-phase record that re-runs a forward op
 _PRIM_DEVICE = torch.ops.prim.device.default
 # metadata queries (prim.device, ...) and profiler markers (record_function): no tensor work
 _NOT_RECORDED = frozenset({"prim", "profiler"})
@@ -130,7 +131,12 @@ class Recorder(TorchDispatchMode):
         if self.phase == BACKWARD:
             node = tp.current_autograd_node()
             link = node._sequence_nr() if node is not None else None
-            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg), None))
+            # an op that records a grad_fn during the backward is a forward op run again:
+            # activation checkpointing recomputing what it did not save (model FLOPs leave it out)
+            hi = tp.get_sequence_nr()
+            scope = RECOMPUTE if hi != self.last_seq else None
+            self.last_seq = hi
+            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg), scope))
         else:
             hi = tp.get_sequence_nr()
             seqs = range(self.last_seq, hi)

@@ -145,3 +145,17 @@ def foreach(*args, out_shape, ctx, **kwargs) -> Flops:
     first = args[0] if args else ()
     shapes = first if isinstance(first, (list, tuple)) and first and isinstance(first[0], tuple) else ()
     return Flops(other=sum(numel(s) for s in shapes))
+
+
+@register(aten._embedding_bag, aten._embedding_bag_forward_only)
+def embedding_bag(weight_shape, indices_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # every looked-up row (D values) is added into its bag: one add per gathered element
+    # (mean's division, one per bag element of the output, is counted too)
+    d = weight_shape[1]
+    return Flops(other=numel(indices_shape) * d + numel(_first(out_shape)))
+
+
+@register(aten._embedding_bag_backward, aten._embedding_bag_dense_backward)
+def embedding_bag_backward(grad_shape, indices_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # each bag's gradient row is scattered back into the table once per index (one add each)
+    return Flops(other=numel(indices_shape) * grad_shape[-1])

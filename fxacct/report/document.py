@@ -45,7 +45,8 @@ def _document(p: Profile) -> dict:
             "shard": c.shard, "tokens_per_example": t.tokens_per_example, "inputs": list(a.input_shapes),
             "master_weights": c.master_weights,
         },
-        "conventions": {"flops_per_fma": FLOPS_PER_FMA, "causal_attention": c.causal_attention},
+        "conventions": {"flops_per_fma": FLOPS_PER_FMA, "causal_attention": c.causal_attention,
+                        "recompute": "counted" if c.count_recompute else "excluded"},
         "totals": {
             "forward_flops": t.forward.total, "backward_flops": t.backward.total, "loss_flops": t.loss_flops,
             "forward_flops_by_class": _by_class(t.forward), "backward_flops_by_class": _by_class(t.backward),
@@ -56,6 +57,7 @@ def _document(p: Profile) -> dict:
             "peak_inference_bytes": m.peak_inference.bytes if m.peak_inference is not None else None,
             "predicted_step_ms": None,
             "master_weight_bytes": m.master_bytes, "optimizer_flops": t.optimizer_flops,
+            "recompute_flops": t.recompute_flops,
             "checkpoint_bytes": m.checkpoint_bytes,
         },
         "by_dtype": {

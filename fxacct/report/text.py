@@ -34,7 +34,8 @@ def summary(p: Profile) -> str:
         + f", inputs {' '.join(a.input_shapes) or '-'}",
         f"  conventions: 1 multiply-add = 2 FLOPs; attention {c.causal_attention}"
         + (" (causal kernels halved)" if c.causal_attention == "halved" else " (no causal discount)")
-        + "; no recompute; GB = 1e9 B, GiB = 2^30 B",
+        + ("; recompute counted" if c.count_recompute else "; no recompute")
+        + "; GB = 1e9 B, GiB = 2^30 B",
         "",
     ]
     rows = []
@@ -47,6 +48,9 @@ def summary(p: Profile) -> str:
                            colalign=("left", "right", "right", "right"))
     lines = head + [flops_table, ""]
     lines.append(f"loss FLOPs (sum of outputs, not in the totals above): {_flops(t.loss_flops)}")
+    if t.recompute_flops:
+        lines.append(f"recomputed by activation checkpointing in the backward: {_flops(t.recompute_flops)} "
+                     "FLOPs, not in the backward above (model FLOPs; --count-recompute adds them)")
     lines.append(f"parameters: {_exact(t.params, format_count)}; trainable {_exact(t.trainable_params, format_count)}"
                  f"; {format_bytes(t.param_bytes)}; gradients {format_bytes(t.grad_bytes)}")
     lines.append(f"activations saved for backward: {_exact(t.activation_bytes, format_bytes, ' B')}")
