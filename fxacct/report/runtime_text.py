@@ -89,6 +89,9 @@ def _rows_table(rows, first: str, with_op: bool) -> str:
                     disable_numparse=True)
 
 
+NOISY = 1.5  # slowest / fastest timed step above which the spread is called out
+
+
 def runtime_section(result, depth: int = 2, top: int = 10) -> str:
     m, c = result.measured, result.comparison
     p = result.prediction
@@ -105,6 +108,12 @@ def runtime_section(result, depth: int = 2, top: int = 10) -> str:
         lines.append(f"INTERRUPTED: {m.steps} of {m.steps_requested} timed steps completed; figures are over those")
     if not m.steps:
         return "\n".join(lines + ["no timed step completed: nothing was measured"])
+    steps = sorted(t.step_s for t in m.step_times)
+    spread = f"step times: fastest {ms(steps[0])}, median {ms(m.step_s)}, slowest {ms(steps[-1])}"
+    if steps[0] > 0 and steps[-1] / steps[0] > NOISY:
+        spread += (f" (the slowest is {steps[-1] / steps[0]:.1f}x the fastest: other work on this machine, "
+                   "or too few warm-up steps; the fastest is the least disturbed figure)")
+    lines.append(spread)
     lines += ["", _totals_table(result), "",
               f"allocator peak: {m.peak_source}; op-level peak: fxacct.storage_tracker over one step, the level "
               "peak_train_bytes is defined at (kernel scratch such as oneDNN buffers and allocator rounding "
