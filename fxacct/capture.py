@@ -40,6 +40,7 @@ import torch.fx as fx
 from fxacct import _torch_private as tp
 from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
 from fxacct.loss import training_loss
+from fxacct.optim import step_once
 from fxacct.recorder import (  # noqa: F401  (re-exported: the phases and the recorder)
     BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
 )
@@ -132,6 +133,80 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
+@dataclass
+class _FakeModel:
+    """The fake stand-ins of a module's tensors for one capture (tied names share one tensor)."""
+
+    fake_of: dict  # id(real tensor) -> fake tensor
+    state: dict  # every parameter and buffer name -> its fake tensor (for reparametrize_module)
+    param_groups: dict  # id(parameter) -> its names
+    buffer_groups: dict  # id(buffer) -> its names
+    attributes: list  # (module, name, real, fake) of tensors kept as plain attributes
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [self.fake_of[pid] for pid in self.param_groups if self.fake_of[pid].requires_grad]
+
+
+def _fake_model(model: torch.nn.Module, dtype: torch.dtype | None, inference: bool) -> _FakeModel:
+    """Call inside the FakeTensorMode."""
+    fake = _FakeModel({}, {}, {}, {}, [])
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in fake.fake_of:
+            fake.fake_of[id(p)] = _fake_like(p, dtype).requires_grad_(p.requires_grad and not inference)
+        fake.param_groups.setdefault(id(p), []).append(name)
+        fake.state[name] = fake.fake_of[id(p)]
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if id(b) not in fake.fake_of:
+            fake.fake_of[id(b)] = _fake_like(b, dtype)
+        fake.buffer_groups.setdefault(id(b), []).append(name)
+        fake.state[name] = fake.fake_of[id(b)]
+    # tensors a module keeps as plain attributes (not parameters or buffers): swapped too
+    fake.attributes = [(m, k, v, _fake_like(v, dtype)) for m in model.modules() for k, v in vars(m).items()
+                       if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+    return fake
+
+
+def _placeholders(builder: _GraphBuilder, recorder: Recorder, fake: _FakeModel, flat_inputs) -> list[fx.Node]:
+    """One placeholder per input tensor, parameter and buffer, each tensor tagged with it."""
+    input_nodes = []
+    for name, t in flat_inputs:
+        if isinstance(t, torch.Tensor):
+            key = ("input", len(input_nodes))
+            input_nodes.append(builder.placeholder(key, name, recorder.meta(t), kind="input"))
+            setattr(t, TAG, Ref(key, None))
+    for kind, groups in (("param", fake.param_groups), ("buffer", fake.buffer_groups)):
+        for tid, group in groups.items():
+            key = (kind, tid)
+            builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake.fake_of[tid]), **{kind: group[0]})
+            setattr(fake.fake_of[tid], TAG, Ref(key, None))
+    return input_nodes
+
+
+def _add_records(builder: _GraphBuilder, recorder: Recorder) -> None:
+    """Every record becomes a node; a backward node points at its forward node (meta["fwd"])."""
+    for key, meta in recorder.constants:
+        builder.placeholder(key, "constant", meta, constant=True)
+    seq_owner: dict[int, fx.Node] = {}
+    for index, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(recorder.records):
+        if phase == BACKWARD:
+            if isinstance(link, tuple):  # ("rec", index): a replayed block's (fxacct.replay_train)
+                fwd = builder.nodes[link[1]]
+            else:
+                fwd = seq_owner.get(link) if link is not None else None
+            node = builder.add(index, func, a, kw, val, BACKWARD, fwd.meta["module"] if fwd is not None else "", rg)
+            node.meta["fwd"] = fwd
+            if fwd is not None and fwd.meta["phase"] == LOSS:
+                node.meta["phase"] = LOSS
+        else:
+            node = builder.add(index, func, a, kw, val, phase, module, rg)
+            for s in link:
+                seq_owner[s] = node
+            if phase == OPTIMIZER:
+                node.meta["repeat"] = recorder.repeat_of(index)
+        if scope is not None:
+            node.meta["scope"] = scope
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype | None = None,
             input_requires_grad: bool = False, loss_output: int | None = None,
             backward: bool = True, optimizer=None, inference: bool = False,
@@ -145,86 +220,55 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     ``amp``: forward and loss under autocast to that dtype. ``master_weights``: the optimizer
     steps fp32 copies of the parameters. ``cuda``: apply fxacct.targets' CUDA kernel rules.
     ``optimizer``: an fxacct.optim.OptimizerSpec stepped once after the backward.
-    ``inference``: the forward alone, under eval() and no_grad(); with ``dedup``, repeated
-    blocks proven identical are traced once and replayed (fxacct.replay).
+    ``inference``: the forward alone, under eval() and no_grad(). ``dedup``: repeated blocks
+    proven identical are traced once and replayed (fxacct.replay, fxacct.replay_train).
     """
     from fxacct.replay import BlockReplay, find_runs
     from fxacct.replay_train import TrainReplay
-
     from fxacct.targets import CudaRules
 
     def autocast():
         return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
 
+    def to_fake(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        f = _fake_like(t, dtype)
+        return f.requires_grad_(input_requires_grad and f.is_floating_point() and not inference)
+
     names = {id(m): n for n, m in model.named_modules()}
     was_training = {m: m.training for m in model.modules()}
     mode = tp.FakeTensorMode(allow_non_fake_inputs=True)  # a stray CPU tensor becomes a fake one
     storages = Storages()
-    quiet = _QuietFakeTensorLog()
     recorder = Recorder(storages)
     builder = _GraphBuilder()
     with mode:
-        fake_of: dict[int, torch.Tensor] = {}
-        state: dict[str, torch.Tensor] = {}
-        param_groups: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) not in fake_of:
-                fake_of[id(p)] = _fake_like(p, dtype).requires_grad_(p.requires_grad and not inference)
-            param_groups.setdefault(id(p), []).append(name)
-            state[name] = fake_of[id(p)]
-        buffer_groups: dict[int, list[str]] = {}
-        for name, b in model.named_buffers(remove_duplicate=False):
-            if id(b) not in fake_of:
-                fake_of[id(b)] = _fake_like(b, dtype)
-            buffer_groups.setdefault(id(b), []).append(name)
-            state[name] = fake_of[id(b)]
-
-        def to_fake(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            f = _fake_like(t, dtype)
-            return f.requires_grad_(input_requires_grad and f.is_floating_point() and not inference)
-
+        fake = _fake_model(model, dtype, inference)
         fake_args = torch.utils._pytree.tree_map(to_fake, args)
         fake_kwargs = torch.utils._pytree.tree_map(to_fake, kwargs)
-        # tensors a module keeps as plain attributes (not parameters or buffers): swapped too
-        attributes = [(m, k, v, _fake_like(v, dtype)) for m in model.modules() for k, v in vars(m).items()
-                      if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
-
     flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))
-    input_nodes = []
-    for name, t in flat_inputs:
-        if isinstance(t, torch.Tensor):
-            key = ("input", len(input_nodes))
-            input_nodes.append(builder.placeholder(key, name, recorder.meta(t), kind="input"))
-            setattr(t, TAG, Ref(key, None))
-    for pid, group in param_groups.items():
-        key = ("param", pid)
-        builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake_of[pid]), param=group[0])
-        setattr(fake_of[pid], TAG, Ref(key, None))
-    for bid, group in buffer_groups.items():
-        key = ("buffer", bid)
-        builder.placeholder(key, group[0].replace(".", "_"), recorder.meta(fake_of[bid]), buffer=group[0])
-        setattr(fake_of[bid], TAG, Ref(key, None))
-    excluded = {storages.id_of(t) for t in fake_of.values()}
-    saved = SavedTracker(storages, excluded)
+    input_nodes = _placeholders(builder, recorder, fake, flat_inputs)
+    saved = SavedTracker(storages, {storages.id_of(t) for t in fake.fake_of.values()})
+    if inference and dedup:
+        replay = BlockReplay(recorder, storages, find_runs(model))
+    elif dedup and backward:
+        replay = TrainReplay(recorder, storages, find_runs(model), saved)
+    else:
+        replay = contextlib.nullcontext()
 
-    model.train(not inference)
-    for m, k, _, fake in attributes:
-        setattr(m, k, fake)
     grads: tuple = ()
     targets: list[torch.Tensor] = []
-    state_tensors: list[torch.Tensor] = []
-    masters: list[torch.Tensor] = []
+    state_tensors: list = []
+    masters: list = []
     outputs: list[torch.Tensor] = []  # inference: the model's outputs, live to the end
     try:
-        with quiet, mode, recorder, module_tracking(recorder, names), \
-                tp.reparametrize_module(model, state, strict=False), \
+        model.train(not inference)
+        for m, k, _, fake_tensor in fake.attributes:
+            setattr(m, k, fake_tensor)
+        with _QuietFakeTensorLog(), mode, recorder, module_tracking(recorder, names), \
+                tp.reparametrize_module(model, fake.state, strict=False), \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), \
-                AttentionScope(recorder), (CudaRules() if cuda else contextlib.nullcontext()), \
-                (BlockReplay(recorder, storages, find_runs(model)) if inference and dedup
-                 else TrainReplay(recorder, storages, find_runs(model), saved) if dedup and backward
-                 else contextlib.nullcontext()):
+                AttentionScope(recorder), (CudaRules() if cuda else contextlib.nullcontext()), replay:
             with torch.no_grad() if inference else contextlib.nullcontext(), autocast():
                 output = model(*fake_args, **fake_kwargs)
             if inference:
@@ -234,7 +278,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                 with autocast():
                     loss = training_loss(output, loss_output)
                 del output  # `loss = model(x).sum()`: the outputs live only as long as the loss needs them
-                targets = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
+                targets = fake.trainable()
                 if input_requires_grad:
                     targets += [t for _, t in flat_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
                 if backward and loss.requires_grad and targets:
@@ -244,8 +288,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                     del seed
                     if optimizer is not None:
                         recorder.phase = OPTIMIZER
-                        state_tensors, masters = _optimizer_step(optimizer, param_groups, fake_of, targets,
-                                                                 grads, master_weights, recorder)
+                        state_tensors, masters = step_once(optimizer, fake.param_groups, fake.fake_of,
+                                                                 targets, grads, master_weights, recorder)
             storages.open = False  # what is still alive now lives to the end of the step
     except (UsageError, ModelError):
         raise
@@ -263,55 +307,35 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
         storages.open = False
         for m, flag in was_training.items():
             m.training = flag
-        for m, k, original, _ in attributes:
+        for m, k, original, _ in fake.attributes:
             setattr(m, k, original)
 
-    for key, meta in recorder.constants:
-        builder.placeholder(key, "constant", meta, constant=True)
-    seq_owner: dict[int, fx.Node] = {}
-    for index, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(recorder.records):
-        if phase == BACKWARD:
-            if isinstance(link, tuple):  # ("rec", index): a replayed block's (fxacct.replay_train)
-                fwd = builder.nodes[link[1]]
-            else:
-                fwd = seq_owner.get(link) if link is not None else None
-            node = builder.add(index, func, a, kw, val, BACKWARD, fwd.meta["module"] if fwd is not None else "", rg)
-            if scope is not None:
-                node.meta["scope"] = scope
-            node.meta["fwd"] = fwd
-            if fwd is not None and fwd.meta["phase"] == LOSS:
-                node.meta["phase"] = LOSS
-        else:
-            node = builder.add(index, func, a, kw, val, phase, module, rg)
-            if scope is not None:
-                node.meta["scope"] = scope
-            for s in link:
-                seq_owner[s] = node
-            if phase == OPTIMIZER:
-                node.meta["repeat"] = recorder.repeat_of(index)
+    _add_records(builder, recorder)
     _attach_saved(builder.graph, saved.saved)
     out_refs = [getattr(g, TAG) for g in grads if g is not None] + [getattr(t, TAG) for t in outputs]
     builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
 
     got_grad = {id(t): g is not None for t, g in zip(targets, grads)}
-    params = tuple(
-        ParamInfo(tuple(group), tuple(fake_of[pid].shape), fake_of[pid].dtype,
-                  fake_of[pid].requires_grad, got_grad.get(id(fake_of[pid]), False))
-        for pid, group in param_groups.items()
-    )
-    buffers = tuple(
-        ParamInfo(tuple(group), tuple(fake_of[bid].shape), fake_of[bid].dtype, False, False)
-        for bid, group in buffer_groups.items()
-    )
+
+    def info(tid: int, group: list[str], trainable: bool) -> ParamInfo:
+        t = fake.fake_of[tid]
+        return ParamInfo(tuple(group), tuple(t.shape), t.dtype, trainable and t.requires_grad,
+                         trainable and got_grad.get(id(t), False))
+
     opt_state: dict[int, StateTensor] = {}
     for t, count in state_tensors:
         sid = storages.id_of(t)
         opt_state.setdefault(sid, StateTensor(t.dtype, t.untyped_storage().nbytes(), sid, t.dim() == 0, count))
     return Capture(
-        builder.graph, params, buffers, tuple(input_nodes), bool(grads), tuple(names.values()),
-        tuple(opt_state.values()), frozenset(storages.id_of(g) for g in grads if g is not None),
-        frozenset(saved.saved), tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in masters),
-        inference, dict(storages.deaths),
+        graph=builder.graph,
+        params=tuple(info(pid, group, True) for pid, group in fake.param_groups.items()),
+        buffers=tuple(info(bid, group, False) for bid, group in fake.buffer_groups.items()),
+        input_nodes=tuple(input_nodes), has_backward=bool(grads), module_names=tuple(names.values()),
+        optimizer_state=tuple(opt_state.values()),
+        grad_storages=frozenset(storages.id_of(g) for g in grads if g is not None),
+        saved_storages=frozenset(saved.saved),
+        master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in masters),
+        inference=inference, deaths=dict(storages.deaths),
     )
 
 
@@ -327,65 +351,6 @@ def _attach_saved(graph: fx.Graph, saved: dict[int, tuple[int, torch.dtype]]) ->
         for v in (val if isinstance(val, tuple) else (val,)):
             if isinstance(v, TensorMeta) and v.storage in remaining:
                 node.meta.setdefault("saved", []).append(remaining.pop(v.storage))
-
-
-STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
-
-
-def _optimizer_step(optimizer, param_groups, fake_of, targets, grads, master_weights: bool, recorder):
-    """Build the real optimizer over the trainable fake parameters (DESIGN.md: the usual recipe,
-    requires_grad=True), give each the gradient the backward produced, step once. What it
-    allocates is what the class allocates, whatever its options. With ``master_weights`` it steps
-    fp32 copies (fed fp32 casts of the gradients) and copies them back, as mixed-precision
-    recipes with fp32 master weights do.
-
-    torch.optim's single-tensor implementations update each parameter on its own, so parameters
-    of one shape and dtype allocate and compute the same: when ``optimizer.per_parameter``, one
-    representative per (shape, dtype, has-grad) is stepped and stands for the others (its state
-    and ops counted that many times). Foreach/fused implementations and custom classes step all,
-    and so do models with few parameters, where stepping all is cheap and keeps one more effect
-    exact: a loop's locals (`denom`) outlive their iteration into the next parameter's update.
-    Returns ([(state tensor, count)], [(master copy, count)])."""
-    params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
-    is_param = {id(p) for p in params}
-    for t, g in zip(targets, grads):
-        if g is not None and id(t) in is_param:
-            t.grad = g
-    if optimizer.per_parameter and len(params) > STEP_ALL_BELOW:
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
-        batches = [([ps[0]], len(ps)) for ps in groups.values()]
-    else:
-        batches = [(params, 1)]
-    states: list[tuple[torch.Tensor, int]] = []
-    masters: list[tuple[torch.Tensor, int]] = []
-    for batch, count in batches:
-        start = len(recorder.records)
-        stepped = batch
-        if master_weights:
-            stepped = [torch.empty(p.shape, dtype=torch.float32) for p in batch]
-            for m, p in zip(stepped, batch):
-                if p.grad is not None:
-                    m.grad = p.grad.float()
-            masters += [(m, count) for m in stepped]
-        opt = optimizer.build(stepped)
-        if opt is None:
-            return [], masters
-        try:
-            opt.step()
-        except Exception as e:
-            if optimizer.args:  # a value its constructor accepted but its step cannot use
-                raise UsageError(f"{type(opt).__name__}.step() failed with options {optimizer.args}: "
-                                 f"{describe_exception(e)}; check --optim-arg") from e
-            raise
-        if master_weights:
-            with torch.no_grad():
-                for p, m in zip(batch, stepped):
-                    p.copy_(m)
-        states += [(v, count) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        recorder.repeats.append((start, len(recorder.records), count))
-    return states, masters
 
 
 def _positional_leaves(model, args):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxacct.errors import UsageError
+from fxacct.errors import UsageError, describe_exception
 
 OPTIMIZERS = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
@@ -77,3 +77,62 @@ class OptimizerSpec:
         except Exception as e:  # the options are what the user gave: a usage error, not the model's
             raise UsageError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.args.items())}) "
                              f"rejected its options: {e}") from None
+
+
+STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
+
+
+def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: bool, recorder):
+    """Build the real optimizer over the trainable fake parameters (DESIGN.md: the usual recipe,
+    requires_grad=True), give each the gradient the backward produced, step once. What it
+    allocates is what the class allocates, whatever its options. With ``master_weights`` it steps
+    fp32 copies (fed fp32 casts of the gradients) and copies them back, as mixed-precision
+    recipes with fp32 master weights do.
+
+    torch.optim's single-tensor implementations update each parameter on its own, so parameters
+    of one shape and dtype allocate and compute the same: when ``optimizer.per_parameter``, one
+    representative per (shape, dtype, has-grad) is stepped and stands for the others (its state
+    and ops counted that many times). Foreach/fused implementations and custom classes step all,
+    and so do models with few parameters, where stepping all is cheap and keeps one more effect
+    exact: a loop's locals (`denom`) outlive their iteration into the next parameter's update.
+    Returns ([(state tensor, count)], [(master copy, count)])."""
+    params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
+    is_param = {id(p) for p in params}
+    for t, g in zip(targets, grads):
+        if g is not None and id(t) in is_param:
+            t.grad = g
+    if optimizer.per_parameter and len(params) > STEP_ALL_BELOW:
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
+        batches = [([ps[0]], len(ps)) for ps in groups.values()]
+    else:
+        batches = [(params, 1)]
+    states: list[tuple[torch.Tensor, int]] = []
+    masters: list[tuple[torch.Tensor, int]] = []
+    for batch, count in batches:
+        start = len(recorder.records)
+        stepped = batch
+        if master_weights:
+            stepped = [torch.empty(p.shape, dtype=torch.float32) for p in batch]
+            for m, p in zip(stepped, batch):
+                if p.grad is not None:
+                    m.grad = p.grad.float()
+            masters += [(m, count) for m in stepped]
+        opt = optimizer.build(stepped)
+        if opt is None:
+            return [], masters
+        try:
+            opt.step()
+        except Exception as e:
+            if optimizer.args:  # a value its constructor accepted but its step cannot use
+                raise UsageError(f"{type(opt).__name__}.step() failed with options {optimizer.args}: "
+                                 f"{describe_exception(e)}; check --optim-arg") from e
+            raise
+        if master_weights:
+            with torch.no_grad():
+                for p, m in zip(batch, stepped):
+                    p.copy_(m)
+        states += [(v, count) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        recorder.repeats.append((start, len(recorder.records), count))
+    return states, masters
