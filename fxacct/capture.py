@@ -291,6 +291,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                         state_tensors, masters = step_once(optimizer, fake.param_groups, fake.fake_of,
                                                                  targets, grads, master_weights, recorder)
             storages.open = False  # what is still alive now lives to the end of the step
+        if isinstance(replay, TrainReplay):
+            replay.finish()
     except (UsageError, ModelError):
         raise
     except (tp.DataDependentOutputException, tp.DynamicOutputShapeException) as e:

@@ -14,9 +14,9 @@ fresh gradients. A block's backward ops run contiguously in the eager engine too
 higher sequence numbers than the block before it), so the order of ops is the same.
 
 What counts as identical before any op is compared is fxacct.replay's rule (class, parameters,
-plain attributes, no shared parameters). Under autocast every block is traced: autocast keeps each
-parameter's low-precision copy in a cache until its region ends, outside the block, so a probe
-cannot see when those copies die. The inputs the template saved for backward are saved by
+plain attributes, no shared parameters). Under autocast, each parameter's low-precision copy sits in
+autocast's cache until the region ends, outside the block, so a probe cannot see it die: a
+replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``). The inputs the template saved for backward are saved by
 `_ReplayFn` too, so they live as long as they would. `--no-dedup` traces every block;
 tests check both ways agree.
 """
@@ -54,6 +54,7 @@ class _Template:
     saved_inputs: list  # indices of input leaves autograd saved
     storage_bytes: dict  # template storage id -> bytes
     gout_last_use: dict  # incoming gradient j -> index of the last template record reading it
+    lingering: dict  # storage alive at the probe's end that is no output or gradient -> last use
 
 
 class TrainReplay(ForwardPatches):
@@ -62,6 +63,14 @@ class TrainReplay(ForwardPatches):
     def __init__(self, recorder, storages, runs, saved_tracker):
         super().__init__(recorder, storages, runs)
         self.saved = saved_tracker
+        self.lingering: set[int] = set()
+
+    def finish(self) -> None:
+        """After the trace: a storage that outlived its probe lives at least to the forward's end
+        (the autocast region, whose cache held it, closes there)."""
+        forward_end = max((i for i, r in enumerate(self.recorder.records) if r[4] == FORWARD), default=-1)
+        for sid in self.lingering:
+            self.storages.deaths[sid] = max(self.storages.deaths.get(sid, forward_end), forward_end)
 
     @staticmethod
     def _new_state(run) -> dict:
@@ -73,8 +82,7 @@ class TrainReplay(ForwardPatches):
             state["tried"] = True
             state["template"] = self._learn(state["run"], leaves, spec)
         template = state["template"]
-        if (template is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                and self._inputs_match(template, leaves, spec)):
+        if template is not None and torch.is_grad_enabled() and self._inputs_match(template, leaves, spec):
             return self._replay(template, block, fqn, leaves)
         return original(*args, **kwargs)
 
@@ -90,9 +98,7 @@ class TrainReplay(ForwardPatches):
     # -- learning a template from two isolated blocks ------------------------------------------
 
     def _learn(self, run, leaves, spec) -> _Template | None:
-        if not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
-            # autocast caches each parameter's low-precision copy until the autocast region ends,
-            # outside the block: a probe cannot see when those copies die, so trace in full
+        if not torch.is_grad_enabled():
             return None
         try:
             first = self._probe(run[0], leaves, spec)
@@ -184,6 +190,8 @@ class TrainReplay(ForwardPatches):
             {s: v for s, v in saved_now.items() if s in born}, saved_inputs,
             {s: self.storages.nbytes[s] for s in born},
             _last_uses(normalized, "gout"),
+            _lingering(normalized, born, deaths, {self.storages.id_of(x) for x in outs},
+                       {self.storages.id_of(g) for g in grads if g is not None}),
         )
 
     # -- replaying a block ---------------------------------------------------------------------
@@ -305,6 +313,14 @@ class _ReplayFn(torch.autograd.Function):
             if sid in stores:
                 new_death = ctx.base + death if death < template.fwd_len else base + death - template.fwd_len
                 replay.storages.deaths[stores[sid]] = new_death
+        # what outlived the probe (autocast's cached low-precision copies of the parameters, kept
+        # until the autocast region ends): dies at its last use here, but not before the forward
+        # ends (finish() raises it there)
+        for sid, last in template.lingering.items():
+            if sid in stores:
+                replay.storages.deaths[stores[sid]] = ctx.base + last if last < template.fwd_len \
+                    else base + last - template.fwd_len
+                replay.lingering.add(stores[sid])
         grads = [results.get(("in", j)) for j in range(ctx.n_inputs)]
         grads += [results.get(("param", n)) for n in ctx.param_names]
         return (None, None, None, None, None, None, *grads)
@@ -328,6 +344,35 @@ def _last_uses(records, kind: str) -> dict:
         walk(a, i)
         walk(kw, i)
     return last
+
+
+def _lingering(records, born: set, deaths: dict, outputs: set, grads: set) -> dict:
+    """Storages born in the probe and alive at its end that are neither its outputs nor its
+    gradients, with the index of the last record that produced or read them."""
+    keep = {s for s in born if s not in deaths and s not in outputs and s not in grads}
+    produced = {}
+    last = {}
+    for i, (_, a, kw, val, *_rest) in enumerate(records):
+        metas = val if isinstance(val, tuple) else (val,)
+        mine = {m.storage for m in metas if isinstance(m, TensorMeta)} & keep
+        produced[i] = mine
+        for sid in mine:
+            last[sid] = i
+        for ref in _refs((a, kw)):
+            for sid in produced.get(ref.source, ()):
+                last[sid] = i
+    return {sid: last[sid] for sid in keep if sid in last}
+
+
+def _refs(a):
+    if isinstance(a, Ref):
+        yield a
+    elif isinstance(a, dict):
+        for v in a.values():
+            yield from _refs(v)
+    elif isinstance(a, (list, tuple)):
+        for v in a:
+            yield from _refs(v)
 
 
 def _find_meta(template: _Template, ref) -> TensorMeta:

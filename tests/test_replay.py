@@ -51,7 +51,8 @@ def test_llama_shaped_model_same_account_both_ways(config):
 
 
 @pytest.mark.parametrize("config", [{"dtype": torch.bfloat16}, {"dtype": torch.bfloat16, "master_weights": True},
-                                    {"optimizer": "adagrad"}])
+                                    {"optimizer": "adagrad"}, {"amp": torch.bfloat16},
+                                    {"amp": torch.float16, "optimizer": "sgd"}])
 def test_gpt_example_same_account_both_ways(config):
     from fxacct.load import build, example_inputs, resolve
 
@@ -62,7 +63,8 @@ def test_gpt_example_same_account_both_ways(config):
     _assert_same(a, b)
 
 
-def test_replay_records_fewer_dispatched_ops(monkeypatch):
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_replay_records_fewer_dispatched_ops(monkeypatch, amp):
     calls = {"n": 0}
     original = recorder_module.Recorder.__torch_dispatch__
 
@@ -76,7 +78,7 @@ def test_replay_records_fewer_dispatched_ops(monkeypatch):
     counts = []
     for dedup in (True, False):
         calls["n"] = 0
-        fxacct.profile_module(model, (idx,), {}, fxacct.Config(batch=1, dedup=dedup))
+        fxacct.profile_module(model, (idx,), {}, fxacct.Config(batch=1, dedup=dedup, amp=amp))
         counts.append(calls["n"])
     # 8 layers: with replay only the two probe blocks (and nothing per replayed block) run on
     # fake tensors, so far fewer ops are dispatched; the graphs are equal (test above)
