@@ -24,15 +24,22 @@ _HOW_INPUTS = ("no inputs: pass --input 'long[B,1024]' (repeatable; B is --batch
                "example_inputs(self, batch) on the model class or example_inputs(batch) in the file")
 
 
-def parse_kwarg(text: str) -> tuple[str, object]:
-    """'d=512' -> ('d', 512); values are Python literals when they parse, else strings."""
+def split_assignment(text: str, flag: str, example: str) -> tuple[str, str, object]:
+    """'NAME=VALUE' -> (name, value text, the value as a Python literal, or the text itself when
+    it is none); a UsageError naming ``flag`` and an ``example`` when there is no NAME=."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip().isidentifier():
-        raise UsageError(f"malformed -k {text!r}: expected NAME=VALUE such as -k d_model=512")
+        raise UsageError(f"malformed {flag} {text!r}: expected NAME=VALUE such as {example}")
     try:
-        return key.strip(), ast.literal_eval(value.strip())
+        return key.strip(), value.strip(), ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
-        return key.strip(), value.strip()
+        return key.strip(), value.strip(), value.strip()
+
+
+def parse_kwarg(text: str) -> tuple[str, object]:
+    """'d=512' -> ('d', 512); values are Python literals when they parse, else strings."""
+    key, _, value = split_assignment(text, "-k", "-k d_model=512")
+    return key, value
 
 
 def _import_file(path: Path) -> ModuleType:

@@ -5,7 +5,6 @@ it once, so the state it allocates is exact for any optimizer and option, `step`
 
 from __future__ import annotations
 
-import ast
 import inspect
 from dataclasses import dataclass, field
 
@@ -23,14 +22,14 @@ NONE = "none"
 
 
 def parse_optim_arg(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip().isidentifier():
-        raise UsageError(f"malformed --optim-arg {text!r}: expected NAME=VALUE such as momentum=0.9")
-    try:
-        return key.strip(), ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        raise UsageError(f"--optim-arg {text!r}: {value.strip()!r} is not a Python literal "
-                         "(write numbers, True/False, or tuples such as betas=(0.9,0.95))") from None
+    """'momentum=0.9' -> ('momentum', 0.9); optimizer options must be Python literals."""
+    from fxacct.load import split_assignment
+
+    key, raw, value = split_assignment(text, "--optim-arg", "momentum=0.9")
+    if value is raw:  # not a literal: optimizers take numbers, booleans and tuples, never bare words
+        raise UsageError(f"--optim-arg {text!r}: {raw!r} is not a Python literal "
+                         "(write numbers, True/False, or tuples such as betas=(0.9,0.95))")
+    return key, value
 
 
 @dataclass(frozen=True)
