@@ -19,6 +19,7 @@ from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMe
 from fxacct.recorder import RECOMPUTE
 from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
+from fxacct.inputs import describe
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None,
         param_bytes=param_bytes, grad_bytes=grad_bytes, activation_bytes=saved_total,
         tokens_per_example=tokens_per_example, batch=batch,
     )
-    inputs = tuple(_describe(n.meta["val"]) for n in capture.input_nodes)
+    inputs = tuple(describe(n.meta["val"]) for n in capture.input_nodes)
     return Accounting(totals, tuple(rows), modules, dict(sorted(saved_by_dtype.items())),
                       dict(sorted(unsupported.items(), key=lambda kv: -kv[1])), op_nodes, inputs)
 
@@ -221,9 +222,3 @@ def ancestors(fqn: str):
     while fqn:
         fqn = fqn.rpartition(".")[0]
         yield fqn
-
-
-def _describe(t: TensorMeta) -> str:
-    return f"{dtype_name(t.dtype)}[{','.join(str(s) for s in t.shape)}]"
-
-

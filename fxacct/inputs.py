@@ -74,6 +74,6 @@ def parse_input_spec(text: str) -> InputSpec:
     return InputSpec(m["name"], dtype, tuple(dims), high)
 
 
-def describe(t: torch.Tensor) -> str:
-    """'float32[2,3]' for a tensor (the JSON config's input list)."""
+def describe(t) -> str:
+    """'float32[2,3]' for a tensor or a TensorMeta (the JSON config's input list)."""
     return f"{dtype_name(t.dtype)}[{','.join(str(s) for s in t.shape)}]"

@@ -91,10 +91,6 @@ def register_zero(*ops, movement: bool = False, creation: bool = False):
     register(*ops, movement=movement, creation=creation)(zero)
 
 
-def registered(op) -> bool:
-    return op in _REGISTRY
-
-
 def lookup(op) -> OpInfo | None:
     """The entry for an OpOverload: its own, its packet's, or its tag family's; None if unknown."""
     info = _REGISTRY.get(op)

@@ -124,7 +124,3 @@ def walk(life: Lifetimes, shards: dict[str, int] | None = None, extra: dict[str,
         for category, size in deaths.get(i, ()):
             live[category] -= size
     return Peak(best, best_at, best_phase, tuple((c, best_live[c]) for c in CATEGORIES))
-
-
-def peak(capture: Capture) -> Peak:
-    return walk(lifetimes(capture))
