@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import fxacct  # noqa: E402
-from fxacct import calibrate  # noqa: E402
+from fxacct.predict import calibrate  # noqa: E402
 from fxacct.runtime import RuntimeOptions, run  # noqa: E402
 
 PHASES = ("step", "forward", "backward", "optimizer")

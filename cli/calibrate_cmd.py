@@ -1,5 +1,5 @@
 """`fxacct calibrate`: measure this machine's matmul FLOP/s and memory bandwidth, store the device
-profile that predictions use (fxacct.calibrate)."""
+profile that predictions use (fxacct.predict.calibrate)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def calibrate_command(device, debug):
 
     Exit codes: 0 success, 2 usage error (e.g. --device cuda without CUDA).
     """
-    from fxacct import calibrate
+    from fxacct.predict import calibrate
     from fxacct.report.calibrate_text import render_calibration
 
     cal = calibrate.calibrate(device, progress=lambda what: click.echo(f"measuring {what}...", err=True))

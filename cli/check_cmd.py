@@ -10,9 +10,9 @@ import sys
 import click
 
 import fxacct
-from fxacct.budgets import DEFAULT_MFU, Limits, evaluate, validate
+from fxacct.tools.budgets import DEFAULT_MFU, Limits, evaluate, validate
 from fxacct.errors import UsageError
-from fxacct.quantities import parse_count, parse_duration
+from fxacct.load.quantities import parse_count, parse_duration
 from fxacct.report import document
 from fxacct.report.check_text import check_document, render_check
 from fxacct.units import parse_bytes

@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from fxacct.diff import diff
-from fxacct.profile_file import read_profile, same_schema
+from fxacct.tools.diff import diff
+from fxacct.load.profile_file import read_profile, same_schema
 from fxacct.report.diff_text import diff_document, render_diff
 from fxacct_cli.main import cli, write_output
 

@@ -1,5 +1,5 @@
 """`fxacct estimate`: the back-of-envelope calculators (train-time, max-params, flops) as short
-tables or JSON. Flags → one fxacct.estimate call → report."""
+tables or JSON. Flags → one fxacct.tools.estimate call → report."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import re
 
 import click
 
-from fxacct import estimate
-from fxacct.config import Config
+from fxacct.tools import estimate
+from fxacct.load.config import Config
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.optim import parse_optim_arg
-from fxacct.profile_file import read_profile
-from fxacct.quantities import DEFAULT_MFU, parse_count
+from fxacct.trace.optim_step import parse_optim_arg
+from fxacct.load.profile_file import read_profile
+from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.report import estimate_text
 from fxacct.units import parse_bytes
 from fxacct_cli.main import cli, write_output

@@ -7,12 +7,12 @@ import json
 
 import click
 
-from fxacct.config import CAUSAL_CONVENTIONS, Config
+from fxacct.load.config import CAUSAL_CONVENTIONS, Config
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.inputs import parse_input_spec
-from fxacct.load import parse_kwarg
-from fxacct.optim import parse_optim_arg
+from fxacct.load.inputs import parse_input_spec
+from fxacct.load.model_spec import parse_kwarg
+from fxacct.trace.optim_step import parse_optim_arg
 
 MODEL_OPTIONS = (
     click.argument("target", metavar="PATH.py:NAME"),

@@ -9,7 +9,7 @@ import click
 
 import fxacct
 from fxacct.errors import UsageError
-import fxacct.roofline
+import fxacct.predict.roofline
 from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
 from fxacct_cli.main import FORMATS, cli, write_output
@@ -78,7 +78,7 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
         if given:
             raise fxacct.UsageError(f"{', '.join(given)} take(s) effect with --runtime: add --runtime")
         result = fxacct.profile(config)
-        prediction = fxacct.roofline.predict_profile(result)
+        prediction = fxacct.predict.roofline.predict_profile(result)
     if plot is not None:
         from fxacct.report.plot import plot_memory
 

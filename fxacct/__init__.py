@@ -7,7 +7,7 @@ computed on fake tensors before you rent a GPU.
     60
 """
 
-from fxacct.config import Config
+from fxacct.load.config import Config
 from fxacct.errors import FxacctError, ModelError, UsageError
 from fxacct.profile import Profile, profile, profile_module
 from fxacct.units import FLOPS_PER_FMA, GB, GiB

@@ -8,12 +8,12 @@ from typing import Callable
 
 import torch
 
-from fxacct import load as loading
-from fxacct.accounting import Accounting, account
-from fxacct.annotate import annotate
-from fxacct.capture import Capture, capture
-from fxacct.config import Config
-from fxacct.devices import get_device
+from fxacct.load import model_spec as loading
+from fxacct.account.accounting import Accounting, account
+from fxacct.account.annotate import annotate
+from fxacct.trace.capture import Capture, capture
+from fxacct.load.config import Config
+from fxacct.predict.devices import get_device
 from fxacct.memory import account as memory_account
 from fxacct.memory import sharding
 from fxacct.memory.peak import PARAMETERS, Peak, lifetimes, walk

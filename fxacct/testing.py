@@ -11,15 +11,15 @@
 
 Both profile one training step on fake tensors (fxacct.profile_module: nothing is allocated and
 the model is not changed) and raise an AssertionError whose message is the budget table of
-`fxacct check`; on success they return the fxacct.budgets.CheckResult.
+`fxacct check`; on success they return the fxacct.tools.budgets.CheckResult.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fxacct.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
-from fxacct.config import Config
+from fxacct.tools.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
+from fxacct.load.config import Config
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.profile import profile_module

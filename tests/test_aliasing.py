@@ -1,4 +1,4 @@
-"""`kind` (fxacct.aliasing, from op schemas) against FakeTensor storage identity, node by node.
+"""`kind` (fxacct.trace.aliasing, from op schemas) against FakeTensor storage identity, node by node.
 
 DESIGN.md: `view` means the output shares an input's storage; `copy`/`compute`/`creation`
 allocate new storage; an in-place op writes into its first argument. The graph's meta["val"]
@@ -12,15 +12,15 @@ import torch
 import torch.nn as nn
 
 import fxacct
-import fxacct.capture
-from fxacct.aliasing import KINDS
+import fxacct.trace.capture
+from fxacct.trace.aliasing import KINDS
 from helpers import config, meta_input, on_meta, profile_meta
 
 
 # meta["val"] holds what the capture kept of each fake output: a TensorMeta whose `storage` is
 # the FakeTensor's storage identity (untyped_storage()._cdata, made unique over the capture), or
 # the fake tensor itself
-_TensorMeta = getattr(fxacct.capture, "TensorMeta", torch.Tensor)
+_TensorMeta = getattr(fxacct.trace.capture, "TensorMeta", torch.Tensor)
 _TENSOR_TYPES = (torch.Tensor, _TensorMeta)
 
 

@@ -1,4 +1,4 @@
-"""`fxacct calibrate` and the device profile predictions use (fxacct.calibrate)."""
+"""`fxacct calibrate` and the device profile predictions use (fxacct.predict.calibrate)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 import fxacct
-from fxacct import calibrate
-from fxacct.roofline import for_config, for_local, from_calibration, predict_profile
+from fxacct.predict import calibrate
+from fxacct.predict.roofline import for_config, for_local, from_calibration, predict_profile
 from fxacct_cli.main import cli
 from helpers import ROOT
 
@@ -108,9 +108,9 @@ def test_an_unreadable_profile_is_a_one_line_usage_error(cache):
 
 def test_a_calibrated_cpu_adds_compute_and_memory_time():
     # one op: 1,000 matmul FLOPs at 1e6 FLOP/s = 1 ms, 2,000 B at 1e9 B/s = 2 µs; a CPU streams
-    # and computes in turn (fxacct.roofline: the ECM model's no-overlap bound), a GPU overlaps
+    # and computes in turn (fxacct.predict.roofline: the ECM model's no-overlap bound), a GPU overlaps
     from fxacct.costs.registry import Flops
-    from fxacct.roofline import op_seconds
+    from fxacct.predict.roofline import op_seconds
 
     cpu = from_calibration(fake_calibration())
     seconds, bound = op_seconds(Flops(matmul=1000), 2000, torch.float32, cpu)

@@ -1,4 +1,4 @@
-"""The capture (fxacct.capture): the user's module is left as it was, every forward node knows
+"""The capture (fxacct.trace.capture): the user's module is left as it was, every forward node knows
 its module, backward nodes link to their forward node, tied weights count once, and common
 module types trace without unsupported ops."""
 

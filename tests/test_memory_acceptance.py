@@ -7,7 +7,7 @@ Oracles, all independent of fxacct's capture / liveness code:
   inputs included (DESIGN.md, ``activation_bytes``);
 - parameters, gradients, optimizer state: the tensors a real forward + backward + ``opt.step()``
   leaves behind (``p.grad``, every tensor in ``opt.state``);
-- peaks: fxacct.storage_tracker (a dispatch-level storage tracker on real tensors, DESIGN.md's
+- peaks: fxacct.runtime.storage_tracker (a dispatch-level storage tracker on real tensors, DESIGN.md's
   definition of ``peak_train_bytes`` / ``peak_inference_bytes``).
 The real models are built with the same constructor kwargs as the meta ones fxacct profiles.
 """
@@ -22,11 +22,11 @@ import torch
 import torch.nn as nn
 
 import fxacct
-from fxacct import load as loading
+from fxacct.load import model_spec as loading
 from fxacct.memory.account import DtypeMemory
-from fxacct.optim import OPTIMIZERS
+from fxacct.trace.optim_step import OPTIMIZERS
 from fxacct.report import render_text
-from fxacct.storage_tracker import measure_inference, measure_training_step
+from fxacct.runtime.storage_tracker import measure_inference, measure_training_step
 from helpers import SMALL_EXAMPLES, config, floating_loss, meta_input, on_meta, profile_meta, target
 
 PROFILE_MODULE = importlib.import_module("fxacct.profile")  # `fxacct.profile` is the function
@@ -374,7 +374,7 @@ def test_peaks_match_the_storage_tracker(case, optimizer, record_property):
 # --------------------------------------------------------------------------------------------------
 
 # With adamw the training peak is in the optimizer step; with sgd it is in the backward, where a
-# replayed block's backward (fxacct.replay_train) must free each gradient where the traced run does.
+# replayed block's backward (fxacct.trace.replay_train) must free each gradient where the traced run does.
 def _dedup_params():
     out = []
     for name, deeper in [("GPT", dict(n_layer=4)), ("TransformerLM", dict(n_layers=4)), ("MLP", dict(n_blocks=4))]:
@@ -385,7 +385,7 @@ def _dedup_params():
 
 @pytest.mark.parametrize("name, deeper, optimizer", _dedup_params())
 def test_dedup_and_no_dedup_give_the_same_account(name, deeper, optimizer, monkeypatch):
-    from fxacct.replay import BlockReplay
+    from fxacct.trace.replay import BlockReplay
 
     replayed = []
     exit_ = BlockReplay.__exit__

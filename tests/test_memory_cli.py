@@ -72,7 +72,7 @@ def test_bad_memory_flag_is_one_usage_error_line(args, fragments):
 
 
 # Adam's constructor does not check the length of `betas`; its first step indexes betas[1]. fxacct
-# builds the optimizer (fxacct/optim.py OptimizerSpec.build catches only the constructor's errors)
+# builds the optimizer (fxacct/trace/optim_step.py OptimizerSpec.build catches only the constructor's errors)
 # and steps it inside capture (regression: the IndexError once became a ModelError, exit 3).
 def test_bad_optimizer_option_value_is_a_usage_error():
     assert_usage_error(invoke(TWO_LAYER, "--optimizer", "adam", "--optim-arg", "betas=(0.9,)"), "betas")

@@ -1,4 +1,4 @@
-"""Repeated blocks traced once (fxacct.replay, fxacct.replay_train): the account must be the
+"""Repeated blocks traced once (fxacct.trace.replay, fxacct.trace.replay_train): the account must be the
 same, node for node and byte for byte, as tracing every block (`dedup=False`)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import fxacct
-from fxacct import recorder as recorder_module
-from fxacct.replay import find_runs
+from fxacct.trace import dispatch_recorder as recorder_module
+from fxacct.trace.replay import find_runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from llama_shapes import Llama  # noqa: E402
@@ -54,7 +54,7 @@ def test_llama_shaped_model_same_account_both_ways(config):
                                     {"optimizer": "adagrad"}, {"amp": torch.bfloat16},
                                     {"amp": torch.float16, "optimizer": "sgd"}])
 def test_gpt_example_same_account_both_ways(config):
-    from fxacct.load import build, example_inputs, resolve
+    from fxacct.load.model_spec import build, example_inputs, resolve
 
     obj, module = resolve(str(Path(__file__).resolve().parents[1] / "examples/gpt2.py") + ":GPT")
     model = build(obj, dict(n_layer=4, n_head=4, n_embd=64, vocab_size=100, block_size=16), "GPT")

@@ -1,4 +1,4 @@
-"""Predicted time (fxacct.roofline) and the device table's units.
+"""Predicted time (fxacct.predict.roofline) and the device table's units.
 
 Expected values are computed by hand in the comments, from the datasheet figures or from a toy
 device with round rates, never read back from the code under test."""
@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 import fxacct
 from fxacct.costs.registry import Flops
-from fxacct.devices import DEVICES, MiB, get_device
-from fxacct.roofline import (COMPUTE, FREE, INIT, MEMORY, PHASES, DeviceModel, for_config, from_gpu, gpu_key,
+from fxacct.predict.devices import DEVICES, MiB, get_device
+from fxacct.predict.roofline import (COMPUTE, FREE, INIT, MEMORY, PHASES, DeviceModel, for_config, from_gpu, gpu_key,
                              op_seconds, predict_profile)
 from fxacct.units import GB, GiB
 from fxacct_cli.main import cli

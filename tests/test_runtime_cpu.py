@@ -3,7 +3,7 @@
 Small configs (the CI machine has 2 cores): the MLP at d_model 128, batch 4; GPT-2 at 2 layers,
 n_embd 64, T 32, vocab 100. Timing figures are only checked for sign and consistency (a shared
 machine's timings are noisy); memory is checked against the prediction: the op-level peak equals
-``peak_train_bytes`` (the same definition, fxacct.storage_tracker) and the allocator-level peak is
+``peak_train_bytes`` (the same definition, fxacct.runtime.storage_tracker) and the allocator-level peak is
 within ±10% of it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import fxacct
-from fxacct import calibrate
+from fxacct.predict import calibrate
 from fxacct.runtime import RuntimeOptions, run
 from fxacct_cli.main import cli
 from helpers import ROOT

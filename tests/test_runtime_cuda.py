@@ -14,9 +14,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fxacct import calibrate
+from fxacct.predict import calibrate
 from fxacct.errors import ModelError
-from fxacct.roofline import gpu_key
+from fxacct.predict.roofline import gpu_key
 from fxacct.runtime.setup import check_fits, free_bytes, resolve_device
 from fxacct_cli.main import cli
 from helpers import ROOT

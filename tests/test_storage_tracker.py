@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxacct.storage_tracker import (StorageTracker, TrackedStep, default_loss, measure_inference,
+from fxacct.runtime.storage_tracker import (StorageTracker, TrackedStep, default_loss, measure_inference,
                                     measure_training_step)
 
 

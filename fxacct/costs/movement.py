@@ -2,7 +2,7 @@
 
 `movement`: allocates new storage and copies (kind `copy`); `creation`: makes a tensor from sizes
 alone (kind `creation`). Views need no entry: the schema's alias annotation makes them 0 FLOPs and
-0 new bytes (fxacct.aliasing).
+0 new bytes (fxacct.trace.aliasing).
 """
 
 import torch

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fxacct.accounting import Accounting
-from fxacct.capture import Capture
+from fxacct.account.accounting import Accounting
+from fxacct.trace.capture import Capture
 from fxacct.dtypes import dtype_name
 from fxacct.memory.peak import Peak
 from fxacct.costs.registry import numel
-from fxacct.records import itemsize
+from fxacct.trace.records import itemsize
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Model (DESIGN.md, `peak_train_bytes`): a steady-state training step. Resident throughout:
 parameters, buffers, the inputs and the optimizer state (allocated by an earlier step; gradients
 were set to None). Every other storage is allocated by the op that first produced it and freed
-when the traced program dropped its last reference to it, which fxacct.capture observed on the
+when the traced program dropped its last reference to it, which fxacct.trace.capture observed on the
 fake run: local variables going out of scope, autograd releasing what it saved, a view keeping
 its base alive. The loop is `loss = training_loss(model(x)); loss.backward(); optimizer.step()`: the
 outputs die once the loss is built, the loss and the gradients live to the end.
-This is what a dispatch-level storage tracker sees in a real eager run (fxacct.storage_tracker),
+This is what a dispatch-level storage tracker sees in a real eager run (fxacct.runtime.storage_tracker),
 not the allocator: kernel scratch (oneDNN workspaces, weight reorders) is not an aten tensor.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxacct.capture import FORWARD, Capture, tensor_metas
+from fxacct.trace.capture import FORWARD, Capture, tensor_metas
 
 PARAMETERS, BUFFERS, INPUTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES = (
     "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries")

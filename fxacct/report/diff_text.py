@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fxacct.report.tables import tabulate
 
-from fxacct.diff import Change, DiffResult
+from fxacct.tools.diff import Change, DiffResult
 from fxacct.report.check_text import plain_number
 
 DIFF_SCHEMA = "fxacct.diff/1"

@@ -19,7 +19,7 @@ def _by_class(f: Flops) -> dict[str, int]:
 
 
 def document(p: Profile, prediction=None, runtime=None) -> dict:
-    """``prediction``: a fxacct.roofline.Prediction (fills ``totals.predicted_step_ms`` and adds
+    """``prediction``: a fxacct.predict.roofline.Prediction (fills ``totals.predicted_step_ms`` and adds
     ``predicted``); ``runtime``: a fxacct.runtime.RuntimeResult (adds ``runtime``)."""
     doc = _document(p)
     if prediction is not None:

@@ -1,5 +1,5 @@
 """`fxacct estimate` output: short tables with units, and JSON documents, for the calculators of
-fxacct.estimate."""
+fxacct.tools.estimate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from fxacct.report.tables import tabulate
 
-from fxacct.estimate import DAYS_PER_MONTH, FlopsEstimate, MaxParams, TrainTime
+from fxacct.tools.estimate import DAYS_PER_MONTH, FlopsEstimate, MaxParams, TrainTime
 from fxacct.report.check_text import plain_number
 from fxacct.units import FLOPS_PER_FMA, GB, format_count
 

@@ -4,7 +4,7 @@ bytes and FLOPs as numbers, null where nothing was measured or predicted)."""
 
 from __future__ import annotations
 
-from fxacct.roofline import PHASES, Prediction
+from fxacct.predict.roofline import PHASES, Prediction
 from fxacct.runtime.compare import achieved_flops_per_s, mfu
 
 

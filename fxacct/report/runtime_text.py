@@ -7,7 +7,7 @@ from __future__ import annotations
 from fxacct.report.durations import format_ms
 from fxacct.report.tables import tabulate
 
-from fxacct.roofline import COMPUTE, MEMORY, PHASES, Prediction
+from fxacct.predict.roofline import COMPUTE, MEMORY, PHASES, Prediction
 from fxacct.runtime.compare import achieved_flops_per_s, mfu
 from fxacct.units import format_bytes, format_count
 
@@ -115,7 +115,7 @@ def runtime_section(result, depth: int = 2, top: int = 10) -> str:
                    "or too few warm-up steps; the fastest is the least disturbed figure)")
     lines.append(spread)
     lines += ["", _totals_table(result), "",
-              f"allocator peak: {m.peak_source}; op-level peak: fxacct.storage_tracker over one step, the level "
+              f"allocator peak: {m.peak_source}; op-level peak: fxacct.runtime.storage_tracker over one step, the level "
               "peak_train_bytes is defined at (kernel scratch such as oneDNN buffers and allocator rounding "
               "show only in the allocator peak)"]
     achieved = achieved_flops_per_s(c, m)

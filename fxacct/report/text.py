@@ -122,7 +122,7 @@ __all__ = ["render_text", "summary", "modules_table", "nodes_table", "unsupporte
 
 
 def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=None, runtime=None) -> str:
-    """render_text, then the predicted step time (fxacct.roofline) and, after --runtime, the
+    """render_text, then the predicted step time (fxacct.predict.roofline) and, after --runtime, the
     comparison of predicted and measured (fxacct.report.runtime_text)."""
     from fxacct.report.runtime_text import predicted_section, runtime_section
 

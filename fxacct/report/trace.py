@@ -3,14 +3,14 @@ measured profile and the predicted timeline side by side.
 
 The measured part is torch.profiler's own Chrome trace of the timed steps, unchanged. The
 predicted part is one extra process, "fxacct predicted (<device>)", that lays the step's ops end to
-end in program order, each as long as its roofline time (fxacct.roofline), starting where the first
+end in program order, each as its roofline time (fxacct.predict.roofline), starting where the first
 measured step starts; one thread shows the ops, one the phases. Open the file in
 https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
 
-from fxacct.roofline import Prediction
+from fxacct.predict.roofline import Prediction
 
 PREDICTED_PID = "fxacct predicted"
 OPS_TID, PHASES_TID = 1, 2

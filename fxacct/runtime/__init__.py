@@ -5,7 +5,7 @@ fxacct's prediction.
     >>> r.measured.step_s, r.comparison.predicted["step"], r.measured.peak_bytes
 
 Order: the static account for the device the run executes on (on CUDA without ``--gpu``, the
-local GPU's fxacct.devices entry, so its kernel rules apply) → the roofline prediction for that
+local GPU's fxacct.predict.devices entry, so its kernel rules apply) → the roofline prediction for that
 device (its calibration, else its datasheet entry, else none) → the safety check (the predicted
 peak against free device memory: a ModelError, exit 3, unless ``force``) → the real run
 (fxacct.runtime.run) → the comparison (fxacct.runtime.compare).
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from fxacct.config import Config
-from fxacct.roofline import Prediction, for_local, predict_profile
+from fxacct.load.config import Config
+from fxacct.predict.roofline import Prediction, for_local, predict_profile
 from fxacct.runtime.compare import Comparison, compare
 from fxacct.runtime.run import Measured, measure
 from fxacct.runtime.setup import check_fits, prediction_config, resolve_device, validate

@@ -1,4 +1,4 @@
-"""The comparison: predicted (fxacct.roofline, fxacct.memory) beside measured (fxacct.runtime.run),
+"""The comparison: predicted (fxacct.predict.roofline, fxacct.memory) beside measured (fxacct.runtime.run),
 per module, per node and in total. Ratios are measured / predicted (above 1: slower or bigger than
 predicted). Achieved FLOP/s are the account's FLOPs over the measured time; MFU (model FLOPs
 utilization, Chowdhery et al., PaLM, 2022, §B) uses model FLOPs only, matmul + attention, over the
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxacct.roofline import DeviceModel, Prediction, for_local
+from fxacct.predict.roofline import DeviceModel, Prediction, for_local
 from fxacct.runtime.run import Measured
 
 
@@ -51,8 +51,8 @@ class Comparison:
 
 def mfu_peak(kind: str, gpu: str | None, dtype: torch.dtype) -> tuple[float | None, str]:
     """The MFU denominator: the datasheet matmul peak of a known GPU; else the calibrated rate."""
-    from fxacct.devices import DEVICES
-    from fxacct.roofline import from_gpu
+    from fxacct.predict.devices import DEVICES
+    from fxacct.predict.roofline import from_gpu
 
     device: DeviceModel | None = None
     if kind == "cuda" and gpu in DEVICES:

@@ -2,7 +2,7 @@
 
 The run marks its structure with ``record_function`` ranges: ``fxacct.step`` around each timed step
 and ``fxacct.module:<FQN>`` around every module call (global forward pre/post hooks, the FQN from
-``named_modules()``, as fxacct.capture names modules). Then:
+``named_modules()``, as fxacct.trace.capture names modules). Then:
 
 - Module forward time: the summed duration of the module's ranges in a step (inclusive of its
   submodules, like fxacct's module FLOPs).
@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from fxacct.accounting import ancestors
+from fxacct.account.accounting import ancestors
 
 MODULE_PREFIX = "fxacct.module:"
 STEP = "fxacct.step"
@@ -66,7 +66,7 @@ def _module_of(event) -> str | None:
 
 def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
     """``events``: torch.profiler FunctionEvents (``prof.events()``); ``node_rows``: the account's
-    forward NodeRows (fxacct.accounting), in graph order; ``step``: which timed step (0-based)."""
+    forward NodeRows (fxacct.account.accounting), in graph order; ``step``: which timed step (0-based)."""
     def dur(e) -> float:
         return (e.device_time_total if device_time else e.cpu_time_total) / 1e6  # µs -> s
 

@@ -23,7 +23,7 @@ state resident, gradients None when it begins):
   included). CPU: the bytes resident when the timed steps begin plus the highest running sum of
   the profiler's memory events (every allocation and free of the CPU allocator, kernel scratch
   such as oneDNN buffers included) over the timed steps.
-- ``op_level_peak_bytes``: fxacct.storage_tracker over one step, what fxacct's
+- ``op_level_peak_bytes``: fxacct.runtime.storage_tracker over one step, what fxacct's
   ``peak_train_bytes`` predicts (aten-op level: no kernel-internal buffers, no allocator rounding).
 """
 
@@ -42,14 +42,14 @@ from typing import Callable
 import torch
 from torch.autograd.profiler import record_function
 
-from fxacct.loss import training_loss
-from fxacct.module_hooks import global_module_hooks
-from fxacct import load as loading
-from fxacct.config import Config
+from fxacct.trace.loss import training_loss
+from fxacct.trace.module_hooks import global_module_hooks
+from fxacct.load import model_spec as loading
+from fxacct.load.config import Config
 from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
 from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
 from fxacct.runtime.transfer import Transfer, measure_transfer
-from fxacct.storage_tracker import StorageTracker
+from fxacct.runtime.storage_tracker import StorageTracker
 from fxacct.errors import first_line
 
 SEED = 0
@@ -367,7 +367,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
 
 
 def _cpu_name() -> str:
-    from fxacct.calibrate import cpu_name
+    from fxacct.predict.calibrate import cpu_name
 
     return cpu_name()
 

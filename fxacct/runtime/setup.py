@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from fxacct.calibrate import check_device
-from fxacct.config import Config
+from fxacct.predict.calibrate import check_device
+from fxacct.load.config import Config
 from fxacct.errors import ModelError, UsageError
-from fxacct.roofline import gpu_key
+from fxacct.predict.roofline import gpu_key
 from fxacct.units import format_bytes
 
 
@@ -52,7 +52,7 @@ def resolve_device(name: str) -> torch.device:
 
 def prediction_config(config: Config, device: torch.device) -> Config:
     """The config whose account a run on ``device`` is compared with: on CUDA without --gpu, the local
-    GPU's fxacct.devices entry (its CUDA kernel rules); on the CPU, no --gpu. The largest-batch
+    GPU's fxacct.predict.devices entry (its CUDA kernel rules); on the CPU, no --gpu. The largest-batch
     search is skipped (it is not what the run measures)."""
     if device.type == "cpu":
         if config.gpu is not None:

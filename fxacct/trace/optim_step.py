@@ -23,7 +23,7 @@ NONE = "none"
 
 def parse_optim_arg(text: str) -> tuple[str, object]:
     """'momentum=0.9' -> ('momentum', 0.9); optimizer options must be Python literals."""
-    from fxacct.load import split_assignment
+    from fxacct.load.model_spec import split_assignment
 
     key, raw, value = split_assignment(text, "--optim-arg", "momentum=0.9")
     if value is raw:  # not a literal: optimizers take numbers, booleans and tuples, never bare words
@@ -52,7 +52,7 @@ class OptimizerSpec:
         if key in OPTIMIZERS:
             cls = OPTIMIZERS[key]
         elif ":" in self.name:
-            from fxacct.load import resolve
+            from fxacct.load.model_spec import resolve
 
             cls, _ = resolve(self.name)
             if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):

@@ -13,11 +13,11 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 1.21× of measured (bench/calibrated_cpu.py).
 
 - P_mm on a GPU of the table: the datasheet's tensor-core peak for the op's input dtype
-  (fxacct.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
+  (fxacct.predict.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
   torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at TF32 because
   torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the matmul and
   attention classes only; P_other is the non-tensor fp32 rate.
-- P_mm on a calibrated device (fxacct.calibrate): the rate measured for matmuls whose smallest
+- P_mm on a calibrated device (fxacct.predict.calibrate): the rate measured for matmuls whose smallest
   dimension is the op's (log-linear between the calibrated ones), since a skinny matmul runs
   below the square rate; P_other is the measured fp32 square rate (ops of the other class are
   memory-bound there).
@@ -39,7 +39,7 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 - No launch or dispatch overhead, no overlap between ops: a small model on a GPU runs slower than
   this (kernel launches of a few µs each dominate), a large one close to it at good efficiency.
 
-Attribution follows fxacct.accounting: a backward op's time goes to the forward node it derives
+Attribution follows fxacct.account.accounting: a backward op's time goes to the forward node it derives
 from (its autograd link, else the latest forward node feeding it); loss and optimizer ops belong to
 their phase only. Module times are inclusive, like the module FLOPs.
 """
@@ -54,11 +54,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxacct.accounting import ancestors
-from fxacct.accounting import _orphan_owner
-from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
-from fxacct.config import Config
-from fxacct.devices import DEVICES, Device, get_device
+from fxacct.account.accounting import ancestors
+from fxacct.account.accounting import _orphan_owner
+from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
+from fxacct.load.config import Config
+from fxacct.predict.devices import DEVICES, Device, get_device
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
 # what bounds an op; FREE: a view; INIT: creates optimizer state (not in a steady-state step)
@@ -114,7 +114,7 @@ def from_gpu(device: Device) -> DeviceModel:
 
 
 def from_calibration(cal) -> DeviceModel:
-    """A device model from a fxacct.calibrate.Calibration (measured, not datasheet, rates)."""
+    """A device model from a fxacct.predict.calibrate.Calibration (measured, not datasheet, rates)."""
     rates = dict(cal.matmul_flops_per_s)
     curve = tuple(sorted((int(k), v) for k, v in cal.bandwidth_by_bytes.items()))
     matmul = {key: tuple(sorted((int(d), r) for d, r in by.items())) for key, by in cal.matmul_by_min_dim.items()}
@@ -126,7 +126,7 @@ def from_calibration(cal) -> DeviceModel:
 
 def for_config(config: Config) -> DeviceModel | None:
     """The target of a static profile: --gpu's datasheet entry, else this CPU if calibrated, else None."""
-    from fxacct import calibrate
+    from fxacct.predict import calibrate
 
     if config.gpu is not None:
         return from_gpu(get_device(config.gpu))
@@ -135,7 +135,7 @@ def for_config(config: Config) -> DeviceModel | None:
 
 
 def gpu_key(name: str) -> str | None:
-    """The fxacct.devices key of a GPU as torch.cuda.get_device_name() names it, or None."""
+    """The fxacct.predict.devices key of a GPU as torch.cuda.get_device_name() names it, or None."""
     n = name.lower()
     if "h200" in n:
         return "h200"
@@ -149,7 +149,7 @@ def gpu_key(name: str) -> str | None:
 def for_local(kind: str, gpu: str | None = None) -> DeviceModel | None:
     """The device a runtime run executes on: its calibration if stored, else (CUDA) the datasheet
     entry of ``gpu`` (a DEVICES key), else None."""
-    from fxacct import calibrate
+    from fxacct.predict import calibrate
 
     cal = calibrate.load(kind)
     if cal is not None:
@@ -235,7 +235,7 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
 def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,
             state_storages: frozenset = frozenset(), working_set_bytes: int | None = None) -> Prediction:
     """Roofline times of every op of an annotated training graph. ``forward_nodes``: names of the
-    forward nodes of the account (fxacct.accounting's NodeRow names); ``state_storages``: storage
+    forward nodes of the account (fxacct.account.accounting's NodeRow names); ``state_storages``: storage
     ids of the optimizer state (capture.optimizer_state keys); ``working_set_bytes``: the step's
     footprint, which picks the bandwidth (module docstring; None: the DRAM figure)."""
     bandwidth = device.bandwidth(working_set_bytes) if working_set_bytes else device.bandwidth_bytes_per_s

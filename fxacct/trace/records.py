@@ -81,14 +81,14 @@ class Storages:
         self.open = True
         # id -> (dtype, bytes) where the real kernel's output differs from the fake kernel's
         self.real: dict[int, tuple[torch.dtype, int]] = {}
-        self.pinned: set[int] = set()  # deaths set by fxacct.replay_train, not by the callback
+        self.pinned: set[int] = set()  # deaths set by fxacct.trace.replay_train, not by the callback
 
     @property
     def next_id(self) -> int:
         return len(self.nbytes)
 
     def synthetic(self, nbytes: int) -> int:
-        """An id for a storage that a replayed block (fxacct.replay) would have allocated."""
+        """An id for a storage that a replayed block (fxacct.trace.replay) would have allocated."""
         sid = len(self.nbytes)
         self.nbytes[sid] = nbytes
         return sid

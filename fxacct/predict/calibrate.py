@@ -1,7 +1,7 @@
 """Calibrate: measure this machine's achievable matmul FLOP/s per dtype and its memory bandwidth
 with short microbenchmarks, and keep the result as a device profile in the user cache dir.
 
-Predictions (fxacct.roofline) use the profile for this CPU when no ``--gpu`` is given, and for the
+Predictions (fxacct.predict.roofline) use the profile for this CPU when no ``--gpu`` is given, and for the
 local GPU in runtime mode. Without one, the CPU has no device model and predicted times are null
 ("not calibrated"), never a made-up number.
 
@@ -17,13 +17,13 @@ other work only ever slows a repetition down, so the fastest is the device's own
 - the same by smallest dimension: (d×n) @ (n×n) for d in ``SKINNY_DIMS``, the square's n. A
   matmul with one small dimension (a batch of 64 rows through a 1024→4096 layer, and the weight
   gradient that contracts over those 64) runs well below the square rate on a CPU (measured here:
-  ~half); predictions look the rate up by each matmul's smallest dimension (fxacct.roofline).
+  ~half); predictions look the rate up by each matmul's smallest dimension (fxacct.predict.roofline).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,
   keyed by the footprint of a copy (2 × the buffer). Two sweeps; per size the faster is kept. On a
   CPU a footprint that fits in the last-level cache streams several times faster than DRAM, and
-  predictions look the rate up by the step's working set (fxacct.roofline).
+  predictions look the rate up by the step's working set (fxacct.predict.roofline).
   ``bandwidth_bytes_per_s`` is the rate at the largest size (DRAM).
 
 Where: ``$FXACCT_CACHE_DIR`` if set (tests point it at a tmp dir), else ``$XDG_CACHE_HOME/fxacct``,

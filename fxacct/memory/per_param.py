@@ -23,13 +23,13 @@ from fractions import Fraction
 
 import torch
 
-from fxacct.config import Config
+from fxacct.load.config import Config
 from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
 from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAMETERS
 from fxacct.memory.sharding import partitioned
-from fxacct.optim import OptimizerSpec
-from fxacct.records import itemsize
+from fxacct.trace.optim_step import OptimizerSpec
+from fxacct.trace.records import itemsize
 
 # Two sizes of the probe parameter (elements): the state's growth between them is per element.
 PROBE_SIZES = (16, 48)

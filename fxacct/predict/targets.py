@@ -15,7 +15,7 @@ names its source.
 3. autocast: CUDA autocast runs the ops of its float32 list in float32 where CPU autocast keeps
    the lower precision (PyTorch AMP docs, "CUDA Ops that can autocast to float32").
 4. optimizers: on CUDA tensors torch.optim defaults to the foreach implementation
-   (torch/optim/optimizer.py, _default_to_fused_or_foreach); applied in fxacct.optim.
+   (torch/optim/optimizer.py, _default_to_fused_or_foreach); applied in fxacct.trace.optim_step.
 """
 
 from __future__ import annotations

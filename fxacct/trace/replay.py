@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from fxacct.records import TAG, Ref, TensorMeta
+from fxacct.trace.records import TAG, Ref, TensorMeta
 
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",

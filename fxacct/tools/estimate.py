@@ -5,7 +5,7 @@ formats them.
 - train_time: total FLOPs ÷ (peak FLOP/s × MFU × GPUs × 86,400 s/day). Total FLOPs are 6·N·D
   (Kaplan et al. 2020, §2.1: forward 2N + backward 4N per token), or a profile's own static
   FLOPs per token (forward + backward, matmul + attention: the FLOPs MFU counts) × D.
-- max_params: nominal GPU memory ÷ bytes per parameter on one rank (fxacct.per_param); the
+- max_params: nominal GPU memory ÷ bytes per parameter on one rank (fxacct.memory.per_param); the
   activations, buffers and temporaries are not included.
 - flops: 2·m·n·p for (m×n)@(n×p) (1 multiply-add = 2 FLOPs, fxacct.units), or 6·N·D.
 """
@@ -17,12 +17,12 @@ from fractions import Fraction
 
 import torch
 
-from fxacct.config import Config
-from fxacct.devices import get_device
+from fxacct.load.config import Config
+from fxacct.predict.devices import get_device
 from fxacct.dtypes import dtype_name, parse_dtype
 from fxacct.errors import UsageError
-from fxacct.per_param import BytesPerParam, bytes_per_param
-from fxacct.quantities import check_mfu
+from fxacct.memory.per_param import BytesPerParam, bytes_per_param
+from fxacct.load.quantities import check_mfu
 from fxacct.units import FLOPS_PER_FMA
 
 SECONDS_PER_DAY = 24 * 60 * 60  # 86,400 s
@@ -30,7 +30,7 @@ DAYS_PER_MONTH = 30  # the seeds' month: "days / 30"
 # 6·N·D: per token, forward 2N (one multiply-add per parameter) + backward 4N (gradients of
 # activations and of weights), Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1.
 FLOPS_PER_PARAM_PER_TOKEN = 6
-# The seeds' peak: H100 SXM bf16 dense, 989.5 TFLOP/s (NVIDIA H100 datasheet; fxacct.devices).
+# The seeds' peak: H100 SXM bf16 dense, 989.5 TFLOP/s (NVIDIA H100 datasheet; fxacct.predict.devices).
 DEFAULT_PEAK_DTYPE = torch.bfloat16
 
 
@@ -106,7 +106,7 @@ def train_time(tokens: int, gpu: str, mfu: float, world_size: int = 1, params: i
 
 def profile_flops_per_token(doc: dict) -> tuple[Fraction, int | None]:
     """(forward + backward matmul + attention FLOPs ÷ (batch × tokens per example), parameters)
-    of a profile document (fxacct.profile_file.read_profile has checked its schema)."""
+    of a profile document (fxacct.load.profile_file.read_profile has checked its schema)."""
     totals, config = doc.get("totals") or {}, doc.get("config") or {}
     tokens, batch = config.get("tokens_per_example"), config.get("batch")
     if not isinstance(batch, int) or batch <= 0:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxacct import aliasing
-from fxacct.capture import TensorMeta, tensor_metas
+from fxacct.trace import aliasing
+from fxacct.trace.capture import TensorMeta, tensor_metas
 from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
 

@@ -29,14 +29,14 @@ class Config:
     optim_args: dict = field(default_factory=dict)
     amp: torch.dtype | None = None  # autocast dtype
     master_weights: bool = False
-    gpu: str | None = None  # a key of fxacct.devices.DEVICES
+    gpu: str | None = None  # a key of fxacct.predict.devices.DEVICES
     world_size: int = 1
     shard: str = "none"
     find_max_batch: bool = True  # with a gpu: search the largest batch that fits
-    dedup: bool = True  # trace repeated blocks once where proven identical (fxacct.replay)
+    dedup: bool = True  # trace repeated blocks once where proven identical (fxacct.trace.replay)
 
     def __post_init__(self):
-        from fxacct.devices import get_device
+        from fxacct.predict.devices import get_device
         from fxacct.memory.sharding import check
 
         if self.batch <= 0:
@@ -62,16 +62,16 @@ class Config:
         self.optimizer_spec().resolve()
 
     def optimizer_spec(self):
-        from fxacct.optim import OptimizerSpec
+        from fxacct.trace.optim_step import OptimizerSpec
 
         args = dict(self.optim_args)
         if self.gpu is not None and self.optimizer.lower() in _FOREACH and "foreach" not in args:
-            args["foreach"] = True  # fxacct.targets rule 4: CUDA tensors default to foreach
+            args["foreach"] = True  # fxacct.predict.targets rule 4: CUDA tensors default to foreach
         return OptimizerSpec(self.optimizer, args)
 
 
 def _foreach_optimizers():
-    from fxacct.optim import OPTIMIZERS
+    from fxacct.trace.optim_step import OPTIMIZERS
     import inspect
 
     return {k for k, cls in OPTIMIZERS.items() if "foreach" in inspect.signature(cls.__init__).parameters}

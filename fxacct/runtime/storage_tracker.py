@@ -24,7 +24,7 @@ share one) that are alive and that the tracker knows of. It learns of a storage
   allocation instead.
 
 A storage leaves the count when it is freed (a ``weakref`` callback on the storage object, which
-PyTorch keeps alive exactly as long as the storage). The callback subtracts once, also when it
+PyTorch keeps alive exactly as the storage). The callback subtracts once, also when it
 fires after the mode has exited: then it lowers ``live_bytes`` and leaves the peak alone.
 
 ``peak_bytes`` is the largest ``live_bytes`` seen right after an op's outputs were counted (the
@@ -59,7 +59,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from fxacct.loss import training_loss
+from fxacct.trace.loss import training_loss
 
 aten = torch.ops.aten
 

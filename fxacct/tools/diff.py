@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from fxacct.errors import UsageError
-from fxacct.quantities import parse_percent
+from fxacct.load.quantities import parse_percent
 
 FLOPS = "flops"  # forward_flops + backward_flops
 
@@ -122,7 +122,7 @@ def _module_changes(old: list, new: list, top: int) -> tuple[tuple[ModuleChange,
 
 
 def diff(old: dict, new: dict, max_increase: tuple[str, ...] = (), top: int = 10) -> DiffResult:
-    """Compare two profile documents of the same schema (fxacct.profile_file checks both)."""
+    """Compare two profile documents of the same schema (fxacct.load.profile_file checks both)."""
     ta, tb = flatten_totals(old["totals"]), flatten_totals(new["totals"])
     keys = [k for k in ta if k in tb] + [k for k in ta if k not in tb] + [k for k in tb if k not in ta]
     changes = {k: Change(k, ta.get(k), tb.get(k)) for k in keys}

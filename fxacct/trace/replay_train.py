@@ -13,11 +13,11 @@ backward, when the engine reaches it, appends the template's backward records an
 fresh gradients. A block's backward ops run contiguously in the eager engine too (they all have
 higher sequence numbers than the block before it), so the order of ops is the same.
 
-What counts as identical before any op is compared is fxacct.replay's rule (class, parameters,
+What counts as identical before any op is compared is fxacct.trace.replay's rule (class, parameters,
 plain attributes, no shared parameters). Under autocast, each parameter's low-precision copy sits in
 autocast's cache until the region ends, outside the block, so a probe cannot see it die: a
 replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``). The inputs the template saved for backward are saved by
-`_ReplayFn` too, so they live as long as they would. `--no-dedup` traces every block;
+`_ReplayFn` too, so they live as they would. `--no-dedup` traces every block;
 tests check both ways agree.
 """
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fxacct import _torch_private as tp
-from fxacct.recorder import BACKWARD, FORWARD
-from fxacct.records import TAG, Ref, TensorMeta
-from fxacct.replay import ForwardPatches, _Mismatch, _relative
+from fxacct.trace import torch_private as tp
+from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
+from fxacct.trace.records import TAG, Ref, TensorMeta
+from fxacct.trace.replay import ForwardPatches, _Mismatch, _relative
 
 
 @dataclass

@@ -37,14 +37,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxacct import _torch_private as tp
+from fxacct.trace import torch_private as tp
 from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
-from fxacct.loss import training_loss
-from fxacct.optim import step_once
-from fxacct.recorder import (  # noqa: F401  (re-exported: the phases and the recorder)
+from fxacct.trace.loss import training_loss
+from fxacct.trace.optim_step import step_once
+from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases and the recorder)
     BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
 )
-from fxacct.records import (  # noqa: F401  (re-exported)
+from fxacct.trace.records import (  # noqa: F401  (re-exported)
     TAG, Ref, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
 )
 
@@ -189,7 +189,7 @@ def _add_records(builder: _GraphBuilder, recorder: Recorder) -> None:
     seq_owner: dict[int, fx.Node] = {}
     for index, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(recorder.records):
         if phase == BACKWARD:
-            if isinstance(link, tuple):  # ("rec", index): a replayed block's (fxacct.replay_train)
+            if isinstance(link, tuple):  # ("rec", index): a replayed block's (fxacct.trace.replay_train)
                 fwd = builder.nodes[link[1]]
             else:
                 fwd = seq_owner.get(link) if link is not None else None
@@ -218,14 +218,14 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     ``args``/``kwargs`` hold example tensors of any device (meta is fine: only shape, stride and
     dtype are read). With ``dtype``, floating parameters, buffers and inputs are cast to it.
     ``amp``: forward and loss under autocast to that dtype. ``master_weights``: the optimizer
-    steps fp32 copies of the parameters. ``cuda``: apply fxacct.targets' CUDA kernel rules.
-    ``optimizer``: an fxacct.optim.OptimizerSpec stepped once after the backward.
+    steps fp32 copies of the parameters. ``cuda``: apply fxacct.predict.targets' CUDA kernel rules.
+    ``optimizer``: an fxacct.trace.optim_step.OptimizerSpec stepped once after the backward.
     ``inference``: the forward alone, under eval() and no_grad(). ``dedup``: repeated blocks
-    proven identical are traced once and replayed (fxacct.replay, fxacct.replay_train).
+    proven identical are traced once and replayed (fxacct.trace.replay, fxacct.trace.replay_train).
     """
-    from fxacct.replay import BlockReplay, find_runs
-    from fxacct.replay_train import TrainReplay
-    from fxacct.targets import CudaRules
+    from fxacct.trace.replay import BlockReplay, find_runs
+    from fxacct.trace.replay_train import TrainReplay
+    from fxacct.predict.targets import CudaRules
 
     def autocast():
         return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
@@ -277,7 +277,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
                 recorder.phase = LOSS
                 with autocast():
                     loss = training_loss(output, loss_output)
-                del output  # `loss = model(x).sum()`: the outputs live only as long as the loss needs them
+                del output  # `loss = model(x).sum()`: the outputs live only as the loss needs them
                 targets = fake.trainable()
                 if input_requires_grad:
                     targets += [t for _, t in flat_inputs if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -1,7 +1,7 @@
 """Accounting: the frozen results of one profile, aggregated from the annotated graph.
 
 Per forward node: its forward FLOPs and the backward FLOPs of every backward op derived from it
-(the autograd sequence-number link of fxacct.capture). A backward op with no forward op of its
+(the autograd sequence-number link of fxacct.trace.capture). A backward op with no forward op of its
 own (a gradient accumulation for a tensor used twice, e.g. tied weights) goes to the latest
 forward node among the ops that feed it, so per-node figures always sum to the totals.
 Per module: inclusive totals (a module includes its submodules), in named_modules() order.
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxacct.annotate import NodeCost
-from fxacct.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize
-from fxacct.recorder import RECOMPUTE
+from fxacct.account.annotate import NodeCost
+from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize
+from fxacct.trace.dispatch_recorder import RECOMPUTE
 from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
-from fxacct.inputs import describe
+from fxacct.load.inputs import describe
 
 
 @dataclass(frozen=True)

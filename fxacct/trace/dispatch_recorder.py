@@ -10,9 +10,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxacct import _torch_private as tp
-from fxacct.module_hooks import global_module_hooks
-from fxacct.records import TAG, Ref, Storages, TensorMeta, itemsize
+from fxacct.trace import torch_private as tp
+from fxacct.trace.module_hooks import global_module_hooks
+from fxacct.trace.records import TAG, Ref, Storages, TensorMeta, itemsize
 
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
 RECOMPUTE = "recompute"  # scope of a backward-phase record that re-runs a forward op
@@ -64,7 +64,7 @@ class Recorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def suppressed(self):
-        """Ops run but are not recorded (fxacct.replay makes a replayed block's outputs)."""
+        """Ops run but are not recorded (fxacct.trace.replay makes a replayed block's outputs)."""
         self.recording = False
         try:
             yield

@@ -1,0 +1,1 @@
+"""Predict: the device table (datasheet figures), CPU/GPU calibration, CUDA target rules and the roofline time model."""
