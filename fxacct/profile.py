@@ -11,7 +11,7 @@ import torch
 from fxacct.load import model_spec as loading
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
-from fxacct.trace.capture import Capture, capture
+from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.load.config import Config
 from fxacct.predict.devices import get_device
 from fxacct.memory import account as memory_account
@@ -62,11 +62,10 @@ def tokens_per_example(args, kwargs, batch: int) -> int | None:
 
 
 def _capture(model, args, kwargs, config: Config, inference: bool = False) -> Capture:
-    return capture(model, tuple(args), kwargs, dtype=config.dtype,
-                   input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
-                   optimizer=None if inference else config.optimizer_spec(), inference=inference,
-                   amp=config.amp, master_weights=config.master_weights, cuda=config.gpu is not None,
-                   dedup=config.dedup)
+    return capture(model, tuple(args), kwargs, CaptureOptions(
+        dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
+        optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
+        master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup))
 
 
 def rank_peak(cap: Capture, model, config: Config) -> tuple[Peak, Peak | None, tuple[str, int] | None]:

@@ -49,7 +49,7 @@ def kind_mismatches(graph) -> list[str]:
         outs = _tensors(n.meta["val"])
         if not outs:
             continue
-        if n.target is torch.ops.aten.lift_fresh.default and n.args[0].meta.get("constant"):
+        if n.target is torch.ops.aten.lift_fresh.default and n.args[0].meta["trace"].role == "constant":
             # a real constant made in Python (the optimizer's `step = torch.tensor(0.)`) turned into
             # a fake tensor: in eager lift_fresh returns its input, under FakeTensorMode the fake
             # wrapper has storage of its own by construction, so identity says nothing here

@@ -91,21 +91,21 @@ def gpt_small():
 
 def _forward_ops(p, target):
     return [n for n in p.capture.graph.nodes
-            if n.op == "call_function" and n.target is target and n.meta["phase"] == "forward"]
+            if n.op == "call_function" and n.target is target and n.meta["fxacct"].phase == "forward"]
 
 
 def test_gpt_linear_nodes_carry_their_module(gpt_small):
     addmm = _forward_ops(gpt_small, torch.ops.aten.addmm.default)
     # 2 layers × (c_attn, attn.c_proj, c_fc, mlp.c_proj)
     assert len(addmm) == 8
-    modules = [n.meta["module"] for n in addmm]
+    modules = [n.meta["fxacct"].module for n in addmm]
     assert all(m.rpartition(".")[2] in ("c_attn", "c_proj", "c_fc") for m in modules), modules
     assert modules[:4] == ["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.c_fc", "h.0.mlp.c_proj"]
     (head,) = _forward_ops(gpt_small, torch.ops.aten.mm.default)
-    assert head.meta["module"] == "lm_head"
+    assert head.meta["fxacct"].module == "lm_head"
     sdpa = [n for n in gpt_small.capture.graph.nodes
-            if n.meta.get("phase") == "forward" and "scaled_dot_product" in str(n.target)]
-    assert [n.meta["module"] for n in sdpa] == ["h.0.attn", "h.1.attn"]
+            if "fxacct" in n.meta and n.meta["fxacct"].phase == "forward" and "scaled_dot_product" in str(n.target)]
+    assert [n.meta["fxacct"].module for n in sdpa] == ["h.0.attn", "h.1.attn"]
 
 
 def test_module_rows_are_inclusive(gpt_small):
@@ -132,7 +132,7 @@ class Shared(nn.Module):
 def test_shared_module_keeps_its_one_fqn():
     p = profile_meta(on_meta(Shared), (meta_input(3, 4),))
     addmm = _forward_ops(p, torch.ops.aten.addmm.default)
-    assert [n.meta["module"] for n in addmm] == ["lin", "lin"]
+    assert [n.meta["fxacct"].module for n in addmm] == ["lin", "lin"]
     rows = {m.module: m for m in p.accounting.modules}
     assert "alias" not in rows
     # two calls of (3,4) @ (4,4): 2 · 2·3·4·4 = 192
@@ -147,14 +147,15 @@ MATMUL_BACKWARD = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
 def test_backward_matmul_nodes_link_to_forward(name):
     p = fxacct.profile(config(name, batch=2))
     backward = [n for n in p.capture.graph.nodes
-                if n.op == "call_function" and n.meta.get("phase") == "backward"
+                if "fxacct" in n.meta and n.meta["fxacct"].phase == "backward"
                 and (n.target in MATMUL_BACKWARD or "scaled_dot_product" in str(n.target))]
     assert backward
     for n in backward:
-        fwd = n.meta.get("fwd")
+        fwd = n.meta["trace"].derived_from
         assert fwd is not None, n.format_node()
-        assert fwd.meta["phase"] == "forward"
-        assert n.meta["module"] == fwd.meta["module"]
+        assert fwd.meta["fxacct"].phase == "forward"
+        assert n.meta["fxacct"].owner == fwd.name
+        assert n.meta["fxacct"].module == fwd.meta["fxacct"].module
         assert fwd.meta["fxacct"].flops.matmul + fwd.meta["fxacct"].flops.attention > 0, \
             f"{n.target} links to {fwd.target}"
 

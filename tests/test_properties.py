@@ -60,7 +60,7 @@ class FLinear(nn.Module):
 
 def _ops(p: fxacct.Profile, phase: str) -> list[str]:
     return [str(n.target) for n in p.capture.graph.nodes
-            if n.op == "call_function" and n.meta.get("phase") == phase]
+            if n.op == "call_function" and "fxacct" in n.meta and n.meta["fxacct"].phase == phase]
 
 
 @given(matmul_shapes())

@@ -1,9 +1,7 @@
 """Accounting: the frozen results of one profile, aggregated from the annotated graph.
 
-Per forward node: its forward FLOPs and the backward FLOPs of every backward op derived from it
-(the autograd sequence-number link of fxacct.trace.capture). A backward op with no forward op of its
-own (a gradient accumulation for a tensor used twice, e.g. tied weights) goes to the latest
-forward node among the ops that feed it, so per-node figures always sum to the totals.
+Per forward node: its forward FLOPs and the backward FLOPs of every backward op it owns (the owner
+fxacct.account.annotate decided), so per-node figures always sum to the totals.
 Per module: inclusive totals (a module includes its submodules), in named_modules() order.
 """
 
@@ -11,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from fxacct.account.annotate import NodeCost
-from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize
-from fxacct.trace.dispatch_recorder import RECOMPUTE
+from fxacct.account.rollup import ancestors, inclusive  # noqa: F401  (ancestors re-exported)
+from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize, tensor_metas
 from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
 from fxacct.load.inputs import describe
@@ -87,138 +84,96 @@ class Accounting:
 
 
 def _first_tensor(val) -> TensorMeta | None:
-    if isinstance(val, TensorMeta):
-        return val
-    if isinstance(val, (tuple, list)):
-        return next((v for v in val if isinstance(v, TensorMeta)), None)
-    return None
+    metas = tensor_metas(val)
+    return metas[0] if metas else None
 
 
 def _cost(node: fx.Node) -> NodeCost | None:
     return node.meta.get("fxacct")
 
 
-_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+@dataclass
+class _Sums:
+    """What one walk over the annotated graph adds up."""
+
+    backward_of: dict  # forward node name -> backward Flops it owns
+    loss_flops: int = 0
+    optimizer_flops: int = 0
+    recompute_flops: int = 0
+    op_nodes: int = 0
+    saved_total: int = 0
+    saved_by_dtype: dict = field(default_factory=dict)
+    unsupported: dict = field(default_factory=dict)
 
 
-def _is_accumulation(node: fx.Node) -> bool:
-    """The engine summing the gradients of a tensor used twice (tied weights, a residual): an add
-    of gradients that come from different forward ops. The engine runs it under whichever node
-    delivered the second gradient, so its own link says nothing about where it belongs."""
-    if node.target not in _ADDS:
-        return False
-    owners = {a.meta.get("fwd") for a in node.all_input_nodes if a.meta.get("phase") == BACKWARD}
-    owners.discard(None)
-    return len(owners) > 1
-
-
-def _orphan_owner(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
-    """The latest forward node among the forward links of the ops feeding ``node``."""
-    best, seen, stack = None, set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen:
+def _sum_graph(graph: fx.Graph, forward_nodes: list[fx.Node], count_recompute: bool) -> _Sums:
+    sums = _Sums({n.name: ZERO for n in forward_nodes})
+    for n in graph.nodes:
+        cost = _cost(n)
+        if cost is None:
             continue
-        seen.add(n)
-        fwd = n.meta.get("fwd")
-        if fwd is not None:
-            if best is None or order[fwd] > order[best]:
-                best = fwd
-        elif n.meta.get("phase") == BACKWARD:
-            stack.extend(n.all_input_nodes)
-    return best
+        for dt, b in cost.saved_by_dtype:
+            sums.saved_by_dtype[dtype_name(dt)] = sums.saved_by_dtype.get(dtype_name(dt), 0) + b
+        sums.saved_total += cost.saved_bytes
+        if n.op != "call_function":
+            continue
+        sums.op_nodes += 1
+        if cost.unsupported:
+            sums.unsupported[str(n.target)] = sums.unsupported.get(str(n.target), 0) + 1
+        if cost.phase == LOSS:
+            sums.loss_flops += cost.flops.total
+        elif cost.phase == OPTIMIZER:
+            sums.optimizer_flops += cost.flops.total * cost.repeat
+        elif cost.phase == BACKWARD:
+            if cost.recompute:
+                sums.recompute_flops += cost.flops.total
+                if not count_recompute:
+                    continue
+            if cost.owner is not None:
+                sums.backward_of[cost.owner] = sums.backward_of[cost.owner] + cost.flops
+    return sums
+
+
+def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes of the account's rows: forward ops and inputs (each its own owner)."""
+    return [n for n in graph.nodes if (c := _cost(n)) is not None and c.phase == FORWARD and c.owner == n.name]
+
+
+def _node_row(n: fx.Node, backward: Flops) -> NodeRow:
+    cost = _cost(n)
+    t = _first_tensor(n.meta.get("val"))
+    return NodeRow(
+        name=n.name, op="input" if n.op == "placeholder" else str(n.target), module=cost.module,
+        shape=tuple(t.shape) if t is not None else (), dtype=dtype_name(t.dtype) if t is not None else None,
+        kind=cost.kind, forward=cost.flops, backward=backward, activation_bytes=cost.saved_bytes,
+        output_bytes=cost.output_bytes, unsupported=cost.unsupported,
+    )
 
 
 def account(capture: Capture, batch: int, tokens_per_example: int | None = None,
             count_recompute: bool = False) -> Accounting:
     """``count_recompute``: ops that activation checkpointing re-runs in the backward count in the
     backward FLOPs (hardware FLOPs); by default they are reported apart (model FLOPs)."""
-    graph = capture.graph
-    forward_nodes = [n for n in graph.nodes if n.meta.get("phase") == FORWARD and _cost(n) is not None
-                     and (n.op == "call_function" or n.meta.get("kind") == "input")]
-    order = {n: i for i, n in enumerate(forward_nodes)}
-    backward_of: dict[fx.Node, Flops] = {n: ZERO for n in forward_nodes}
-    loss_flops = optimizer_flops = recompute_flops = 0
-    unsupported: dict[str, int] = {}
-    op_nodes = 0
-    saved_total = 0
-    saved_by_dtype: dict[str, int] = {}
-    for n in graph.nodes:
-        cost = _cost(n)
-        if cost is None:
-            continue
-        for dt, b in cost.saved_by_dtype:
-            saved_by_dtype[dtype_name(dt)] = saved_by_dtype.get(dtype_name(dt), 0) + b
-        saved_total += cost.saved_bytes
-        if n.op != "call_function":
-            continue
-        op_nodes += 1
-        if cost.unsupported:
-            unsupported[str(n.target)] = unsupported.get(str(n.target), 0) + 1
-        phase = n.meta["phase"]
-        if phase == LOSS:
-            loss_flops += cost.flops.total
-        elif phase == OPTIMIZER:
-            optimizer_flops += cost.flops.total * n.meta.get("repeat", 1)
-        elif phase == BACKWARD:
-            if n.meta.get("scope") == RECOMPUTE:
-                recompute_flops += cost.flops.total
-                if not count_recompute:
-                    continue
-            owner = n.meta.get("fwd")
-            if owner is None or owner not in backward_of or _is_accumulation(n):
-                owner = _orphan_owner(n, order) or (forward_nodes[-1] if forward_nodes else None)
-            if owner is not None:
-                backward_of[owner] = backward_of[owner] + cost.flops
-
-    rows = []
-    for n in forward_nodes:
-        cost = _cost(n)
-        t = _first_tensor(n.meta.get("val"))
-        rows.append(NodeRow(
-            name=n.name, op="input" if n.op == "placeholder" else str(n.target),
-            module=n.meta.get("module", ""), shape=tuple(t.shape) if t is not None else (),
-            dtype=dtype_name(t.dtype) if t is not None else None, kind=cost.kind,
-            forward=cost.flops, backward=backward_of[n], activation_bytes=cost.saved_bytes,
-            output_bytes=cost.output_bytes, unsupported=cost.unsupported,
-        ))
-    # saved storages owned by loss-phase or parameter nodes are not forward-node activations;
-    # parameters are excluded at capture, loss-phase saves are rare but counted in the total
-    forward = sum((r.forward for r in rows), ZERO)
-    backward = sum((r.backward for r in rows), ZERO)
-
-    modules = _module_rows(rows, capture.module_names)
-    param_bytes = sum(numel(p.shape) * itemsize(p.dtype) for p in capture.params)
-    grad_bytes = sum(numel(p.shape) * itemsize(p.dtype) for p in capture.params if p.got_grad)
+    nodes = forward_nodes(capture.graph)
+    sums = _sum_graph(capture.graph, nodes, count_recompute)
+    rows = [_node_row(n, sums.backward_of[n.name]) for n in nodes]
+    params = capture.params
     totals = Totals(
-        forward=forward, backward=backward, loss_flops=loss_flops, optimizer_flops=optimizer_flops,
-        recompute_flops=recompute_flops,
-        params=sum(numel(p.shape) for p in capture.params),
-        trainable_params=sum(numel(p.shape) for p in capture.params if p.requires_grad),
-        param_bytes=param_bytes, grad_bytes=grad_bytes, activation_bytes=saved_total,
-        tokens_per_example=tokens_per_example, batch=batch,
+        forward=sum((r.forward for r in rows), ZERO), backward=sum((r.backward for r in rows), ZERO),
+        loss_flops=sums.loss_flops, optimizer_flops=sums.optimizer_flops, recompute_flops=sums.recompute_flops,
+        params=sum(numel(p.shape) for p in params),
+        trainable_params=sum(numel(p.shape) for p in params if p.requires_grad),
+        param_bytes=sum(numel(p.shape) * itemsize(p.dtype) for p in params),
+        grad_bytes=sum(numel(p.shape) * itemsize(p.dtype) for p in params if p.got_grad),
+        activation_bytes=sums.saved_total, tokens_per_example=tokens_per_example, batch=batch,
     )
     inputs = tuple(describe(n.meta["val"]) for n in capture.input_nodes)
-    return Accounting(totals, tuple(rows), modules, dict(sorted(saved_by_dtype.items())),
-                      dict(sorted(unsupported.items(), key=lambda kv: -kv[1])), op_nodes, inputs)
+    return Accounting(totals, tuple(rows), _module_rows(rows, capture.module_names),
+                      dict(sorted(sums.saved_by_dtype.items())),
+                      dict(sorted(sums.unsupported.items(), key=lambda kv: -kv[1])), sums.op_nodes, inputs)
 
 
 def _module_rows(rows, module_names) -> tuple[ModuleRow, ...]:
-    fwd: dict[str, Flops] = {}
-    bwd: dict[str, Flops] = {}
-    act: dict[str, int] = {}
-    for r in rows:
-        for m in ancestors(r.module):
-            fwd[m] = fwd.get(m, ZERO) + r.forward
-            bwd[m] = bwd.get(m, ZERO) + r.backward
-            act[m] = act.get(m, 0) + r.activation_bytes
-    return tuple(ModuleRow(m, 0 if m == "" else m.count(".") + 1, fwd[m], bwd[m], act[m])
-                 for m in module_names if m in fwd)
-
-
-def ancestors(fqn: str):
-    """'a.b.c' -> 'a.b.c', 'a.b', 'a', '' (a module and every module that contains it)."""
-    yield fqn
-    while fqn:
-        fqn = fqn.rpartition(".")[0]
-        yield fqn
+    totals = inclusive((r.module, (r.forward, r.backward, r.activation_bytes)) for r in rows)
+    return tuple(ModuleRow(m, 0 if m == "" else m.count(".") + 1, *totals[m])
+                 for m in module_names if m in totals)

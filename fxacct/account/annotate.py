@@ -1,5 +1,18 @@
 """Annotate: one walk over the captured graph that writes node.meta["fxacct"] = NodeCost.
 
+It decides, once, everything later stages read of a node: its cost (FLOPs by class from the
+registry, new bytes, saved bytes, view/copy/compute kind from the schema), its phase, its module
+and its *owner*: the forward node its FLOPs and time belong to. Accounting, the roofline, the
+runtime comparison and the reports read ``owner``; none derives it again.
+
+Ownership (DESIGN.md): a forward node owns itself. A backward op belongs to the forward op its
+autograd Node derives from (the sequence-number link of the capture); a backward op of the loss's
+autograd Nodes is in the loss phase. A backward op with no forward op of its own, or the engine's
+sum of the gradients of a tensor used twice (tied weights, a residual: an add whose inputs derive
+from different forward ops), goes to the latest forward node among the forward links of the ops
+feeding it, else to the last forward node, so per-node figures always sum to the totals. Loss and
+optimizer ops have no owner.
+
 It reads each node's recorded output metadata (meta["val"]) instead of re-running the op in an
 fx.Interpreter: the ops already ran once during capture, and running them again would double the
 cost of the whole account.
@@ -8,25 +21,34 @@ cost of the whole account.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
 from fxacct.trace import aliasing
-from fxacct.trace.capture import TensorMeta, tensor_metas
 from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
+from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, RECOMPUTE
+from fxacct.trace.graph_builder import INPUT, OP, NodeTrace, trace_of
+from fxacct.trace.records import TensorMeta, tensor_metas
 
 
 @dataclass(frozen=True)
 class NodeCost:
+    """Everything the account knows of one node (``node.meta["fxacct"]``)."""
+
     flops: Flops
     kind: str  # one of aliasing.KINDS
     output_bytes: int  # newly allocated bytes over all outputs (0 for views and in-place ops)
     saved_bytes: int  # bytes of this node's storages that autograd saves for backward
     saved_by_dtype: tuple[tuple[torch.dtype, int], ...]
     unsupported: bool  # no cost formula: FLOPs unknown, shown in every report
+    phase: str = FORWARD  # forward / loss / backward / optimizer
+    module: str = ""  # FQN: a forward op's own, a backward op's owner's
+    owner: str | None = None  # name of the forward node this node's FLOPs and time belong to
+    repeat: int = 1  # an optimizer op standing for this many parameters of one shape
+    recompute: bool = False  # a forward op re-run in the backward (activation checkpointing)
 
 
 def _shape(a):
@@ -43,23 +65,25 @@ def _has_tensor_arg(node: fx.Node) -> bool:
     return bool(node.all_input_nodes)
 
 
-def _grad_mask(node: fx.Node):
+def _grad_mask(trace: NodeTrace):
     """Which tensor inputs of the forward op this backward op derives from required grad."""
-    fwd = node.meta.get("fwd")
-    return None if fwd is None else fwd.meta.get("args_requires_grad")
+    fwd = trace.derived_from
+    return None if fwd is None else trace_of(fwd).args_requires_grad
 
 
 def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
+    """The cost of one node alone (phase, module and owner are set by ``annotate``)."""
     op = node.target
     val = node.meta.get("val")
-    saved = node.meta.get("saved", ())
+    trace = trace_of(node)
+    saved = trace.saved
     saved_bytes = sum(b for b, _ in saved)
     by_dtype: dict[torch.dtype, int] = {}
     for b, dt in saved:
         by_dtype[dt] = by_dtype.get(dt, 0) + b
     saved_pairs = tuple(by_dtype.items())
     if node.op == "placeholder":
-        kind = aliasing.INPUT if node.meta.get("kind") == aliasing.INPUT else "parameter"
+        kind = aliasing.INPUT if trace.role == INPUT else "parameter"
         return NodeCost(ZERO, kind, 0, saved_bytes, saved_pairs, False)
     kind = aliasing.op_kind(op, _has_tensor_arg(node))
     outputs = tensor_metas(val)
@@ -69,26 +93,77 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
     info = lookup(op)
     if info is None:
         return NodeCost(ZERO, kind, new_bytes, saved_bytes, saved_pairs, True)
-    ctx = CostContext(causal_attention, _grad_mask(node) if info.wants_grad_mask else None, op)
+    ctx = CostContext(causal_attention, _grad_mask(trace) if info.wants_grad_mask else None, op)
     out_shape = _shape(val)
     flops = info.formula(*_shape(node.args), out_shape=out_shape, ctx=ctx, **_shape(node.kwargs))
-    if flops.matmul and _in_attention(node):  # SDPA's math path: its products are attention
+    if flops.matmul and _in_attention(trace):  # SDPA's math path: its products are attention
         flops = Flops(matmul=0, attention=flops.attention + flops.matmul, other=flops.other)
     return NodeCost(flops, kind, new_bytes, saved_bytes, saved_pairs, False)
 
 
-def _in_attention(node: fx.Node) -> bool:
-    fwd = node.meta.get("fwd")
-    return node.meta.get("scope") == "attention" or (fwd is not None and fwd.meta.get("scope") == "attention")
+def _in_attention(trace: NodeTrace) -> bool:
+    fwd = trace.derived_from
+    return trace.scope == "attention" or (fwd is not None and trace_of(fwd).scope == "attention")
 
 
 def annotate(graph: fx.Graph, causal_attention: str = "full") -> fx.Graph:
     """Write NodeCost into every placeholder and op node; getitem plumbing gets none."""
+    forward: dict[fx.Node, int] = {}  # forward node -> its position among them
+    last_forward = None
     for node in graph.nodes:
         if node.op == "output" or node.target is operator.getitem:
             continue
+        trace = trace_of(node)
         try:
-            node.meta["fxacct"] = node_cost(node, causal_attention)
+            cost = node_cost(node, causal_attention)
         except Exception as e:  # a formula bug must name the node it failed on
             raise RuntimeError(f"costing {node.format_node()} failed: {e}") from e
+        phase, owner = trace.phase, None
+        if phase == FORWARD and (trace.role == OP or trace.role == INPUT):
+            forward[node] = len(forward)
+            owner = last_forward = node
+        elif phase == BACKWARD:
+            fwd = trace.derived_from
+            if fwd is not None and trace_of(fwd).phase == LOSS:
+                phase = LOSS
+            elif fwd is None or fwd not in forward or _is_accumulation(node):
+                owner = _orphan_owner(node, forward) or last_forward
+            else:
+                owner = fwd
+        module = trace.module if owner is None or phase != BACKWARD else trace_of(owner).module
+        node.meta["fxacct"] = replace(cost, phase=phase, module=module or "", repeat=trace.repeat,
+                                      owner=owner.name if owner is not None else None,
+                                      recompute=trace.scope == RECOMPUTE)
     return graph
+
+
+_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+
+
+def _is_accumulation(node: fx.Node) -> bool:
+    """The engine summing the gradients of a tensor used twice (tied weights, a residual): an add
+    of gradients that come from different forward ops. The engine runs it under whichever node
+    delivered the second gradient, so its own link says nothing about where it belongs."""
+    if node.target not in _ADDS:
+        return False
+    owners = {trace_of(a).derived_from for a in node.all_input_nodes if trace_of(a).phase == BACKWARD}
+    owners.discard(None)
+    return len(owners) > 1
+
+
+def _orphan_owner(node: fx.Node, forward: dict[fx.Node, int]) -> fx.Node | None:
+    """The latest forward node among the forward links of the ops feeding ``node``."""
+    best, seen, stack = None, set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        trace = trace_of(n)
+        fwd = trace.derived_from
+        if fwd is not None:
+            if fwd in forward and (best is None or forward[fwd] > forward[best]):
+                best = fwd
+        elif trace.phase == BACKWARD:
+            stack.extend(n.all_input_nodes)
+    return best

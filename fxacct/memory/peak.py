@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxacct.trace.capture import FORWARD, Capture, tensor_metas
+from fxacct.trace.graph_builder import CONSTANT, INPUT, PARAMETER, trace_of
 
 PARAMETERS, BUFFERS, INPUTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES = (
     "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries")
@@ -50,7 +51,7 @@ class Lifetimes:
 def _is_lifted_constant(node: fx.Node) -> bool:
     """A plain tensor made during the step (torch.tensor(0.) for an optimizer's step count) that
     the fake mode lifted: the lift_fresh output stands for it, so it is not counted twice."""
-    return bool(node.meta.get("constant")) and bool(node.users) and all(
+    return trace_of(node).role == CONSTANT and bool(node.users) and all(
         getattr(u.target, "__name__", "").startswith("lift_fresh") for u in node.users)
 
 
@@ -69,8 +70,8 @@ def lifetimes(capture: Capture) -> Lifetimes:
     for node in graph.nodes:
         if node.op != "placeholder" or _is_lifted_constant(node):
             continue
-        category = (PARAMETERS if "param" in node.meta else INPUTS if node.meta.get("kind") == "input"
-                    else BUFFERS)
+        role = trace_of(node).role
+        category = PARAMETERS if role == PARAMETER else INPUTS if role == INPUT else BUFFERS
         for t in tensor_metas(node.meta.get("val")):
             resident.setdefault(t.storage, (category, t.storage_nbytes))
 
@@ -87,7 +88,7 @@ def lifetimes(capture: Capture) -> Lifetimes:
                         else ACTIVATIONS if sid in capture.saved_storages else TEMPORARIES)
             born[sid] = (i, max(i, deaths.get(sid, end)), category, t.storage_nbytes)
     return Lifetimes(tuple(resident.values()) + tuple(repeated), tuple(born.values()),
-                     tuple(n.name for n in ops), tuple(n.meta["phase"] for n in ops))
+                     tuple(n.name for n in ops), tuple(trace_of(n).phase for n in ops))
 
 
 def _per_rank(nbytes: int, shards: int) -> int:

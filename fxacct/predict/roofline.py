@@ -39,23 +39,20 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 - No launch or dispatch overhead, no overlap between ops: a small model on a GPU runs slower than
   this (kernel launches of a few µs each dominate), a large one close to it at good efficiency.
 
-Attribution follows fxacct.account.accounting: a backward op's time goes to the forward node it derives
-from (its autograd link, else the latest forward node feeding it); loss and optimizer ops belong to
-their phase only. Module times are inclusive, like the module FLOPs.
-"""
+Attribution is the annotation's (fxacct.account.annotate): each op's time goes to its owner, the
+forward node its FLOPs belong to; loss and optimizer ops belong to no node. Module times are
+inclusive, like the module FLOPs."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from fxacct.account.accounting import ancestors
-from fxacct.account.accounting import _orphan_owner
+from fxacct.account.rollup import inclusive
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
 from fxacct.load.config import Config
 from fxacct.predict.devices import DEVICES, Device, get_device
@@ -232,57 +229,49 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
     return (max(compute, memory) if device.overlap else compute + memory), bound
 
 
-def predict(graph: fx.Graph, forward_nodes: set[str], device: DeviceModel,
-            state_storages: frozenset = frozenset(), working_set_bytes: int | None = None) -> Prediction:
-    """Roofline times of every op of an annotated training graph. ``forward_nodes``: names of the
-    forward nodes of the account (fxacct.account.accounting's NodeRow names); ``state_storages``: storage
-    ids of the optimizer state (capture.optimizer_state keys); ``working_set_bytes``: the step's
+def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset, bandwidth: float) -> OpTime:
+    """One op's roofline time, attributed to the owner the annotation decided."""
+    outputs = tensor_metas(node.meta.get("val"))
+    if cost.kind == "view":
+        seconds, bound, nbytes = 0.0, FREE, 0
+    elif cost.phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
+            t.storage in state_storages for t in outputs):
+        seconds, bound, nbytes = 0.0, INIT, 0
+    else:
+        nbytes = op_bytes(node, cost.kind == "creation")
+        smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
+        seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
+                                    "convolution" in str(node.target), bandwidth, smallest)
+    owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
+    return OpTime(node.name, str(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
+                  nbytes * cost.repeat, seconds * cost.repeat, bound)
+
+
+def predict(graph: fx.Graph, device: DeviceModel, state_storages: frozenset = frozenset(),
+            working_set_bytes: int | None = None) -> Prediction:
+    """Roofline times of every op of an annotated training graph. ``state_storages``: storage ids
+    of the optimizer state (capture.optimizer_state keys); ``working_set_bytes``: the step's
     footprint, which picks the bandwidth (module docstring; None: the DRAM figure)."""
     bandwidth = device.bandwidth(working_set_bytes) if working_set_bytes else device.bandwidth_bytes_per_s
-    order = {n: i for i, n in enumerate(n for n in graph.nodes if n.name in forward_nodes)}
     ops, by_phase = [], {p: 0.0 for p in PHASES}
-    by_node: dict[str, list[float]] = {name: [0.0, 0.0] for name in forward_nodes}
-    last_forward = None
+    by_node: dict[str, list[float]] = {}
+    module_of: dict[str, str] = {}
     for node in graph.nodes:
         cost = node.meta.get("fxacct")
-        if node.op != "call_function" or node.target is operator.getitem or cost is None:
+        if cost is None:
             continue
-        phase = node.meta["phase"]
-        owner = None
-        if phase == FORWARD and node.name in forward_nodes:
-            owner = last_forward = node
-        elif phase == BACKWARD:
-            owner = node.meta.get("fwd")
-            if owner is None or owner.name not in forward_nodes:
-                owner = _orphan_owner(node, order) or last_forward
-        repeat = node.meta.get("repeat", 1)
-        outputs = tensor_metas(node.meta.get("val"))
-        if cost.kind == "view":
-            seconds, bound, nbytes = 0.0, FREE, 0
-        elif phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
-                t.storage in state_storages for t in outputs):
-            seconds, bound, nbytes = 0.0, INIT, 0
-        else:
-            nbytes = op_bytes(node, cost.kind == "creation")
-            smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
-            seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
-                                        "convolution" in str(node.target), bandwidth, smallest)
-        seconds, nbytes = seconds * repeat, nbytes * repeat
-        by_phase[phase] += seconds
-        if owner is not None and phase in (FORWARD, BACKWARD):
-            by_node[owner.name][0 if phase == FORWARD else 1] += seconds
-        ops.append(OpTime(node.name, str(node.target), phase, node.meta.get("module", ""),
-                          owner.name if owner is not None else None, cost.flops.total * repeat, nbytes,
-                          seconds, bound))
-    module_of = {n.name: n.meta.get("module", "") for n in graph.nodes if n.name in forward_nodes}
-    by_module: dict[str, list[float]] = {}
-    for name, (f, b) in by_node.items():
-        for m in ancestors(module_of.get(name, "")):
-            acc = by_module.setdefault(m, [0.0, 0.0])
-            acc[0] += f
-            acc[1] += b
-    return Prediction(device, tuple(ops), by_phase, {k: tuple(v) for k, v in by_node.items()},
-                      {k: tuple(v) for k, v in by_module.items()})
+        if cost.owner == node.name:
+            by_node[node.name] = [0.0, 0.0]
+            module_of[node.name] = cost.module
+        if node.op != "call_function":
+            continue
+        op = _op_time(node, cost, device, state_storages, bandwidth)
+        by_phase[op.phase] += op.seconds
+        if op.owner is not None:
+            by_node[op.owner][0 if op.phase == FORWARD else 1] += op.seconds
+        ops.append(op)
+    by_module = inclusive((module_of[name], tuple(v)) for name, v in by_node.items())
+    return Prediction(device, tuple(ops), by_phase, {k: tuple(v) for k, v in by_node.items()}, by_module)
 
 
 def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | None:
@@ -291,10 +280,9 @@ def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | 
     device = device or for_config(profile.config)
     if device is None:
         return None
-    names = {n.name for n in profile.accounting.nodes}
     state = frozenset(s.key for s in profile.capture.optimizer_state)
     peak = profile.memory.rank_peak
-    return predict(profile.capture.graph, names, device, state, peak.bytes if peak is not None else None)
+    return predict(profile.capture.graph, device, state, peak.bytes if peak is not None else None)
 
 
 __all__ = ["DeviceModel", "Prediction", "OpTime", "predict", "predict_profile", "for_config", "for_local",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from fxacct.account.accounting import ancestors
+from fxacct.account.rollup import ancestors, inclusive
 
 MODULE_PREFIX = "fxacct.module:"
 STEP = "fxacct.step"
@@ -136,8 +136,7 @@ def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
         if module is None:
             outside[s] += dur(e)
             continue
-        for m in ancestors(module):
-            mod_bwd[s][m] = mod_bwd[s].get(m, 0.0) + dur(e)
+        mod_bwd[s][module] = mod_bwd[s].get(module, 0.0) + dur(e)
         node = seq_node.get(e.sequence_nr)
         if node is not None:
             node_bwd[s][node] = node_bwd[s].get(node, 0.0) + dur(e)
@@ -153,8 +152,8 @@ def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
                 mod_fwd[s][a] = mod_fwd[s].get(a, 0.0) + seconds
     if not 0 <= step < n_steps:
         return Join(step, {}, {r.name: (None, None) for r in rows}, 0, len(rows), 0.0)
-    modules = {m: (mod_fwd[step].get(m, 0.0), mod_bwd[step].get(m, 0.0))
-               for m in set(mod_fwd[step]) | set(mod_bwd[step])}
+    backward = {m: b for m, (b,) in inclusive((m, (b,)) for m, b in mod_bwd[step].items()).items()}
+    modules = {m: (mod_fwd[step].get(m, 0.0), backward.get(m, 0.0)) for m in set(mod_fwd[step]) | set(backward)}
     nodes = {}
     matched = 0
     for r in rows:

@@ -12,7 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
-from fxacct.trace.records import TAG, Ref, Storages, TensorMeta, itemsize
+from fxacct.trace.records import (
+    NO_NUMBERS, TAG, OpRecord, Ref, Slot, Storages, TensorMeta, TookSequenceNumbers, UnderAutogradNode,
+    itemsize,
+)
 
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
 RECOMPUTE = "recompute"  # scope of a backward-phase record that re-runs a forward op
@@ -52,8 +55,8 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, storages: Storages):
         super().__init__()
-        self.records: list[tuple] = []
-        self.constants: list[tuple] = []  # (key, TensorMeta) of tensors no traced op produced
+        self.records: list[OpRecord] = []
+        self.constants: list[tuple[Slot, TensorMeta]] = []  # tensors no traced op produced
         self.phase = FORWARD
         self.module_stack: list[str] = [""]
         self.last_seq = tp.get_sequence_nr()
@@ -85,7 +88,7 @@ class Recorder(TorchDispatchMode):
     def ref(self, t: torch.Tensor) -> Ref:
         ref = getattr(t, TAG, None)
         if ref is None:  # made outside the traced ops: a constant held by the module or the code
-            ref = Ref(("constant", len(self.constants)), None)
+            ref = Ref(Slot("constant", len(self.constants)))
             self.constants.append((ref.source, self.meta(t)))
             setattr(t, TAG, ref)
         return ref
@@ -116,7 +119,7 @@ class Recorder(TorchDispatchMode):
         ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
         if isinstance(out, torch.Tensor):
             val = self.meta(out)
-            setattr(out, TAG, Ref(index, None))
+            setattr(out, TAG, Ref(index))
         elif isinstance(out, (tuple, list)):
             val = []
             for i, o in enumerate(out):
@@ -128,21 +131,20 @@ class Recorder(TorchDispatchMode):
             val = tuple(val)
         else:
             val = None
+        hi = tp.get_sequence_nr()
         if self.phase == BACKWARD:
-            node = tp.current_autograd_node()
-            link = node._sequence_nr() if node is not None else None
             # an op that records a grad_fn during the backward is a forward op run again:
             # activation checkpointing recomputing what it did not save (model FLOPs leave it out)
-            hi = tp.get_sequence_nr()
             scope = RECOMPUTE if hi != self.last_seq else None
-            self.last_seq = hi
-            self.records.append((func, ref_args, ref_kwargs, val, BACKWARD, None, link, tuple(rg), scope))
+            seq = tp.current_autograd_sequence_nr()
+            link = UnderAutogradNode(seq) if seq is not None else None
+            module = None
         else:
-            hi = tp.get_sequence_nr()
-            seqs = range(self.last_seq, hi)
-            self.last_seq = hi
-            self.records.append((func, ref_args, ref_kwargs, val, self.phase, self.module_stack[-1], seqs,
-                                 tuple(rg), self.scope))
+            scope = self.scope
+            link = TookSequenceNumbers(self.last_seq, hi) if hi != self.last_seq else NO_NUMBERS
+            module = self.module_stack[-1]
+        self.last_seq = hi
+        self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, tuple(rg), scope))
         self.storages.clock = index
         return out
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+
+from fxacct.trace.torch_private import storage_key
 
 TAG = "_fxacct_ref"  # attribute set on each traced tensor: which record (or placeholder) made it
 
@@ -23,7 +24,8 @@ class TensorMeta:
     shape: tuple
     stride: tuple
     dtype: torch.dtype
-    storage: int  # storage id, unique within one capture; views share their base's
+    storage: int | Slot  # storage id, unique within one capture (views share their base's);
+    # a Slot only inside a replay template, for the block's own inputs and parameters
     storage_nbytes: int
     requires_grad: bool = False
 
@@ -60,7 +62,8 @@ def itemsize(dtype: torch.dtype) -> int:
     return size
 
 
-class StateTensor(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class StateTensor:
     """One storage of optimizer state after a step."""
 
     dtype: torch.dtype
@@ -95,7 +98,7 @@ class Storages:
 
     def id_of(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
-        cdata = st._cdata
+        cdata = storage_key(t)
         sid = self.ids.get(cdata)
         if sid is None:
             sid = len(self.nbytes)
@@ -111,8 +114,96 @@ class Storages:
             self.deaths[sid] = self.clock
 
 
-class Ref(NamedTuple):
-    """A tensor argument in a record: the record (or placeholder) that produced it."""
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A tensor that no recorded op produced, by role: a graph placeholder (``input`` i,
+    ``param`` / ``buffer`` id, ``constant`` i), or, in a replay template's own space, the block's
+    ``in`` j / ``param`` name / incoming gradient ``gout`` j (``probe-in`` / ``probe-gout`` while
+    the probe runs). Used both as a Ref source and, in a template, as a TensorMeta storage."""
 
-    source: object  # int record index, or a placeholder key
-    index: int | None  # output position of a multi-output op
+    kind: str
+    key: object
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A tensor argument in a record: the record (index) or Slot that produced it."""
+
+    source: int | Slot
+    index: int | None = None  # output position of a multi-output op
+
+    @property
+    def is_record(self) -> bool:
+        return isinstance(self.source, int)
+
+
+# -- the backward link: how a record relates to autograd ---------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TookSequenceNumbers:
+    """A forward (or loss, optimizer) op: the autograd sequence numbers it took, [first, end).
+    A forward op that records a grad_fn takes the next number before it reaches the dispatch
+    mode; the backward ops of that grad_fn run under the same number."""
+
+    first: int
+    end: int
+
+    def numbers(self) -> range:
+        return range(self.first, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class UnderAutogradNode:
+    """A backward op the engine ran under the autograd Node with this sequence number."""
+
+    sequence_nr: int
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedFromRecord:
+    """A backward op of a replayed block: derived from the forward record with this index."""
+
+    index: int
+
+
+NO_NUMBERS = TookSequenceNumbers(0, 0)
+Link = TookSequenceNumbers | UnderAutogradNode | DerivedFromRecord | None  # None: no autograd Node
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One aten op as the dispatch recorder saw it, holding no tensor."""
+
+    op: object  # the OpOverload
+    args: tuple  # tensors replaced by Refs
+    kwargs: dict
+    outputs: object  # TensorMeta, a tuple of TensorMeta/None for multi-output ops, or None
+    phase: str
+    module: str | None  # FQN it ran in; None for backward ops (their forward op's decides)
+    link: Link
+    args_requires_grad: tuple[bool, ...]
+    scope: str | None  # "attention" inside SDPA's math path, "recompute" for re-run forward ops
+
+
+def map_nested(a, fn, kind):
+    """``a`` with every leaf of type ``kind`` inside nested lists, tuples and dicts replaced by
+    ``fn(leaf)``: the one walker over op arguments (cheaper than a pytree walk on the hot path)."""
+    if isinstance(a, kind):
+        return fn(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(map_nested(x, fn, kind) for x in a)
+    if isinstance(a, dict):
+        return {k: map_nested(v, fn, kind) for k, v in a.items()}
+    return a
+
+
+def iter_nested(a, kind):
+    """Every leaf of type ``kind`` inside nested lists, tuples and dicts, in order."""
+    if isinstance(a, kind):
+        yield a
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            yield from iter_nested(x, kind)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from iter_nested(x, kind)

@@ -21,12 +21,13 @@ every forward, which a replayed block would have to reproduce as well.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
-from fxacct.trace.records import TAG, Ref, TensorMeta
+from fxacct.trace import torch_private as tp
+from fxacct.trace.records import NO_NUMBERS, TAG, Ref, Slot, TensorMeta, map_nested
 
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -158,7 +159,7 @@ class BlockReplay(ForwardPatches):
                        t.storage_offset() == 0 and st.nbytes() == t.numel() * t.element_size())
 
     def _span(self, block, args, kwargs) -> tuple[_Span, list]:
-        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        leaves, spec = tp.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         plain = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         params = dict(block.named_parameters())
@@ -177,7 +178,7 @@ class BlockReplay(ForwardPatches):
                 state["ok"] = False
         output = original(*args, **kwargs)
         span.end = len(self.recorder.records)
-        leaves, span.output_spec = torch.utils._pytree.tree_flatten(output)
+        leaves, span.output_spec = tp.tree_flatten(output)
         span.output = [self._describe(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         if pos < 2:
             state["spans"].append((fqn, span))
@@ -203,11 +204,11 @@ class BlockReplay(ForwardPatches):
     def _external(self, span: _Span):
         refs, stores = {}, {}
         for j, t in enumerate(span.inputs):
-            refs.setdefault(t.ref, ("arg", j))
-            stores.setdefault(t.storage, ("arg", j))
+            refs.setdefault(t.ref, Slot("arg", j))
+            stores.setdefault(t.storage, Slot("arg", j))
         for name, p in span.params.items():
-            refs.setdefault(getattr(p, TAG, None), ("param", name))
-            stores.setdefault(self.storages.id_of(p), ("param", name))
+            refs.setdefault(getattr(p, TAG, None), Slot("param", name))
+            stores.setdefault(self.storages.id_of(p), Slot("param", name))
         return refs, stores
 
     def _normalized(self, span: _Span, fqn: str):
@@ -215,8 +216,8 @@ class BlockReplay(ForwardPatches):
         born: dict[int, int] = {}
         out = []
         records = self.recorder.records[span.start:span.end]
-        for i, (func, a, kw, val, phase, module, link, rg, scope) in enumerate(records):
-            metas = val if isinstance(val, tuple) else (val,)
+        for i, r in enumerate(records):
+            metas = r.outputs if isinstance(r.outputs, tuple) else (r.outputs,)
             norm_val = []
             for v in metas:
                 if isinstance(v, TensorMeta):
@@ -231,8 +232,9 @@ class BlockReplay(ForwardPatches):
                     norm_val.append((v.shape, v.stride, v.dtype, v.requires_grad, where))
                 else:
                     norm_val.append(v)
-            out.append((func, self._norm_args(a, span, refs), self._norm_args(kw, span, refs), tuple(norm_val),
-                        phase, _relative(module, fqn), rg, len(link), scope))
+            out.append((r.op, self._norm_args(r.args, span, refs), self._norm_args(r.kwargs, span, refs),
+                        tuple(norm_val), r.phase, _relative(r.module, fqn), r.args_requires_grad,
+                        len(r.link.numbers()), r.scope))
         outputs = [(self._norm_ref(x.ref, span, refs), x.shape, x.stride, x.dtype, x.whole)
                    if isinstance(x, _Tensor) else x for x in span.output]
         return out, outputs, span.output_spec
@@ -245,13 +247,7 @@ class BlockReplay(ForwardPatches):
         return ("other", ref)
 
     def _norm_args(self, a, span, refs):
-        if isinstance(a, Ref):
-            return self._norm_ref(a, span, refs)
-        if isinstance(a, dict):
-            return {k: self._norm_args(v, span, refs) for k, v in a.items()}
-        if isinstance(a, (list, tuple)):
-            return type(a)(self._norm_args(x, span, refs) for x in a)
-        return a
+        return map_nested(a, lambda ref: self._norm_ref(ref, span, refs), Ref)
 
     # -- replaying ---------------------------------------------------------------------------
 
@@ -260,10 +256,10 @@ class BlockReplay(ForwardPatches):
         t_refs, t_stores = self._external(template)
         k_ref, k_store = {}, {}
         for key in set(t_refs.values()) | set(t_stores.values()):
-            if key[0] == "arg":
-                k_ref[key], k_store[key] = span.inputs[key[1]].ref, span.inputs[key[1]].storage
+            if key.kind == "arg":
+                k_ref[key], k_store[key] = span.inputs[key.key].ref, span.inputs[key.key].storage
             else:
-                p = span.params[key[1]]
+                p = span.params[key.key]
                 k_ref[key], k_store[key] = getattr(p, TAG, None), self.storages.id_of(p)
         offset = len(rec.records) - template.start
         out_leaves, out_store = [], {}
@@ -274,11 +270,11 @@ class BlockReplay(ForwardPatches):
                     continue
                 if leaf.ref in t_refs:  # the block hands one of its own inputs back
                     key = t_refs[leaf.ref]
-                    if key[0] != "arg":
+                    if key.kind != "arg":
                         raise _Mismatch
-                    out_leaves.append(inputs[key[1]])
+                    out_leaves.append(inputs[key.key])
                     continue
-                if not leaf.whole or not isinstance(leaf.ref, Ref) or not isinstance(leaf.ref.source, int):
+                if not leaf.whole or not isinstance(leaf.ref, Ref) or not leaf.ref.is_record:
                     raise _Mismatch  # a view of a larger buffer: not reproducible by a fresh tensor
                 new = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device="cpu")
                 out_store[leaf.storage] = self.storages.id_of(new)
@@ -287,14 +283,15 @@ class BlockReplay(ForwardPatches):
         store_map = {sid: k_store[key] for sid, key in t_stores.items()}
         store_map.update(out_store)
         for i in range(template.start, template.end):
-            func, a, kw, val, phase, module, link, rg, scope = rec.records[i]
-            rec.records.append((func, self._map_args(a, template, t_refs, k_ref, offset),
-                                self._map_args(kw, template, t_refs, k_ref, offset),
-                                self._map_val(val, store_map, template, offset), phase,
-                                _renamed(module, template_fqn, fqn), range(0), rg, scope))
+            r = rec.records[i]
+            rec.records.append(replace(
+                r, args=self._map_args(r.args, template, t_refs, k_ref, offset),
+                kwargs=self._map_args(r.kwargs, template, t_refs, k_ref, offset),
+                outputs=self._map_val(r.outputs, store_map, template, offset),
+                module=_renamed(r.module, template_fqn, fqn), link=NO_NUMBERS))
             self.storages.clock = len(rec.records) - 1
         self.replayed += 1
-        return torch.utils._pytree.tree_unflatten(out_leaves, template.output_spec)
+        return tp.tree_unflatten(out_leaves, template.output_spec)
 
     def _map_val(self, val, store_map, template: _Span, offset: int):
         if isinstance(val, tuple):
@@ -312,16 +309,14 @@ class BlockReplay(ForwardPatches):
                 self.storages.deaths[sid] = death + offset
         return TensorMeta(val.shape, val.stride, val.dtype, sid, val.storage_nbytes, val.requires_grad)
 
-    def _map_args(self, a, template, t_refs, k_ref, offset):
-        if isinstance(a, Ref):
-            if isinstance(a.source, int) and template.start <= a.source < template.end:
-                return Ref(a.source + offset, a.index)
-            return k_ref[t_refs[a]] if a in t_refs else a
-        if isinstance(a, dict):
-            return {k: self._map_args(v, template, t_refs, k_ref, offset) for k, v in a.items()}
-        if isinstance(a, (list, tuple)):
-            return type(a)(self._map_args(x, template, t_refs, k_ref, offset) for x in a)
-        return a
+    @staticmethod
+    def _map_args(a, template, t_refs, k_ref, offset):
+        def one(ref: Ref):
+            if ref.is_record and template.start <= ref.source < template.end:
+                return Ref(ref.source + offset, ref.index)
+            return k_ref[t_refs[ref]] if ref in t_refs else ref
+
+        return map_nested(a, one, Ref)
 
 
 class _Mismatch(Exception):

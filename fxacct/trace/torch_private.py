@@ -25,6 +25,12 @@ def _require(owner, name: str, where: str):
 # (the same link AOTAutograd uses, see torch/fx/proxy.py "NOTE [ Sequence Number ]").
 current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
 
+
+def current_autograd_sequence_nr() -> int | None:
+    """The sequence number of the autograd Node the backward engine is running, or None."""
+    node = current_autograd_node()
+    return node._sequence_nr() if node is not None else None
+
 # The next autograd sequence number on this thread; a forward op that records a grad_fn takes one
 # before it redispatches below autograd, so a dispatch mode sees it already taken.
 get_sequence_nr = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
@@ -70,3 +76,16 @@ def fx_append_node(graph, op: str, target, args: tuple, kwargs: dict, name: str)
     table.insert(node)
     graph._len += 1
     return node
+
+
+from torch.utils import _pytree  # noqa: E402
+
+# Flattening nested Python containers (tuples, lists, dicts, namedtuples, HF ModelOutputs) the way
+# torch does: model inputs and outputs.
+tree_leaves = _pytree.tree_leaves
+tree_map = _pytree.tree_map
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+
+# The logger FakeTensorMode writes a kernel's traceback to before re-raising it.
+FAKE_TENSOR_LOGGER = _fake_tensor.__name__

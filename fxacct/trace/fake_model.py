@@ -1,0 +1,69 @@
+"""The fake stand-ins of a module's parameters, buffers and tensor attributes for one capture.
+Tied names share one fake tensor; the user's module is changed only inside ``swapped``."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from fxacct.trace import torch_private as tp
+
+
+def fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fake CPU tensor with t's shape and strides (call inside the FakeTensorMode)."""
+    if dtype is not None and t.is_floating_point():
+        return torch.empty(t.shape, dtype=dtype, device="cpu")
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+@dataclass
+class FakeModel:
+    """The fake stand-ins of a module's tensors for one capture (tied names share one tensor)."""
+
+    fake_of: dict  # id(real tensor) -> fake tensor
+    state: dict  # every parameter and buffer name -> its fake tensor (for reparametrize_module)
+    param_groups: dict  # id(parameter) -> its names
+    buffer_groups: dict  # id(buffer) -> its names
+    attributes: list  # (module, name, real, fake) of tensors kept as plain attributes
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [self.fake_of[pid] for pid in self.param_groups if self.fake_of[pid].requires_grad]
+
+
+def fake_model(model: torch.nn.Module, dtype: torch.dtype | None, inference: bool) -> FakeModel:
+    """Call inside the FakeTensorMode."""
+    fake = FakeModel({}, {}, {}, {}, [])
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in fake.fake_of:
+            fake.fake_of[id(p)] = fake_like(p, dtype).requires_grad_(p.requires_grad and not inference)
+        fake.param_groups.setdefault(id(p), []).append(name)
+        fake.state[name] = fake.fake_of[id(p)]
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if id(b) not in fake.fake_of:
+            fake.fake_of[id(b)] = fake_like(b, dtype)
+        fake.buffer_groups.setdefault(id(b), []).append(name)
+        fake.state[name] = fake.fake_of[id(b)]
+    # tensors a module keeps as plain attributes (not parameters or buffers): swapped too
+    fake.attributes = [(m, k, v, fake_like(v, dtype)) for m in model.modules() for k, v in vars(m).items()
+                       if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+    return fake
+
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module, fake: FakeModel, training: bool):
+    """The model in train (or eval) mode with its tensors replaced by the fakes; everything restored
+    on exit, whatever happens inside."""
+    was_training = {m: m.training for m in model.modules()}
+    try:
+        model.train(training)
+        for m, k, _, fake_tensor in fake.attributes:
+            setattr(m, k, fake_tensor)
+        with tp.reparametrize_module(model, fake.state, strict=False):
+            yield
+    finally:
+        for m, flag in was_training.items():
+            m.training = flag
+        for m, k, original, _ in fake.attributes:
+            setattr(m, k, original)

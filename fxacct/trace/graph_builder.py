@@ -1,0 +1,119 @@
+"""From the records of a capture to one torch.fx graph: a node per record and per placeholder,
+each argument resolved to the node that produced it, and one typed ``NodeTrace`` per node.
+
+``node.meta`` holds exactly two keys written here: ``val`` (a TensorMeta per output, a tuple for
+multi-output ops) and ``trace`` (NodeTrace). The annotation pass (fxacct.account.annotate) adds
+``fxacct``; nothing else writes node.meta.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+from fxacct.trace import torch_private as tp
+from fxacct.trace.records import (
+    DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers, UnderAutogradNode,
+)
+
+# what a node stands for
+OP, INPUT, PARAMETER, BUFFER, CONSTANT = "op", "input", "parameter", "buffer", "constant"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTrace:
+    """What the capture knows of one node (``node.meta["trace"]``)."""
+
+    role: str  # OP, INPUT, PARAMETER, BUFFER or CONSTANT
+    phase: str  # the recorder's phase: forward / loss / backward / optimizer
+    module: str | None  # FQN it ran in; None for a backward op (its owner's module decides)
+    derived_from: fx.Node | None = None  # backward op: the forward op its autograd Node belongs to
+    args_requires_grad: tuple[bool, ...] = ()  # per tensor argument (fused backward kernels)
+    scope: str | None = None  # "attention" (SDPA's math path) or "recompute" (re-run forward op)
+    repeat: int = 1  # optimizer op standing for this many parameters of one shape
+    saved: tuple[tuple[int, torch.dtype], ...] = ()  # (bytes, dtype) autograd saved of its storages
+    name: str | None = None  # parameter / buffer FQN
+
+
+def trace_of(node: fx.Node) -> NodeTrace | None:
+    return node.meta.get("trace")
+
+
+def _op_name(func) -> str:
+    return getattr(func, "_opname", None) or getattr(func, "__name__", "op")
+
+
+class GraphBuilder:
+    """Turns the records into an fx.Graph, resolving each argument reference to its node."""
+
+    def __init__(self):
+        self.graph = fx.Graph()
+        self.nodes: dict[int | Slot, fx.Node] = {}  # record index or placeholder slot -> node
+        self.getitems: dict[Ref, fx.Node] = {}
+
+    def placeholder(self, slot: Slot, name: str, val: TensorMeta, role: str, fqn: str | None = None) -> fx.Node:
+        node = self.graph.placeholder(name)
+        node.meta.update(val=val, trace=NodeTrace(role, "forward", "", name=fqn))
+        self.nodes[slot] = node
+        return node
+
+    def lookup(self, ref: Ref) -> fx.Node:
+        parent = self.nodes[ref.source]
+        if ref.index is None:
+            return parent
+        node = self.getitems.get(ref)
+        if node is None:
+            node = self.graph.create_node("call_function", operator.getitem, (parent, ref.index))
+            node.meta.update(val=parent.meta["val"][ref.index], trace=parent.meta["trace"])
+            self.getitems[ref] = node
+        return node
+
+    def map_arg(self, a):
+        if isinstance(a, Ref):
+            return self.lookup(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.map_arg(x) for x in a)
+        return a
+
+    def add(self, index: int, record: OpRecord, trace: NodeTrace) -> fx.Node:
+        node = tp.fx_append_node(self.graph, "call_function", record.op, self.map_arg(record.args),
+                                 {k: self.map_arg(v) for k, v in record.kwargs.items()}, _op_name(record.op))
+        node.meta.update(val=record.outputs, trace=trace)
+        self.nodes[index] = node
+        return node
+
+    def add_records(self, records: list[OpRecord], constants, repeat_of) -> None:
+        """Every record becomes a node; a backward node knows the forward node it derives from."""
+        for slot, meta in constants:
+            self.placeholder(slot, "constant", meta, CONSTANT)
+        seq_owner: dict[int, fx.Node] = {}
+        for index, r in enumerate(records):
+            trace = NodeTrace(OP, r.phase, r.module, None, r.args_requires_grad, r.scope)
+            if isinstance(r.link, DerivedFromRecord):
+                trace = replace(trace, derived_from=self.nodes[r.link.index])
+            elif isinstance(r.link, UnderAutogradNode):
+                trace = replace(trace, derived_from=seq_owner.get(r.link.sequence_nr))
+            elif r.phase == "optimizer":
+                trace = replace(trace, repeat=repeat_of(index))
+            node = self.add(index, r, trace)
+            if isinstance(r.link, TookSequenceNumbers):
+                for s in r.link.numbers():
+                    seq_owner[s] = node
+
+    def attach_saved(self, saved: dict[int, tuple[int, torch.dtype]]) -> None:
+        """Put each saved storage's (bytes, dtype) on the node that allocated it (its first
+        producer)."""
+        remaining = dict(saved)
+        for node in self.graph.nodes:
+            if not remaining:
+                return
+            if node.target is operator.getitem:
+                continue
+            val = node.meta.get("val")
+            mine = tuple(remaining.pop(v.storage) for v in (val if isinstance(val, tuple) else (val,))
+                         if isinstance(v, TensorMeta) and v.storage in remaining)
+            if mine:
+                node.meta["trace"] = replace(node.meta["trace"], saved=node.meta["trace"].saved + mine)

@@ -1,0 +1,148 @@
+"""A replay template's own space (fxacct.trace.replay_train): a probed block's records with the
+block's inputs, parameters and incoming gradients as Slots, so that two probes compare and a
+template maps onto any block of its run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fxacct.trace.dispatch_recorder import BACKWARD
+from fxacct.trace.records import (
+    NO_NUMBERS, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, UnderAutogradNode, iter_nested, map_nested,
+)
+from fxacct.trace.replay import _relative
+
+
+@dataclass
+class Template:
+    fqn: str
+    records: list  # forward records then backward records, refs normalized to template space
+    fwd_len: int
+    in_meta: list  # (shape, stride, dtype, requires_grad) per input tensor leaf
+    plain: list  # input leaves, tensors replaced by None
+    spec: object
+    out_spec: object
+    out_leaves: list  # Slot("out", i) for tensor outputs, plain values otherwise
+    out_refs: list  # template ref of each tensor output
+    out_storages: list  # template storage id of each tensor output
+    grads: list  # per target: template ref (Ref or Slot) of its gradient, or None
+    targets: list  # the gradient targets, in order: Slot("in", j) / Slot("param", name)
+    deaths: dict  # template storage id -> template record index (absent: alive at the end)
+    born: set  # storage ids born inside the probe
+    saved: dict  # template storage id -> (bytes, dtype) saved by autograd
+    saved_inputs: list  # indices of input leaves autograd saved
+    storage_bytes: dict  # template storage id -> bytes
+    gout_last_use: dict  # incoming gradient j -> index of the last template record reading it
+    lingering: dict  # storage alive at the probe's end that is no output or gradient -> last use
+
+
+def to_template_space(records: list[OpRecord], fqn: str, ext_refs: dict, ext_store: dict) -> list[OpRecord]:
+    """A probe's records with refs and storages of the block's own inputs, parameters and
+    incoming gradients as Slots, module names relative to the block, and each backward link as
+    the index of the probe's forward record it derives from."""
+    seq_owner: dict[int, int] = {}
+    out = []
+    for i, r in enumerate(records):
+        if r.phase == BACKWARD:
+            link = r.link
+            owner = seq_owner.get(link.sequence_nr) if isinstance(link, UnderAutogradNode) else None
+            change = {"link": DerivedFromRecord(owner) if owner is not None else None, "module": None}
+        else:
+            for n in r.link.numbers():
+                seq_owner[n] = i
+            change = {"link": NO_NUMBERS, "module": _relative(r.module, fqn)}
+        out.append(replace(r, args=norm_refs(r.args, ext_refs), kwargs=norm_refs(r.kwargs, ext_refs),
+                           outputs=norm_outputs(r.outputs, ext_store), **change))
+    return out
+
+
+def last_uses(records: list[OpRecord], kind: str) -> dict:
+    """j -> index of the last record whose arguments read Slot(kind, j)."""
+    last = {}
+    for i, r in enumerate(records):
+        for slot in iter_nested((r.args, r.kwargs), Slot):
+            if slot.kind == kind:
+                last[slot.key] = i
+    return last
+
+
+def lingering(records: list[OpRecord], born: set, deaths: dict, outputs: set, grads: set) -> dict:
+    """Storages born in the probe and alive at its end that are neither its outputs nor its
+    gradients, with the index of the last record that produced or read them."""
+    keep = {s for s in born if s not in deaths and s not in outputs and s not in grads}
+    produced = {}
+    last = {}
+    for i, r in enumerate(records):
+        metas = r.outputs if isinstance(r.outputs, tuple) else (r.outputs,)
+        mine = {m.storage for m in metas if isinstance(m, TensorMeta)} & keep
+        produced[i] = mine
+        for sid in mine:
+            last[sid] = i
+        for ref in iter_nested((r.args, r.kwargs), Ref):
+            for sid in produced.get(ref.source, ()):
+                last[sid] = i
+    return {sid: last[sid] for sid in keep if sid in last}
+
+
+def find_meta(template: Template, ref: Ref) -> TensorMeta:
+    val = template.records[ref.source].outputs
+    return val[ref.index] if ref.index is not None else val
+
+
+_PROBE_SLOTS = {"probe-in": "in", "probe-gout": "gout"}
+
+
+def norm_refs(a, ext_refs):
+    def one(ref: Ref):
+        if isinstance(ref.source, Slot) and ref.source.kind in _PROBE_SLOTS:
+            return Slot(_PROBE_SLOTS[ref.source.kind], ref.source.key)
+        return ext_refs.get(ref, ref)
+
+    return map_nested(a, one, Ref)
+
+
+def norm_outputs(val, ext_store):
+    if isinstance(val, tuple):
+        return tuple(norm_outputs(v, ext_store) for v in val)
+    if not isinstance(val, TensorMeta):
+        return val
+    where = ext_store.get(val.storage, val.storage)
+    return TensorMeta(val.shape, val.stride, val.dtype, where, val.storage_nbytes, val.requires_grad)
+
+
+def map_to_block(a, refs, bases):
+    """Template refs to the replayed block's: its own inputs/parameters/incoming gradients (Slots),
+    and its own records (``bases``: where its forward and its backward records start, and the
+    template's forward length)."""
+    fwd_base, bwd_base, fwd_len = bases
+
+    def one(x):
+        if isinstance(x, Slot):
+            return refs[x]
+        if not x.is_record:
+            return x
+        index = fwd_base + x.source if x.source < fwd_len else bwd_base + x.source - fwd_len
+        return Ref(index, x.index)
+
+    return map_nested(a, one, (Ref, Slot))
+
+
+def comparable(t: Template):
+    """A template with its storage ids renumbered by first appearance, so two probes compare."""
+    order: dict = {}
+
+    def sid(s):
+        if isinstance(s, Slot) or s not in t.born:
+            return s
+        return ("born", order.setdefault(s, len(order)), t.deaths.get(s, "alive"), s in t.saved)
+
+    def val(v):
+        if isinstance(v, tuple):
+            return tuple(val(x) for x in v)
+        if isinstance(v, TensorMeta):
+            return (v.shape, v.stride, v.dtype, v.requires_grad, sid(v.storage))
+        return v
+
+    recs = [replace(r, outputs=val(r.outputs)) for r in t.records]
+    return (recs, t.fwd_len, t.in_meta, t.plain, t.out_leaves, [sid(s) for s in t.out_storages],
+            t.grads, t.targets, t.saved_inputs)
