@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from fxacct.trace import torch_private as tp
+
 from fxacct.load import model_spec as loading
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
@@ -33,7 +35,7 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def precision_warnings(cap: Capture) -> tuple[str, ...]:
     """fp8 storage is real, fp8 matmuls through aten.mm are not: neither the CPU nor CUDA has an
-    mm/bmm/addmm/convolution kernel for float8 (fp8 training calls torch._scaled_mm with scales,
+    mm/bmm/addmm/convolution kernel for float8 (fp8 training calls aten._scaled_mm with scales,
     e.g. torchao.float8), so a model whose plain matmuls take fp8 tensors cannot run as traced."""
     ops = set()
     for node in cap.graph.nodes:
@@ -47,14 +49,14 @@ def precision_warnings(cap: Capture) -> tuple[str, ...]:
     if not ops:
         return ()
     return (f"{', '.join(sorted(ops))} take float8 tensors, which no CPU or CUDA kernel runs (fp8 "
-            "training uses torch._scaled_mm with scales): weight, gradient and optimizer bytes are "
+            "training uses aten._scaled_mm with scales): weight, gradient and optimizer bytes are "
             "exact for fp8 storage; FLOPs, activations and peaks are those of a model that cannot run "
             "as traced",)
 
 
 def tokens_per_example(args, kwargs, batch: int) -> int | None:
     """The per-example element count of the first integer input (T for long[B, T])."""
-    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+    for t in tp.tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool and t.dim() > 0:
             if t.shape[0] == batch:
                 return t.numel() // batch

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from fxacct.trace import torch_private as tp
+
 from fxacct.tools.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
 from fxacct.load.config import Config
 from fxacct.dtypes import parse_dtype
@@ -35,7 +37,7 @@ def _inputs(inputs) -> tuple[tuple, dict]:
 
 
 def _batch(args, kwargs) -> int:
-    first = next((t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+    first = next((t for t in tp.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     return first.shape[0] if first is not None else 1
 

@@ -67,7 +67,7 @@ class BytesPerParam:
 
 def _state_after_step(spec: OptimizerSpec, numel: int, dtype: torch.dtype, fake: bool) -> dict[str, tuple[int, torch.dtype]]:
     """{state name: (bytes, dtype)} after one step over one parameter of ``numel`` elements."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxacct.trace.torch_private import FakeTensorMode
     from contextlib import nullcontext
 
     with FakeTensorMode() if fake else nullcontext():

@@ -110,16 +110,25 @@ def plot_memory(profile, path: str) -> None:
     ax.set_xlabel("op index in the step")
     ax.set_ylabel("GiB (2^30 bytes)")
     ax.set_title(_title(profile), fontsize=11)
+    legends = _legends(ax, stacks, phases, Patch)
+    _save(fig, path, legends)
+
+
+def _legends(ax, stacks, phases, patch) -> list:
+    """The memory categories that occur (upper right) and the phases shaded (lower right)."""
     handles, labels = ax.get_legend_handles_labels()
     used = [(h, lab) for h, lab, ys in zip(handles, labels, stacks) if any(ys)]
     categories = ax.legend([h for h, _ in used], [lab for _, lab in used], loc="upper left",
                            fontsize=8, bbox_to_anchor=(1.0, 1.0), title="memory", title_fontsize=8)
     ax.add_artist(categories)
     shown = dict.fromkeys(phases)
-    phase_legend = ax.legend([Patch(color=_PHASE_COLORS.get(ph, "grey"), alpha=0.3) for ph in shown],
+    phase_legend = ax.legend([patch(color=_PHASE_COLORS.get(ph, "grey"), alpha=0.3) for ph in shown],
                              list(shown), loc="lower left", fontsize=8, bbox_to_anchor=(1.0, 0.0),
                              title="phase (shaded)", title_fontsize=8)
+    return [categories, phase_legend]
 
+
+def _save(fig, path: str, legends: list) -> None:
     out = Path(path)
     fmt = out.suffix.lstrip(".").lower() or "png"
     # the temporary file sits beside the target, so os.replace is an atomic rename; 0o666 & umask
@@ -129,7 +138,7 @@ def plot_memory(profile, path: str) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight",
-                        bbox_extra_artists=[categories, phase_legend])
+                        bbox_extra_artists=legends)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):

@@ -64,104 +64,110 @@ def _module_of(event) -> str | None:
     return None
 
 
+class _Steps:
+    """The timed steps' ``fxacct.step`` ranges, and which step an event starts in."""
+
+    def __init__(self, events):
+        self.ranges = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
+        self.starts = [e.time_range.start for e in self.ranges]
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def of(self, e) -> int | None:
+        i = bisect.bisect_right(self.starts, e.time_range.start) - 1
+        return i if i >= 0 and e.time_range.start <= self.ranges[i].time_range.end else None
+
+
+def _match_forward(ranges, expected: dict, dur) -> tuple[dict, dict, dict]:
+    """One step's module ranges -> (module forward s, node forward s, sequence nr -> node name):
+    the k-th event named like a module's node is its k-th node; composites are descended into,
+    nested module ranges are left to their own module."""
+    mod_fwd: dict[str, float] = {}
+    node_fwd: dict[str, float] = {}
+    seq_node: dict[int, str] = {}
+    counters: dict[str, dict[str, int]] = {}
+    for r in sorted(ranges, key=lambda e: e.time_range.start):
+        module = r.name[len(MODULE_PREFIX):]
+        mod_fwd[module] = mod_fwd.get(module, 0.0) + dur(r)
+        want = expected.get(module)
+        if not want:
+            continue
+        count = counters.setdefault(module, {})
+        stack = list(reversed(sorted(r.cpu_children, key=lambda e: e.time_range.start)))
+        while stack:
+            e = stack.pop()
+            if e.name.startswith(MODULE_PREFIX):
+                continue
+            names = want.get(e.name)
+            k = count.get(e.name, 0)
+            if names is not None and k < len(names):
+                count[e.name] = k + 1
+                node_fwd[names[k]] = node_fwd.get(names[k], 0.0) + dur(e)
+                if e.sequence_nr is not None and e.sequence_nr >= 0:
+                    seq_node[e.sequence_nr] = names[k]
+                continue
+            stack.extend(reversed(sorted(e.cpu_children, key=lambda c: c.time_range.start)))
+    return mod_fwd, node_fwd, seq_node
+
+
+def _fill_containers(mod_fwd: dict) -> dict:
+    """A module's range holds its submodules' ranges; a container never called (a ModuleList) has
+    none, and gets the time of its nearest called descendants."""
+    out = dict(mod_fwd)
+    for module, seconds in mod_fwd.items():
+        for a in list(ancestors(module))[1:]:
+            if a in mod_fwd:
+                break
+            out[a] = out.get(a, 0.0) + seconds
+    return out
+
+
 def join(events, node_rows, device_time: bool = False, step: int = 0) -> Join:
     """``events``: torch.profiler FunctionEvents (``prof.events()``); ``node_rows``: the account's
     forward NodeRows (fxacct.account.accounting), in graph order; ``step``: which timed step (0-based)."""
     def dur(e) -> float:
         return (e.device_time_total if device_time else e.cpu_time_total) / 1e6  # µs -> s
 
-    steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
-    starts = [e.time_range.start for e in steps]
-    n_steps = len(steps)
-
-    def step_of(e) -> int | None:
-        i = bisect.bisect_right(starts, e.time_range.start) - 1
-        return i if i >= 0 and e.time_range.start <= steps[i].time_range.end else None
-
-    expected: dict[str, dict[str, list[str]]] = {}
+    steps = _Steps(events)
     rows = [r for r in node_rows if r.op != "input"]
+    if not 0 <= step < len(steps):
+        return Join(step, {}, {r.name: (None, None) for r in rows}, 0, len(rows), 0.0)
+    expected: dict[str, dict[str, list[str]]] = {}
     for r in rows:
         expected.setdefault(r.module, {}).setdefault(profiler_name(r.op), []).append(r.name)
-
-    mod_fwd = [dict() for _ in range(n_steps)]
-    mod_bwd = [dict() for _ in range(n_steps)]
-    node_fwd = [dict() for _ in range(n_steps)]
-    node_bwd = [dict() for _ in range(n_steps)]
-    outside = [0.0] * n_steps
-    seq_module: dict[int, str] = {}
-    seq_node: dict[int, str] = {}
-    ranges: list[list] = [[] for _ in range(n_steps)]
-    backward_events = []
+    ranges, backward_events, seq_module = [], [], {}
     for e in events:
         if e.name.startswith(MODULE_PREFIX):
-            s = step_of(e)
-            if s is not None:
-                ranges[s].append(e)
+            if steps.of(e) == step:
+                ranges.append(e)
         elif e.name.startswith(BACKWARD_PREFIX):
-            backward_events.append(e)
+            if steps.of(e) == step:
+                backward_events.append(e)
         elif e.sequence_nr is not None and e.sequence_nr >= 0:
             module = _module_of(e)
             if module is not None:
                 seq_module.setdefault(e.sequence_nr, module)
-
-    for s in range(n_steps):
-        counters: dict[str, dict[str, int]] = {}
-        for r in sorted(ranges[s], key=lambda e: e.time_range.start):
-            module = r.name[len(MODULE_PREFIX):]
-            mod_fwd[s][module] = mod_fwd[s].get(module, 0.0) + dur(r)
-            want = expected.get(module)
-            if not want:
-                continue
-            count = counters.setdefault(module, {})
-            stack = list(reversed(sorted(r.cpu_children, key=lambda e: e.time_range.start)))
-            while stack:
-                e = stack.pop()
-                if e.name.startswith(MODULE_PREFIX):
-                    continue
-                names = want.get(e.name)
-                k = count.get(e.name, 0)
-                if names is not None and k < len(names):
-                    count[e.name] = k + 1
-                    node_fwd[s][names[k]] = node_fwd[s].get(names[k], 0.0) + dur(e)
-                    if e.sequence_nr is not None and e.sequence_nr >= 0:
-                        seq_node[e.sequence_nr] = names[k]
-                    continue
-                stack.extend(reversed(sorted(e.cpu_children, key=lambda c: c.time_range.start)))
-
+    mod_fwd, node_fwd, seq_node = _match_forward(ranges, expected, dur)
+    mod_bwd: dict[str, float] = {}
+    node_bwd: dict[str, float] = {}
+    outside = 0.0
     for e in backward_events:
-        s = step_of(e)
-        if s is None:
-            continue
         module = seq_module.get(e.sequence_nr)
         if module is None:
-            outside[s] += dur(e)
+            outside += dur(e)
             continue
-        mod_bwd[s][module] = mod_bwd[s].get(module, 0.0) + dur(e)
+        mod_bwd[module] = mod_bwd.get(module, 0.0) + dur(e)
         node = seq_node.get(e.sequence_nr)
         if node is not None:
-            node_bwd[s][node] = node_bwd[s].get(node, 0.0) + dur(e)
-
-    # a module's range holds its submodules' ranges; a container never called (a ModuleList) has
-    # none, and gets the time of its nearest called descendants
-    for s in range(n_steps):
-        ranged = dict(mod_fwd[s])
-        for module, seconds in ranged.items():
-            for a in list(ancestors(module))[1:]:
-                if a in ranged:
-                    break
-                mod_fwd[s][a] = mod_fwd[s].get(a, 0.0) + seconds
-    if not 0 <= step < n_steps:
-        return Join(step, {}, {r.name: (None, None) for r in rows}, 0, len(rows), 0.0)
-    backward = {m: b for m, (b,) in inclusive((m, (b,)) for m, b in mod_bwd[step].items()).items()}
-    modules = {m: (mod_fwd[step].get(m, 0.0), backward.get(m, 0.0)) for m in set(mod_fwd[step]) | set(backward)}
-    nodes = {}
-    matched = 0
-    for r in rows:
-        f = node_fwd[step].get(r.name)
-        if f is not None:
-            matched += 1
-        nodes[r.name] = (f, node_bwd[step].get(r.name, 0.0) if f is not None else None)
-    return Join(step, modules, nodes, matched, len(rows), outside[step])
+            node_bwd[node] = node_bwd.get(node, 0.0) + dur(e)
+    mod_fwd = _fill_containers(mod_fwd)
+    backward = {m: b for m, (b,) in inclusive((m, (b,)) for m, b in mod_bwd.items()).items()}
+    modules = {m: (mod_fwd.get(m, 0.0), backward.get(m, 0.0)) for m in set(mod_fwd) | set(backward)}
+    nodes = {r.name: (node_fwd.get(r.name), node_bwd.get(r.name, 0.0) if r.name in node_fwd else None)
+             for r in rows}
+    matched = sum(1 for r in rows if r.name in node_fwd)
+    return Join(step, modules, nodes, matched, len(rows), outside)
 
 
 __all__ = ["Join", "join", "profiler_name", "MODULE_PREFIX", "STEP"]

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from fxacct.trace import torch_private as tp
 from torch.autograd.profiler import record_function
 
 from fxacct.trace.loss import training_loss
@@ -151,8 +153,8 @@ def make_inputs(config: Config, model, file_module, device: torch.device):
                 t.requires_grad_(True)
         return t
 
-    args = torch.utils._pytree.tree_map(prepare, tuple(args))
-    kwargs = torch.utils._pytree.tree_map(prepare, dict(kwargs))
+    args = tp.tree_map(prepare, tuple(args))
+    kwargs = tp.tree_map(prepare, dict(kwargs))
     return args, kwargs
 
 
@@ -186,7 +188,7 @@ class _Step:
         if not inference:
             params = [p for p in model.parameters() if p.requires_grad]
             self.optimizer = config.optimizer_spec().build(params)
-        self.inputs_with_grad = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+        self.inputs_with_grad = [t for t in tp.tree_leaves((args, kwargs))
                                  if isinstance(t, torch.Tensor) and t.requires_grad]
         model.train(not inference)
 
@@ -268,9 +270,8 @@ def _model_errors(device: torch.device, batch: int):
 
 def _cpu_allocator_peak(prof, baseline: int) -> int | None:
     """Resident bytes + the highest running sum of the CPU allocator's events in the window."""
-    try:
-        events = prof.profiler.kineto_results.events()
-    except AttributeError:  # a torch release moved the kineto results
+    events = tp.kineto_events(prof)
+    if events is None:  # a torch release moved the kineto results
         return None
     mem = sorted((e.start_ns(), e.nbytes()) for e in events
                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)

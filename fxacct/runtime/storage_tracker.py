@@ -56,8 +56,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from fxacct.trace.torch_private import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 from fxacct.trace.loss import training_loss
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fxacct.trace import torch_private as tp
+
 REPEATS = 5
 
 
@@ -35,7 +37,7 @@ def _copy_time(tensors, device, non_blocking: bool) -> float:
 
 
 def measure_transfer(args, kwargs, device: torch.device) -> Transfer | None:
-    tensors = [t.detach().cpu() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+    tensors = [t.detach().cpu() for t in tp.tree_leaves((args, kwargs))
                if isinstance(t, torch.Tensor)]
     if not tensors:
         return None

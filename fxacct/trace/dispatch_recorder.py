@@ -8,7 +8,6 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
@@ -49,7 +48,7 @@ _KERNEL_DTYPES = {
 }
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(tp.TorchDispatchMode):
     """Records every aten op with its phase, module, autograd sequence link, argument references
     and output metadata. Per op it does only that; the graph is built once afterwards."""
 
@@ -59,7 +58,7 @@ class Recorder(TorchDispatchMode):
         self.constants: list[tuple[Slot, TensorMeta]] = []  # tensors no traced op produced
         self.phase = FORWARD
         self.module_stack: list[str] = [""]
-        self.last_seq = tp.get_sequence_nr()
+        self.last_seq = tp.next_autograd_number()
         self.storages = storages
         self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
         self.recording = True
@@ -131,12 +130,12 @@ class Recorder(TorchDispatchMode):
             val = tuple(val)
         else:
             val = None
-        hi = tp.get_sequence_nr()
+        hi = tp.next_autograd_number()
         if self.phase == BACKWARD:
             # an op that records a grad_fn during the backward is a forward op run again:
             # activation checkpointing recomputing what it did not save (model FLOPs leave it out)
             scope = RECOMPUTE if hi != self.last_seq else None
-            seq = tp.current_autograd_sequence_nr()
+            seq = tp.current_autograd_number()
             link = UnderAutogradNode(seq) if seq is not None else None
             module = None
         else:

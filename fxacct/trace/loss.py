@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from fxacct.errors import ModelError, UsageError
+from fxacct.trace import torch_private as tp
 
 
 def training_loss(output, loss_output: int | None = None) -> torch.Tensor:
     """DESIGN.md: the sum over every floating-point output tensor (pytree order) of t.float().sum(),
     or only the output at index ``loss_output`` of that list."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+    leaves = [t for t in tp.tree_leaves(output)
               if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if loss_output is not None:
         if not 0 <= loss_output < len(leaves):

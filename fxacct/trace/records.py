@@ -77,7 +77,7 @@ class Storages:
     """Storage ids that stay unique for the whole capture, and when each storage died."""
 
     def __init__(self):
-        self.ids: dict[int, int] = {}  # live storage _cdata -> id
+        self.ids: dict[int, int] = {}  # live storage key (torch_private.storage_key) -> id
         self.nbytes: dict[int, int] = {}  # id -> bytes
         self.deaths: dict[int, int] = {}
         self.clock = -1  # index of the last recorded op

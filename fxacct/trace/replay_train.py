@@ -108,12 +108,7 @@ class TrainReplay(ForwardPatches):
         params = {n: p for n, p in block.named_parameters()}
         first_sid = self.storages.next_id
         with self._isolated() as records:
-            with rec.suppressed():
-                fresh = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
-                         .requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
-            inputs = [x for x in fresh if isinstance(x, torch.Tensor)]
-            for j, x in enumerate(inputs):
-                setattr(x, TAG, Ref(Slot("probe-in", j)))
+            fresh, inputs = self._fresh_inputs(leaves)
             args, kwargs = tp.tree_unflatten(fresh, spec)
             rec.module_stack.append(fqn)
             rec.phase = FORWARD
@@ -164,6 +159,16 @@ class TrainReplay(ForwardPatches):
                        {self.storages.id_of(g) for g in grads if g is not None}),
         )
 
+    def _fresh_inputs(self, leaves) -> tuple[list, list]:
+        """New fake tensors like the block's inputs (unrecorded), tagged as the probe's inputs."""
+        with self.recorder.suppressed():
+            fresh = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+                     .requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+        inputs = [x for x in fresh if isinstance(x, torch.Tensor)]
+        for j, x in enumerate(inputs):
+            setattr(x, TAG, Ref(Slot("probe-in", j)))
+        return fresh, inputs
+
     # -- replaying a block ---------------------------------------------------------------------
 
     def _replay(self, template: Template, block, fqn: str, leaves):
@@ -172,7 +177,7 @@ class TrainReplay(ForwardPatches):
         flat = _ReplayFn.apply(self, template, block, fqn, inputs, params, *inputs, *params.values())
         flat = list(flat)
         out = [flat.pop(0) if isinstance(x, Slot) and x.kind == "out" else x for x in template.out_leaves]
-        self.recorder.last_seq = tp.get_sequence_nr()
+        self.recorder.last_seq = tp.next_autograd_number()
         self.replayed += 1
         return tp.tree_unflatten(out, template.out_spec)
 

@@ -26,14 +26,14 @@ def _require(owner, name: str, where: str):
 current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
 
 
-def current_autograd_sequence_nr() -> int | None:
+def current_autograd_number() -> int | None:
     """The sequence number of the autograd Node the backward engine is running, or None."""
     node = current_autograd_node()
     return node._sequence_nr() if node is not None else None
 
 # The next autograd sequence number on this thread; a forward op that records a grad_fn takes one
 # before it redispatches below autograd, so a dispatch mode sees it already taken.
-get_sequence_nr = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
+next_autograd_number = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
 
 from torch.nn.utils import stateless as _stateless  # noqa: E402
 
@@ -89,3 +89,16 @@ tree_unflatten = _pytree.tree_unflatten
 
 # The logger FakeTensorMode writes a kernel's traceback to before re-raising it.
 FAKE_TENSOR_LOGGER = _fake_tensor.__name__
+
+from torch.utils import _python_dispatch  # noqa: E402
+
+# The dispatch-mode base class (what FlopCounterMode builds on) and its tensor-subclass test.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
+
+
+def kineto_events(prof):
+    """The raw kineto events of a finished torch.profiler.profile (memory events included), or
+    None where this torch keeps them elsewhere."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    return results.events() if results is not None else None
