@@ -31,7 +31,7 @@ from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, RECOMPUTE
 from fxacct.trace.graph_builder import INPUT, OP, NodeTrace, trace_of
-from fxacct.trace.records import TensorMeta, tensor_metas
+from fxacct.trace.records import TensorMeta, map_nested, tensor_metas
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,12 @@ class NodeCost:
 
 
 def _shape(a):
-    if isinstance(a, (torch.Tensor, TensorMeta)):
-        return tuple(a.shape)
-    if isinstance(a, fx.Node):
-        return _shape(a.meta.get("val"))
-    if isinstance(a, (list, tuple)):
-        return type(a)(_shape(x) for x in a)
-    return a
+    """Arguments with every tensor, TensorMeta or node replaced by its shape (a tuple; a tuple of
+    shapes for a multi-output node)."""
+    def one(x):
+        return _shape(x.meta.get("val")) if isinstance(x, fx.Node) else tuple(x.shape)
+
+    return map_nested(a, one, (torch.Tensor, TensorMeta, fx.Node))
 
 
 def _has_tensor_arg(node: fx.Node) -> bool:

@@ -13,7 +13,7 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.trace.records import (
     NO_NUMBERS, TAG, OpRecord, Ref, Slot, Storages, TensorMeta, TookSequenceNumbers, UnderAutogradNode,
-    itemsize,
+    itemsize, map_nested,
 )
 
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
@@ -93,12 +93,12 @@ class Recorder(tp.TorchDispatchMode):
         return ref
 
     def refs(self, a, rg: list):
-        if isinstance(a, torch.Tensor):
-            rg.append(a.requires_grad)
-            return self.ref(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.refs(x, rg) for x in a)
-        return a
+        """``a`` with each tensor replaced by its Ref; whether each required grad goes to ``rg``."""
+        def one(t: torch.Tensor) -> Ref:
+            rg.append(t.requires_grad)
+            return self.ref(t)
+
+        return map_nested(a, one, torch.Tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.records import (
-    DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers, UnderAutogradNode,
+    DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers, UnderAutogradNode, map_nested,
 )
 
 # what a node stands for
@@ -72,11 +72,7 @@ class GraphBuilder:
         return node
 
     def map_arg(self, a):
-        if isinstance(a, Ref):
-            return self.lookup(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.map_arg(x) for x in a)
-        return a
+        return map_nested(a, self.lookup, Ref)
 
     def add(self, index: int, record: OpRecord, trace: NodeTrace) -> fx.Node:
         node = tp.fx_append_node(self.graph, "call_function", record.op, self.map_arg(record.args),
