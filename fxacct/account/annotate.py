@@ -21,7 +21,7 @@ cost of the whole account.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -130,9 +130,10 @@ def annotate(graph: fx.Graph, causal_attention: str = "full") -> fx.Graph:
             else:
                 owner = fwd
         module = trace.module if owner is None or phase != BACKWARD else trace_of(owner).module
-        node.meta["fxacct"] = replace(cost, phase=phase, module=module or "", repeat=trace.repeat,
-                                      owner=owner.name if owner is not None else None,
-                                      recompute=trace.scope == RECOMPUTE)
+        node.meta["fxacct"] = NodeCost(cost.flops, cost.kind, cost.output_bytes, cost.saved_bytes,
+                                       cost.saved_by_dtype, cost.unsupported, phase, module or "",
+                                       owner.name if owner is not None else None, trace.repeat,
+                                       trace.scope == RECOMPUTE)
     return graph
 
 

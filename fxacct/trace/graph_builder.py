@@ -87,14 +87,15 @@ class GraphBuilder:
             self.placeholder(slot, "constant", meta, CONSTANT)
         seq_owner: dict[int, fx.Node] = {}
         for index, r in enumerate(records):
-            trace = NodeTrace(OP, r.phase, r.module, None, r.args_requires_grad, r.scope)
-            if isinstance(r.link, DerivedFromRecord):
-                trace = replace(trace, derived_from=self.nodes[r.link.index])
-            elif isinstance(r.link, UnderAutogradNode):
-                trace = replace(trace, derived_from=seq_owner.get(r.link.sequence_nr))
+            link, derived_from, repeat = r.link, None, 1
+            if type(link) is DerivedFromRecord:
+                derived_from = self.nodes[link.index]
+            elif type(link) is UnderAutogradNode:
+                derived_from = seq_owner.get(link.sequence_nr)
             elif r.phase == "optimizer":
-                trace = replace(trace, repeat=repeat_of(index))
-            node = self.add(index, r, trace)
+                repeat = repeat_of(index)
+            node = self.add(index, r, NodeTrace(OP, r.phase, r.module, derived_from, r.args_requires_grad,
+                                                r.scope, repeat))
             if isinstance(r.link, TookSequenceNumbers):
                 for s in r.link.numbers():
                     seq_owner[s] = node

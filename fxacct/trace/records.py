@@ -185,13 +185,19 @@ class OpRecord:
     scope: str | None  # "attention" inside SDPA's math path, "recompute" for re-run forward ops
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None)})  # leaves that are never mapped
+
+
 def map_nested(a, fn, kind):
     """``a`` with every leaf of type ``kind`` inside nested lists, tuples and dicts replaced by
     ``fn(leaf)``: the one walker over op arguments (cheaper than a pytree walk on the hot path)."""
     if isinstance(a, kind):
         return fn(a)
-    if isinstance(a, (list, tuple)):
-        return type(a)(map_nested(x, fn, kind) for x in a)
+    t = type(a)
+    if t is tuple or t is list:
+        return t([x if type(x) in _PLAIN else map_nested(x, fn, kind) for x in a])
+    if isinstance(a, (list, tuple)):  # a subclass: rebuilt through its own constructor
+        return t(map_nested(x, fn, kind) for x in a)
     if isinstance(a, dict):
         return {k: map_nested(v, fn, kind) for k, v in a.items()}
     return a

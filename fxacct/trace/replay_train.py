@@ -24,14 +24,13 @@ tests check both ways agree.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 
 import torch
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
 from fxacct.trace.records import (
-    TAG, DerivedFromRecord, Ref, Slot, TensorMeta,
+    TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta,
 )
 from fxacct.trace.replay import ForwardPatches, _Mismatch
 from fxacct.trace.replay_template import (
@@ -190,12 +189,14 @@ class TrainReplay(ForwardPatches):
         bases = (base if fwd_base is None else fwd_base, base, template.fwd_len)
         for i in range(start, stop):
             r = template.records[i]
+            link, module = r.link, r.module
             if r.phase == BACKWARD:
-                change = {"link": DerivedFromRecord(fwd_base + r.link.index) if r.link is not None else None}
+                link = DerivedFromRecord(fwd_base + link.index) if link is not None else None
             else:
-                change = {"module": fqn + r.module if not r.module.startswith("\0") else r.module[1:]}
-            rec.records.append(replace(r, args=map_to_block(r.args, refs, bases), kwargs=map_to_block(r.kwargs, refs, bases),
-                                       outputs=self._map_val(r.outputs, stores, template), **change))
+                module = fqn + module if not module.startswith("\0") else module[1:]
+            rec.records.append(OpRecord(r.op, map_to_block(r.args, refs, bases), map_to_block(r.kwargs, refs, bases),
+                                        self._map_val(r.outputs, stores, template), r.phase, module, link,
+                                        r.args_requires_grad, r.scope))
             self.storages.clock = len(rec.records) - 1
         return base
 
