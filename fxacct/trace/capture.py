@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxacct.trace import torch_private as tp
-from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
+from fxacct.errors import FxacctError, ModelError, classify, describe_exception
 from fxacct.trace.loss import training_loss
 from fxacct.trace.optim_step import step_once
 from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases and the recorder)
@@ -293,7 +293,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
             storages.open = False  # what is still alive now lives to the end of the step
         if isinstance(replay, TrainReplay):
             replay.finish()
-    except (UsageError, ModelError):
+    except FxacctError:
         raise
     except (tp.DataDependentOutputException, tp.DynamicOutputShapeException) as e:
         raise ModelError(
@@ -304,7 +304,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, dtype: torch.d
     except tp.UnsupportedOperatorException as e:
         raise ModelError(f"an op has no fake-tensor implementation ({e}); fxacct cannot trace it") from e
     except Exception as e:
-        raise ModelError(f"the model's {recorder.phase} raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+        raise classify(e, f"the model's {recorder.phase}") from e
     finally:
         storages.open = False
         for m, flag in was_training.items():
