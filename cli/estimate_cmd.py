@@ -21,6 +21,12 @@ from fxacct_cli.options import (AMP, DEBUG, GPU_HELP, MASTER_WEIGHTS, MFU, OPTIM
 
 FORMAT = format_option("table", "json")
 WORLD_SIZE = world_size_option("--gpus")  # --gpus: the same flag, as the calculators speak of GPUs
+PARAMS = click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9.")
+
+
+def tokens_option(required: bool):
+    return click.option("--tokens", required=required, default=None, metavar="D",
+                        help="Training tokens D of 6·N·D, e.g. 15e12.")
 
 
 def _emit(result, fmt, output, render, to_doc) -> None:
@@ -34,10 +40,10 @@ def estimate_group():
 
 
 @estimate_group.command("train-time")
-@click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9.")
+@PARAMS
 @click.option("--from", "from_file", default=None, metavar="PROFILE.json",
               help="Use this profile's own FLOPs per token (forward + backward, matmul + attention) instead of 6·N.")
-@click.option("--tokens", required=True, metavar="D", help="Training tokens D, e.g. 15e12.")
+@tokens_option(required=True)
 @click.option("--gpu", required=True, help=f"{GPU_HELP} whose peak FLOP/s is used.")
 @MFU
 @click.option("--dtype", default=None,
@@ -102,8 +108,8 @@ def _mm(text: str) -> tuple[int, int, int]:
 
 @estimate_group.command("flops")
 @click.option("--mm", default=None, metavar="MxNxP", help="(M×N)@(N×P) matmul: 2·M·N·P FLOPs.")
-@click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D.")
-@click.option("--tokens", default=None, metavar="D", help="Tokens D of 6·N·D.")
+@PARAMS
+@tokens_option(required=False)
 @FORMAT
 @OUTPUT
 @DEBUG

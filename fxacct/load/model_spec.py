@@ -106,7 +106,7 @@ def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
             raise UsageError(f"{name}() does not take these arguments ({e}); check -k/--kwargs") from None
     try:
         with torch.device("meta"):
-            model = construct(obj, kwargs)
+            model = call_user(obj, **kwargs)
     except FxacctError:
         raise
     except Exception as e:
@@ -118,7 +118,7 @@ def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
 
 
 @calls_user_code
-def construct(fn, kwargs: dict, *args):
+def call_user(fn, /, *args, **kwargs):
     """``fn(*args, **kwargs)`` for the user's class, factory or example_inputs: what it raises is
     the user's even when fn is torch's own (an nn.Linear named in the model file)."""
     return fn(*args, **kwargs)
@@ -133,7 +133,7 @@ def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch
         return None
     try:
         with torch.device(device):
-            value = construct(fn, {}, batch)
+            value = call_user(fn, batch)
     except FxacctError:
         raise
     except Exception as e:

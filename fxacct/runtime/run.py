@@ -117,7 +117,7 @@ def build_model(config: Config, device: torch.device):
     torch.manual_seed(SEED)
     try:
         with torch.device(device):
-            model = loading.construct(obj, dict(config.kwargs))
+            model = loading.call_user(obj, **dict(config.kwargs))
     except torch.cuda.OutOfMemoryError as e:
         raise ModelError(f"out of memory building {name} on {device} ({first_line(e)}); "
                          "use a smaller model or free the device") from e
