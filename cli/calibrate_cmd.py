@@ -6,11 +6,12 @@ from __future__ import annotations
 import click
 
 from fxacct_cli.main import cli
+from fxacct_cli.options import DEBUG
 
 
 @cli.command("calibrate")
 @click.option("--device", default="cpu", show_default=True, help="cpu, or cuda for the local GPU.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@DEBUG
 def calibrate_command(device, debug):
     """Measure the local device's achievable matmul FLOP/s per dtype and its memory bandwidth
     (a few seconds) and store them in the user cache dir ($FXACCT_CACHE_DIR, else
@@ -21,7 +22,9 @@ def calibrate_command(device, debug):
       fxacct calibrate --device cpu
       fxacct calibrate --device cuda
 
-    Exit codes: 0 success, 2 usage error (e.g. --device cuda without CUDA).
+    \b
+    Exit codes: 0 success; 2 usage error (e.g. --device cuda without CUDA); 4 an internal error
+    of fxacct.
     """
     from fxacct.predict import calibrate
     from fxacct.report.calibrate_text import render_calibration

@@ -12,6 +12,7 @@ from fxacct.tools.diff import diff
 from fxacct.load.profile_file import read_profile, same_schema
 from fxacct.report.diff_text import diff_document, render_diff
 from fxacct_cli.main import cli, write_output
+from fxacct_cli.options import DEBUG, OUTPUT, format_option
 
 
 @cli.command("diff")
@@ -22,9 +23,9 @@ from fxacct_cli.main import cli, write_output
                    "KEY: any totals key (dotted for nested ones), or flops = forward + backward. Repeatable.")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="How many changed modules to list.")
-@click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True)
-@click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@format_option("table", "json")
+@OUTPUT
+@DEBUG
 def diff_command(old, new, max_increase, top, fmt, output, debug):
     """Compare two `fxacct profile --format json` files of the same schema version.
 
@@ -33,7 +34,9 @@ def diff_command(old, new, max_increase, top, fmt, output, debug):
       fxacct diff baseline.json new.json
       fxacct diff baseline.json new.json --max-increase flops=5% --max-increase peak_train_bytes=2%
 
-    Exit codes: 0 every budget holds, 1 a budget is over, 2 usage error.
+    \b
+    Exit codes: 0 every budget holds; 1 a budget is over; 2 usage error (a missing or malformed
+    file, different schema versions); 4 an internal error of fxacct.
     """
     a, b = read_profile(old), read_profile(new)
     same_schema(a, b, old, new)

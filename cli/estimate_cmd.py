@@ -10,24 +10,23 @@ import click
 
 from fxacct.tools import estimate
 from fxacct.load.config import Config
-from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.trace.optim_step import parse_optim_arg
 from fxacct.load.profile_file import read_profile
-from fxacct.load.quantities import DEFAULT_MFU, parse_count
+from fxacct.load.quantities import parse_count
 from fxacct.report import estimate_text
-from fxacct.units import parse_bytes
 from fxacct_cli.main import cli, write_output
+from fxacct_cli.options import (AMP, DEBUG, GPU_HELP, MASTER_WEIGHTS, MFU, OPTIM_ARG, OPTIMIZER, OUTPUT, SHARD,
+                                count_or_none, dtype_or_none, format_option, max_memory_option, optim_args,
+                                world_size_option)
 
-FORMAT = click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True)
-OUTPUT = click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
-DEBUG = click.option("--debug", is_flag=True, help="Show tracebacks.")
-WORLD_SIZE = click.option("--world-size", "--gpus", "world_size", type=int, default=1, show_default=True,
-                          help="GPUs (data-parallel ranks); --gpus is the same flag.")
+FORMAT = format_option("table", "json")
+WORLD_SIZE = world_size_option("--gpus")  # --gpus: the same flag, as the calculators speak of GPUs
+PARAMS = click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9.")
 
 
-def _count(text, flag):
-    return parse_count(text, flag) if text is not None else None
+def tokens_option(required: bool):
+    return click.option("--tokens", required=required, default=None, metavar="D",
+                        help="Training tokens D of 6·N·D, e.g. 15e12.")
 
 
 def _emit(result, fmt, output, render, to_doc) -> None:
@@ -41,13 +40,12 @@ def estimate_group():
 
 
 @estimate_group.command("train-time")
-@click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9.")
+@PARAMS
 @click.option("--from", "from_file", default=None, metavar="PROFILE.json",
               help="Use this profile's own FLOPs per token (forward + backward, matmul + attention) instead of 6·N.")
-@click.option("--tokens", required=True, metavar="D", help="Training tokens D, e.g. 15e12.")
-@click.option("--gpu", required=True, help="GPU whose peak FLOP/s is used (h100, h100-pcie, h200, a100, a100-40gb).")
-@click.option("--mfu", type=float, default=DEFAULT_MFU,
-              show_default=True, help="Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1].")
+@tokens_option(required=True)
+@click.option("--gpu", required=True, help=f"{GPU_HELP} whose peak FLOP/s is used.")
+@MFU
 @click.option("--dtype", default=None,
               help="Matmul precision whose peak is used (default bf16, as the seeds; with --from, the profile's --amp or --dtype).")
 @WORLD_SIZE
@@ -66,22 +64,21 @@ def train_time_command(params, from_file, tokens, gpu, mfu, dtype, world_size, f
         raise UsageError("give --params N or --from PROFILE.json, not both")
     result = estimate.train_time(
         tokens=parse_count(tokens, "--tokens"), gpu=gpu, mfu=mfu, world_size=world_size,
-        params=_count(params, "--params"), profile_doc=read_profile(from_file) if from_file else None,
-        peak_dtype=parse_dtype(dtype) if dtype is not None else None)
+        params=count_or_none(params, "--params"), profile_doc=read_profile(from_file) if from_file else None,
+        peak_dtype=dtype_or_none(dtype))
     _emit(result, fmt, output, estimate_text.render_train_time, estimate_text.train_time_document)
 
 
 @estimate_group.command("max-params")
-@click.option("--gpu", default=None, help="GPU whose nominal memory (marketed GB × 1e9: 80e9 for an H100) is the budget.")
-@click.option("--max-memory", default=None, metavar="SIZE", help="Per-GPU memory instead of --gpu's, e.g. 80GB or 79.6GiB.")
-@click.option("--optimizer", default="adamw", show_default=True,
-              help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name.")
-@click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
-              help="Optimizer option such as momentum=0.9; repeatable.")
+@click.option("--gpu", default=None,
+              help=f"{GPU_HELP} whose nominal memory (marketed GB × 1e9: 80e9 for an H100) is the budget.")
+@max_memory_option("Per-GPU memory instead of --gpu's, e.g. 80GB or 79.6GiB (GB = 1e9 B, GiB = 2^30 B).")
+@OPTIMIZER
+@OPTIM_ARG
 @click.option("--dtype", default=None, help="Parameter (and gradient) dtype: fp32 (default), bf16, fp16, fp8.")
-@click.option("--amp", default=None, help="Autocast dtype (bf16, fp16): fp32 parameters and gradients.")
-@click.option("--master-weights", is_flag=True, help="With --dtype bf16/fp16: fp32 master copies the optimizer steps.")
-@click.option("--shard", default="none", show_default=True, help="none, zero1, zero2, zero3, fsdp.")
+@AMP
+@MASTER_WEIGHTS
+@SHARD
 @WORLD_SIZE
 @FORMAT
 @OUTPUT
@@ -96,17 +93,9 @@ def max_params_command(gpu, max_memory, optimizer, optim_items, dtype, amp, mast
       fxacct estimate max-params --world-size 8 --shard zero3 --gpu h100 --optimizer adamw --dtype fp32
       fxacct estimate max-params --gpu h100 --dtype bf16 --master-weights
     """
-    config = Config(optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
-                    dtype=parse_dtype(dtype) if dtype is not None else None,
-                    amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights,
-                    world_size=world_size, shard=shard)
-    capacity = None
-    if max_memory is not None:
-        try:
-            capacity = parse_bytes(max_memory)
-        except ValueError as e:
-            raise UsageError(f"--max-memory: {e}") from None
-    result = estimate.max_params(config, gpu=gpu, capacity_bytes=capacity)
+    config = Config(optimizer=optimizer, optim_args=optim_args(optim_items), dtype=dtype_or_none(dtype),
+                    amp=dtype_or_none(amp), master_weights=master_weights, world_size=world_size, shard=shard)
+    result = estimate.max_params(config, gpu=gpu, capacity_bytes=max_memory)
     _emit(result, fmt, output, estimate_text.render_max_params, estimate_text.max_params_document)
 
 
@@ -119,8 +108,8 @@ def _mm(text: str) -> tuple[int, int, int]:
 
 @estimate_group.command("flops")
 @click.option("--mm", default=None, metavar="MxNxP", help="(M×N)@(N×P) matmul: 2·M·N·P FLOPs.")
-@click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D.")
-@click.option("--tokens", default=None, metavar="D", help="Tokens D of 6·N·D.")
+@PARAMS
+@tokens_option(required=False)
 @FORMAT
 @OUTPUT
 @DEBUG

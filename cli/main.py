@@ -7,18 +7,20 @@ failed; 4 an internal error of fxacct (a bug to report). Every error is one line
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import traceback
-from pathlib import Path
 
 import click
 
-from fxacct.errors import FxacctError, UsageError
+from fxacct.errors import FxacctError, internal_error
+from fxacct.report.files import write_text
 
-FORMATS = ("table", "json", "csv", "markdown")
-INTERNAL_ERROR = 4  # an fxacct bug: CI must not read it as "over budget" (1) or "usage" (2)
+
+def _fail(e: FxacctError, debug: bool):
+    if debug:
+        traceback.print_exc()
+    click.echo(f"error: {e}", err=True)
+    sys.exit(e.exit_code)
 
 
 class FxacctGroup(click.Group):
@@ -45,45 +47,29 @@ class FxacctGroup(click.Group):
             click.echo("error: interrupted", err=True)
             sys.exit(130)
         except FxacctError as e:
-            if debug:
-                traceback.print_exc()
-            click.echo(f"error: {e}", err=True)
-            sys.exit(e.exit_code)
-        except Exception as e:  # a bug in fxacct: its own exit code, never a budget's 1 nor usage's 2
-            if debug:
-                traceback.print_exc()
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            click.echo(f"error: internal error {type(e).__name__}: {first} (rerun with --debug and report it)",
-                       err=True)
-            sys.exit(INTERNAL_ERROR)
+            _fail(e, debug)
+        except Exception as e:  # a bug in fxacct: exit 4, never a budget's 1 nor usage's 2
+            _fail(internal_error(e), debug)
 
 
 @click.group(cls=FxacctGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fxacct", prog_name="fxacct")
 def cli():
     """What one training step of a PyTorch model costs: FLOPs, bytes and time, node by node,
-    computed on fake tensors (no weights are allocated)."""
+    computed on fake tensors (no weights are allocated).
+
+    \b
+    Exit codes: 0 success, 1 a budget failed (check, diff), 2 usage error, 3 the model failed,
+    4 an internal error of fxacct (rerun with --debug and report it).
+    """
 
 
 def write_output(text: str, path: str | None) -> None:
-    """Print, or write atomically: a temporary file beside the target, then rename over it."""
+    """Print to stdout (no path, or '-'), or write the file atomically (fxacct.report.files)."""
     if path is None or path == "-":
         click.echo(text, nl=False)
         return
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {target / 'profile.json'}")
-    if not target.parent.exists():
-        raise UsageError(f"cannot write {path}: directory {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text(path, text)
     click.echo(f"wrote {path}", err=True)
 
 
@@ -98,4 +84,4 @@ def main() -> None:
     cli()
 
 
-__all__ = ["cli", "main", "write_output", "FORMATS"]
+__all__ = ["cli", "main", "write_output"]

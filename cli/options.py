@@ -1,5 +1,6 @@
-"""Options shared by every command that loads a model, defined once, and their conversion
-to a Config."""
+"""Every option more than one command takes, defined once (help, type, default), and the
+conversion of the model options to a Config. Defaults come from the library (Config,
+RuntimeOptions, DEFAULT_MFU), so each is stated in one place."""
 
 from __future__ import annotations
 
@@ -7,19 +8,82 @@ import json
 
 import click
 
-from fxacct.load.config import CAUSAL_CONVENTIONS, Config
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
+from fxacct.load.config import CAUSAL_CONVENTIONS, Config
 from fxacct.load.inputs import parse_input_spec
 from fxacct.load.model_spec import parse_kwarg
+from fxacct.load.quantities import DEFAULT_MFU, parse_count
+from fxacct.report.files import check_writable
 from fxacct.trace.optim_step import parse_optim_arg
+from fxacct.units import parse_bytes
+
+DEFAULTS = Config()
+FORMATS = ("table", "json", "csv", "markdown")
+
+
+def format_option(*choices: str):
+    return click.option("--format", "fmt", type=click.Choice(choices or FORMATS), default="table",
+                        show_default=True, help="Output format.")
+
+
+def _writable(ctx, param, value):
+    if value is not None and value != "-":
+        check_writable(value)  # fail before the work, not after it
+    return value
+
+
+def file_option(*decls: str, metavar: str = "FILE", help: str):
+    """An output file checked for writability when the flags are read ('-' is stdout)."""
+    return click.option(*decls, default=None, metavar=metavar, callback=_writable, help=help)
+
+
+def _size(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        size = parse_bytes(value)
+    except ValueError as e:
+        raise UsageError(f"--max-memory: {e}") from None
+    if size <= 0:
+        raise UsageError(f"--max-memory must be positive, got {value}")
+    return size
+
+
+def max_memory_option(help: str):
+    """--max-memory SIZE, parsed to bytes (GB = 1e9 B, GiB = 2^30 B)."""
+    return click.option("--max-memory", default=None, metavar="SIZE", callback=_size, help=help)
+
+
+def world_size_option(*aliases: str):
+    return click.option("--world-size", *aliases, "world_size", type=int, default=DEFAULTS.world_size,
+                        show_default=True, help="Data-parallel ranks (GPUs).")
+
+
+OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead of stdout; '-' is stdout.")
+DEBUG = click.option("--debug", is_flag=True, help="Show tracebacks.")
+MFU = click.option("--mfu", type=float, default=DEFAULT_MFU, show_default=True,
+                   help="Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1].")
+GPU_HELP = "Target GPU (h100, h100-pcie, h200, a100, a100-40gb)"
+GPU = click.option("--gpu", default=None, help=f"{GPU_HELP}: CUDA kernel rules, capacity, peak FLOP/s.")
+DTYPE = click.option("--dtype", "dtype", default=None,
+                     help="Cast parameters, buffers and floating inputs: fp32, bf16, fp16, fp8 or a torch name.")
+AMP = click.option("--amp", default=None,
+                   help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations.")
+MASTER_WEIGHTS = click.option("--master-weights", is_flag=True,
+                              help="With --dtype bf16/fp16: the optimizer steps fp32 master copies.")
+OPTIMIZER = click.option("--optimizer", default=DEFAULTS.optimizer, show_default=True,
+                         help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name.")
+OPTIM_ARG = click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
+                         help="Optimizer option such as momentum=0.9 or betas=(0.9,0.95); repeatable.")
+SHARD = click.option("--shard", default=DEFAULTS.shard, show_default=True,
+                     help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp.")
 
 MODEL_OPTIONS = (
     click.argument("target", metavar="PATH.py:NAME"),
-    click.option("-b", "--batch", type=int, default=1, show_default=True,
+    click.option("-b", "--batch", type=int, default=DEFAULTS.batch, show_default=True,
                  help="Per-rank micro-batch; B in --input specs."),
-    click.option("--dtype", "dtype", default=None,
-                 help="Cast parameters, buffers and floating inputs: fp32, bf16, fp16, fp8 or a torch name."),
+    DTYPE,
     click.option("--kwargs", "kwargs_json", default=None, help="Constructor arguments as a JSON object."),
     click.option("-k", "--kwarg", "kwarg_items", multiple=True, metavar="NAME=VALUE",
                  help="One constructor argument (a Python literal, else a string); repeatable."),
@@ -28,28 +92,18 @@ MODEL_OPTIONS = (
     click.option("--input-requires-grad", is_flag=True, help="Inputs need gradients (adds dInput to backward)."),
     click.option("--loss-output", type=int, default=None,
                  help="Index of the floating-point output that is the loss (default: sum of all)."),
-    click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default="full", show_default=True,
-                 help="Count causal attention kernels in full or halved."),
+    click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default=DEFAULTS.causal_attention,
+                 show_default=True, help="Count causal attention kernels in full or halved."),
     click.option("--count-recompute", is_flag=True,
                  help="Count the ops activation checkpointing re-runs in the backward (hardware FLOPs)."),
     click.option("--tokens-per-example", type=int, default=None,
                  help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
-    click.option("--optimizer", default="adamw", show_default=True,
-                 help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name."),
-    click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
-                 help="Optimizer option such as momentum=0.9 or betas=(0.9,0.95); repeatable."),
-    click.option("--amp", default=None, help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations."),
-    click.option("--master-weights", is_flag=True,
-                 help="With --dtype bf16/fp16: the optimizer steps fp32 master copies."),
-    click.option("--gpu", default=None, help="Target GPU (h100, h100-pcie, h200, a100, a100-40gb): CUDA kernel rules, fit."),
-    click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks."),
-    click.option("--shard", default="none", show_default=True,
-                 help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp."),
+    OPTIMIZER, OPTIM_ARG, AMP, MASTER_WEIGHTS, GPU, world_size_option(), SHARD,
     click.option("--no-max-batch", "no_max_batch", is_flag=True,
                  help="With --gpu: skip the search for the largest batch that fits (it costs a few traces)."),
     click.option("--no-dedup", "no_dedup", is_flag=True,
                  help="Trace every repeated block instead of replaying proven-identical ones."),
-    click.option("--debug", is_flag=True, help="Show tracebacks."),
+    DEBUG,
 )
 
 
@@ -59,9 +113,20 @@ def model_options(fn):
     return fn
 
 
-def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
-              causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
-              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False, **_) -> Config:
+def count_or_none(text: str | None, flag: str) -> int | None:
+    """'7e9', '7B' -> 7000000000 (fxacct.load.quantities), None when the flag was not given."""
+    return parse_count(text, flag) if text is not None else None
+
+
+def dtype_or_none(text: str | None):
+    return parse_dtype(text) if text is not None else None
+
+
+def optim_args(items) -> dict:
+    return dict(parse_optim_arg(i) for i in items)
+
+
+def _kwargs(kwargs_json: str | None, kwarg_items) -> dict:
     kwargs = {}
     if kwargs_json is not None:
         try:
@@ -71,16 +136,23 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         if not isinstance(kwargs, dict):
             raise UsageError("--kwargs must be a JSON object such as '{\"d\": 512}'")
     kwargs.update(parse_kwarg(item) for item in kwarg_items)
+    return kwargs
+
+
+def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
+              causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
+              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False, **_) -> Config:
     return Config(
-        target=target, batch=batch, kwargs=kwargs,
+        target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
         inputs=tuple(parse_input_spec(s) for s in input_specs),
-        dtype=parse_dtype(dtype) if dtype is not None else None, input_requires_grad=input_requires_grad,
+        dtype=dtype_or_none(dtype), input_requires_grad=input_requires_grad,
         loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
-        optimizer=optimizer, optim_args=dict(parse_optim_arg(i) for i in optim_items),
-        amp=parse_dtype(amp) if amp is not None else None, master_weights=master_weights, gpu=gpu,
-        world_size=world_size, shard=shard, dedup=not no_dedup, find_max_batch=not no_max_batch,
-        count_recompute=count_recompute,
+        optimizer=optimizer, optim_args=optim_args(optim_items), amp=dtype_or_none(amp),
+        master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
+        find_max_batch=not no_max_batch, count_recompute=count_recompute,
     )
 
 
-__all__ = ["model_options", "to_config"]
+__all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
+           "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
+           "SHARD", "model_options", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

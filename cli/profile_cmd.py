@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 
@@ -9,11 +10,16 @@ import click
 
 import fxacct
 from fxacct.errors import UsageError
-import fxacct.predict.roofline
+from fxacct.predict.roofline import predict_profile
 from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
-from fxacct_cli.main import FORMATS, cli, write_output
-from fxacct_cli.options import model_options, to_config
+from fxacct.runtime import RuntimeOptions
+from fxacct_cli.main import cli, write_output
+from fxacct_cli.options import FORMATS, OUTPUT, file_option, format_option, model_options, to_config
+
+
+def _default(fn, name: str):
+    return inspect.signature(fn).parameters[name].default
 
 
 def _check_layout_flags(fmt: str, by, depth, top) -> None:
@@ -28,26 +34,39 @@ def _check_layout_flags(fmt: str, by, depth, top) -> None:
                              f"{'module' if flag == '--depth' else 'node'}: drop {flag}")
 
 
+def _runtime_options(runtime: bool, trace, **given) -> RuntimeOptions | None:
+    """The RuntimeOptions of the flags given (the library's defaults for the rest), or None
+    without --runtime, where any of them is refused rather than ignored."""
+    given = {k: v for k, v in given.items() if v is not None and v is not False}
+    if not runtime:
+        flags = [f"--{k}" for k in given] + (["--trace"] if trace is not None else [])
+        if flags:
+            raise UsageError(f"{', '.join(flags)} take(s) effect with --runtime: add --runtime")
+        return None
+    return RuntimeOptions(**given, keep_trace=trace is not None)
+
+
 @cli.command("profile")
 @model_options
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
+@format_option(*FORMATS)
 @click.option("--by", type=click.Choice(("node", "module")), default=None,
-              help="Rows of the csv/markdown table.")
+              help=f"Rows of the csv/markdown table (default {_default(render_rows, 'by')}).")
 @click.option("--depth", type=click.IntRange(min=0), default=None,
-              help="Module nesting depth shown in the table.")
+              help=f"Module nesting depth shown in the table (default {_default(render_profile_text, 'depth')}).")
 @click.option("--top", type=click.IntRange(min=0), default=None,
-              help="How many nodes, by FLOPs, the table lists.")
-@click.option("-o", "--output", default=None, metavar="FILE", help="Write to FILE (atomically) instead of stdout.")
-@click.option("--plot", default=None, metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib).")
+              help=f"How many nodes, by FLOPs, the table lists (default {_default(render_profile_text, 'top')}).")
+@OUTPUT
+@file_option("--plot", metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib).")
 @click.option("--runtime", is_flag=True,
               help="Also run the real model under torch.profiler and compare measured with predicted.")
-@click.option("--device", default=None, help="Where --runtime runs: auto (CUDA if present), cpu, cuda, cuda:N.")
-@click.option("--steps", type=int, default=None, help="--runtime: timed steps (default 10).")
-@click.option("--warmup", type=int, default=None, help="--runtime: warm-up steps before them (default 3).")
+@click.option("--device", default=None,
+              help=f"Where --runtime runs: auto (CUDA if present), cpu, cuda, cuda:N (default {RuntimeOptions.device}).")
+@click.option("--steps", type=int, default=None, help=f"--runtime: timed steps (default {RuntimeOptions.steps}).")
+@click.option("--warmup", type=int, default=None,
+              help=f"--runtime: warm-up steps before them (default {RuntimeOptions.warmup}).")
 @click.option("--inference", is_flag=True, help="--runtime: time forward passes under eval() and no_grad().")
 @click.option("--force", is_flag=True, help="--runtime: run even if the predicted peak exceeds free memory.")
-@click.option("--trace", default=None, metavar="FILE.json",
-              help="--runtime: write a Chrome/Perfetto trace, measured beside predicted.")
+@file_option("--trace", metavar="FILE.json", help="--runtime: write a Chrome/Perfetto trace, measured beside predicted.")
 def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, warmup, inference, force, trace,
                     **options):
     """Profile PATH.py:NAME (an nn.Module class or factory) on fake tensors.
@@ -58,27 +77,34 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
       fxacct profile examples/gpt2.py:GPT --batch 8 --amp bf16 --gpu h100 --world-size 8 --shard zero3
       fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json
 
-    Exit codes: 0 success, 1 not enough free memory for --runtime, 2 usage error, 3 the model
-    failed, 4 an internal error.
+    \b
+    Exit codes: 0 success; 2 usage error (also an unwritable -o FILE); 3 the model failed (its
+    constructor or forward raised, or --runtime refused because the predicted peak exceeds the
+    free memory); 4 an internal error of fxacct; 130 interrupted.
     """
     _check_layout_flags(fmt, by, depth, top)
-    by, depth, top = by or "node", 2 if depth is None else depth, 10 if top is None else top
     config = to_config(**options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
 
         require_matplotlib()
-    run = None
-    if runtime:
-        run = _run_runtime(config, device, steps, warmup, inference, force, trace)
+    run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
+                                   inference=inference, force=force)
+    if run_options is not None:
+        run = _run_runtime(config, run_options)
         result, prediction = run.profile, run.prediction
     else:
-        given = [f for f, v in (("--device", device), ("--steps", steps), ("--warmup", warmup),
-                                ("--inference", inference), ("--force", force), ("--trace", trace)) if v]
-        if given:
-            raise fxacct.UsageError(f"{', '.join(given)} take(s) effect with --runtime: add --runtime")
-        result = fxacct.profile(config)
-        prediction = fxacct.predict.roofline.predict_profile(result)
+        run, result = None, fxacct.profile(config)
+        prediction = predict_profile(result)
+    layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
+    _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace)
+    if run is not None and run.measured.interrupted:
+        click.echo(f"error: interrupted after {run.measured.steps} of {run.measured.steps_requested} timed steps; "
+                   "the report shows what was measured", err=True)
+        sys.exit(130)
+
+
+def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace) -> None:
     if plot is not None:
         from fxacct.report.plot import plot_memory
 
@@ -87,27 +113,20 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
     if fmt == "json":
         text = json.dumps(document(result, prediction, run), indent=2) + "\n"
     elif fmt in ("csv", "markdown"):
-        text = render_rows(result, fmt, by)
+        text = render_rows(result, fmt, **({"by": by} if by is not None else {}))
     else:
-        text = render_profile_text(result, depth=depth, top=top, prediction=prediction, runtime=run)
+        text = render_profile_text(result, prediction=prediction, runtime=run, **layout)
     write_output(text, output)
     if run is not None and trace is not None:
         from fxacct.report.trace import trace_document
 
         write_output(json.dumps(trace_document(run.measured.trace_events, run.prediction)) + "\n", trace)
-    if run is not None and run.measured.interrupted:
-        click.echo(f"error: interrupted after {run.measured.steps} of {run.measured.steps_requested} timed steps; "
-                   "the report shows what was measured", err=True)
-        sys.exit(130)
 
 
-def _run_runtime(config, device, steps, warmup, inference, force, trace):
+def _run_runtime(config, options: RuntimeOptions):
     """fxacct.runtime.run with a progress bar over warm-up and timed steps on stderr."""
-    from fxacct.runtime import RuntimeOptions, run
+    from fxacct.runtime import run
 
-    options = RuntimeOptions(device=device or "auto", steps=10 if steps is None else steps,
-                             warmup=3 if warmup is None else warmup, inference=inference, force=force,
-                             keep_trace=trace is not None)
     bar = None
 
     def progress(stage: str, done: int, total: int) -> None:

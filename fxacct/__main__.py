@@ -1,5 +1,6 @@
-"""`python -m fxacct` is the `fxacct` command."""
+"""`python -m fxacct` is the `fxacct` command: it runs the CLI package's own __main__ (the
+library never imports its CLI)."""
 
-from fxacct_cli.main import main
+import runpy
 
-main()
+runpy.run_module("fxacct_cli", run_name="__main__", alter_sys=True)

@@ -561,15 +561,6 @@ def test_real_process_prints_one_error_line(args, code):
     assert len(lines) == 1 and lines[0].startswith("error:"), msg
 
 
-def test_bare_assert_in_the_constructor_names_the_failing_line():
-    # `assert n_embd % n_head == 0` with 30 % 4 != 0 has no message: "raised AssertionError:
-    # AssertionError" tells the user nothing. The line should point at the model file and line
-    # (bare_assert.py:10) or quote the failed condition.
-    line = assert_one_line_error(invoke("profile", f"{MODELS}/bare_assert.py:BareAssert", "-k", "n_embd=30"),
-                                 3, "BareAssert", "AssertionError")
-    assert "bare_assert.py:10" in line or "n_embd % n_head == 0" in line, line
-
-
 @pytest.mark.parametrize("args, fragments", [
     # forward(x) has no parameter y: the --input spec does not match the model (a usage error, exit 2),
     # and the line should name forward's parameters so the user can fix the spec.
@@ -579,3 +570,149 @@ def test_bare_assert_in_the_constructor_names_the_failing_line():
 ], ids=["input-unknown-keyword", "input-too-many"])
 def test_inputs_that_do_not_match_forward_are_usage_errors(args, fragments):
     assert_one_line_error(invoke("profile", *args), 2, *fragments)
+
+
+# --------------------------------------------------------------------------------------------------
+# Whose code raised: the user's (exit 3, naming file:line and the statement) or fxacct's (exit 4)
+# --------------------------------------------------------------------------------------------------
+
+def line_of(path: Path, text: str) -> int:
+    """The 1-based number of the only line of ``path`` that is the statement ``text``."""
+    found = [i for i, line in enumerate(path.read_text().splitlines(), 1) if line.split("#")[0].strip() == text]
+    assert len(found) == 1, (path, text, found)
+    return found[0]
+
+
+@pytest.mark.parametrize("target, kwargs, statement", [
+    # tests/models/bare_assert.py: `assert n_embd % n_head == 0` with 30 % 4 = 2
+    (ROOT / MODELS / "bare_assert.py", ["-k", "n_embd=30"], "assert n_embd % n_head == 0"),
+    # nanoGPT's own: n_embd=30 with the default n_head=4
+    (ROOT / "examples" / "gpt2.py", ["-k", "n_embd=30"], "assert n_embd % n_head == 0"),
+], ids=["fixture", "gpt2"])
+def test_bare_assert_in_the_constructor_names_the_failing_line(target, kwargs, statement):
+    # A bare assert has no message: "raised AssertionError" alone tells the user nothing. The line
+    # names the file, the line and the failed condition.
+    name = {"bare_assert.py": "BareAssert", "gpt2.py": "GPT"}[target.name]
+    line = assert_one_line_error(invoke("profile", f"{target}:{name}", *kwargs), 3, name, "AssertionError")
+    assert f"{target.name}:{line_of(target, statement)}: {statement}" in line, line
+
+
+def test_forward_raising_in_the_users_file_names_file_line_and_statement():
+    target = ROOT / MODELS / "forward_raises.py"
+    statement = 'raise RuntimeError("forward is broken on purpose")'
+    line = assert_one_line_error(invoke("profile", f"{target}:ForwardRaises"), 3, "forward is broken on purpose")
+    assert f"forward_raises.py:{line_of(target, statement)}: {statement}" in line, line
+
+
+@pytest.mark.parametrize("args, fragments", [
+    # nn.Sequential(Linear(3, 4), ...) fed 5 features: the error is raised inside torch's Linear,
+    # reached from fxacct's call of the model, with no frame of the model file in between
+    (["make_sequential"], ["the model's forward", "torch/nn/modules/linear.py", "F.linear"]),
+    # `Linear = nn.Linear` in the model file, built with in_features=-1: torch's constructor raises
+    (["Linear", "-k", "in_features=-1", "-k", "out_features=2"], ["Linear(in_features=-1", "negative dimension"]),
+], ids=["sequential-shape", "torch-constructor"])
+def test_a_model_made_of_torch_modules_fails_as_the_model(args, fragments):
+    target = f"{ROOT / MODELS / 'torch_only.py'}:{args[0]}"
+    assert_one_line_error(invoke("profile", target, *args[1:]), 3, *fragments)
+
+
+def test_a_bug_in_fxacct_during_the_trace_is_an_internal_error(monkeypatch):
+    # A KeyError raised by fxacct's own recorder while it traces the backward: the model is fine
+    # (examples/two_layer.py profiles cleanly), so this is fxacct's bug, exit 4, never "the model's
+    # backward raised KeyError" (exit 3). dict.popitem on an empty dict raises KeyError from C, so
+    # the innermost Python frame is fxacct's own __torch_dispatch__.
+    from fxacct.trace import torch_private
+
+    monkeypatch.setattr(torch_private, "current_autograd_number", {}.popitem)
+    line = assert_one_line_error(invoke("profile", f"{ROOT}/examples/two_layer.py:TwoLayer"), 4,
+                                 "internal error", "KeyError", "--debug")
+    assert "dispatch_recorder.py" in line and "during the model's backward" in line, line
+    assert "raised" not in line, line
+
+
+def test_a_bug_in_a_cost_formula_is_an_internal_error(monkeypatch):
+    from fxacct.account import annotate
+    from fxacct.costs.registry import OpInfo
+
+    def broken_formula(*args, **kwargs):
+        return {}["no such key"]
+
+    monkeypatch.setattr(annotate, "lookup", lambda op: OpInfo(broken_formula))
+    assert_one_line_error(invoke("profile", f"{ROOT}/examples/two_layer.py:TwoLayer"), 4,
+                          "internal error", "'no such key'", "--debug")
+
+
+def test_the_real_run_failing_in_the_users_file_is_a_model_error():
+    # traces on fake tensors, raises on real ones: the failure comes from the runtime path
+    target = ROOT / MODELS / "runtime_raises.py"
+    statement = 'raise ValueError("real tensors are refused on purpose")'
+    line = assert_one_line_error(invoke("profile", f"{target}:RuntimeRaises", "--runtime", "--device", "cpu",
+                                        "--steps", "1", "--warmup", "0"), 3, "the real run", "ValueError")
+    assert f"runtime_raises.py:{line_of(target, statement)}: {statement}" in line, line
+
+
+def test_the_memory_refusal_exits_as_the_help_says(monkeypatch):
+    from fxacct.runtime import setup
+
+    monkeypatch.setattr(setup, "free_bytes", lambda device: 1)  # one free byte: any model is refused
+    result = invoke("profile", f"{ROOT}/examples/two_layer.py:TwoLayer", "--runtime", "--device", "cpu")
+    assert_one_line_error(result, 3, "exceeds the free memory", "--force")
+    help_text = " ".join(invoke("profile", "--help").stdout.split())
+    assert "3 the model failed (its constructor or forward raised, or --runtime refused" in help_text, help_text
+
+
+# --------------------------------------------------------------------------------------------------
+# Output files
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/proc/x.json", "/nonexistent_fxacct_dir/x.json"])
+def test_unwritable_output_is_a_usage_error_before_any_work(path):
+    # The model's forward raises: exit 2, not 3, shows the path is refused before the trace runs.
+    line = assert_one_line_error(invoke("profile", f"{ROOT / MODELS}/forward_raises.py:ForwardRaises", "-o", path),
+                                 2, f"cannot write {path}")
+    assert "internal error" not in line, line
+
+
+def test_unwritable_output_of_the_mlp_is_one_line():
+    assert_one_line_error(invoke("profile", f"{ROOT}/examples/mlp.py:MLP", "-o", "/proc/x.json"), 2, "/proc/x.json")
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_output_files_get_the_mode_open_would_give(tmp_path, umask, mode):
+    # open(path, "w") creates files 0o666 & ~umask; an atomic write through mkstemp would give 0o600
+    old = os.umask(umask)
+    try:
+        profile(f"{ROOT}/examples/two_layer.py:TwoLayer", "--format", "json", "-o", str(tmp_path / "out.json"))
+        plain = tmp_path / "plain.txt"
+        with open(plain, "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out.json").stat().st_mode & 0o777 == mode == plain.stat().st_mode & 0o777
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "plain.txt"]  # no temporary left
+
+
+# --------------------------------------------------------------------------------------------------
+# The library and its CLI
+# --------------------------------------------------------------------------------------------------
+
+def test_the_library_never_imports_the_cli():
+    offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+                 for p in sorted((ROOT / "fxacct").rglob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if line.lstrip().startswith(("import fxacct_cli", "from fxacct_cli"))]
+    assert offenders == []
+    code = ("import importlib, pkgutil, sys, fxacct\n"
+            "for m in pkgutil.walk_packages(fxacct.__path__, 'fxacct.'):\n"
+            "    if not m.name.endswith('__main__'):\n"
+            "        importlib.import_module(m.name)\n"
+            "assert 'fxacct_cli' not in sys.modules, sorted(n for n in sys.modules if 'fxacct' in n)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_python_dash_m_fxacct_runs_the_cli(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fxacct", "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("Usage:") and "profile" in proc.stdout, proc.stdout

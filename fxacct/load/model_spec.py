@@ -3,7 +3,8 @@
 `Name` is an nn.Module subclass or a factory returning one; constructor arguments come from the
 config's kwargs. Inputs, first match wins: the config's input specs; an `example_inputs(batch)`
 method on the module (static, class or instance method); an `example_inputs(batch)` function in
-the file. Every failure is a one-line UsageError (exit 2) or ModelError (exit 3).
+the file. Every failure is a one-line UsageError (exit 2), ModelError (exit 3: the user's code
+raised) or InternalError (exit 4: fxacct's own code raised; fxacct.errors.classify decides).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
+from fxacct.errors import FxacctError, ModelError, UsageError, calls_user_code, classify
 
 _HOW_INPUTS = ("no inputs: pass --input 'long[B,1024]' (repeatable; B is --batch), or define "
                "example_inputs(self, batch) on the model class or example_inputs(batch) in the file")
@@ -58,7 +59,7 @@ def _import_file(path: Path) -> ModuleType:
         raise ModelError(f"{path}:{e.lineno}: syntax error ({e.msg}); fix the model file") from e
     except Exception as e:
         del sys.modules[name]
-        raise ModelError(f"importing {path} raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+        raise classify(e, f"importing {path}") from e
     finally:
         for p in added:
             sys.path.remove(p)
@@ -105,13 +106,22 @@ def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
             raise UsageError(f"{name}() does not take these arguments ({e}); check -k/--kwargs") from None
     try:
         with torch.device("meta"):
-            model = obj(**kwargs)
+            model = call_user(obj, **kwargs)
+    except FxacctError:
+        raise
     except Exception as e:
-        raise ModelError(f"{name}({_kwargs_text(kwargs)}) raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+        raise classify(e, f"{name}({_kwargs_text(kwargs)})") from e
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{name} returned {_a(type(model).__name__)}, not an nn.Module; "
                          "name an nn.Module class or a factory that returns one")
     return model
+
+
+@calls_user_code
+def call_user(fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` for the user's class, factory or example_inputs: what it raises is
+    the user's even when fn is torch's own (an nn.Linear named in the model file)."""
+    return fn(*args, **kwargs)
 
 
 def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch: int, device="meta"):
@@ -123,9 +133,11 @@ def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch
         return None
     try:
         with torch.device(device):
-            value = fn(batch)
+            value = call_user(fn, batch)
+    except FxacctError:
+        raise
     except Exception as e:
-        raise ModelError(f"example_inputs({batch}) raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+        raise classify(e, f"example_inputs({batch})") from e
     return split_inputs(value)
 
 

@@ -8,11 +8,11 @@ tallest stack is exactly the reported training peak.
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 from fxacct.errors import UsageError
 from fxacct.memory import sharding
+from fxacct.report.files import atomic_file
 from fxacct.memory.peak import CATEGORIES, PARAMETERS, lifetimes, walk
 from fxacct.units import GiB
 
@@ -129,18 +129,6 @@ def _legends(ax, stacks, phases, patch) -> list:
 
 
 def _save(fig, path: str, legends: list) -> None:
-    out = Path(path)
-    fmt = out.suffix.lstrip(".").lower() or "png"
-    # the temporary file sits beside the target, so os.replace is an atomic rename; 0o666 & umask
-    # gives it the mode a plain open() would (mkstemp's 0o600 would survive the rename)
-    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight",
-                        bbox_extra_artists=legends)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    with atomic_file(path, binary=True) as f:
+        fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight", bbox_extra_artists=legends)

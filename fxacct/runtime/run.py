@@ -48,11 +48,10 @@ from fxacct.trace.loss import training_loss
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.load import model_spec as loading
 from fxacct.load.config import Config
-from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
+from fxacct.errors import FxacctError, ModelError, UsageError, classify, first_line
 from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
 from fxacct.runtime.transfer import Transfer, measure_transfer
 from fxacct.runtime.storage_tracker import StorageTracker
-from fxacct.errors import first_line
 
 SEED = 0
 
@@ -120,12 +119,14 @@ def build_model(config: Config, device: torch.device):
     torch.manual_seed(SEED)
     try:
         with torch.device(device):
-            model = obj(**dict(config.kwargs))
+            model = loading.call_user(obj, **dict(config.kwargs))
     except torch.cuda.OutOfMemoryError as e:
         raise ModelError(f"out of memory building {name} on {device} ({first_line(e)}); "
                          "use a smaller model or free the device") from e
+    except FxacctError:
+        raise
     except Exception as e:
-        raise ModelError(f"{name}(...) raised {describe_exception(e)} on {device}; {USER_FRAMES_HINT}") from e
+        raise classify(e, f"{name}(...) on {device}") from e
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{name} returned {type(model).__name__}, not an nn.Module")
     if config.dtype is not None:
@@ -257,7 +258,7 @@ def module_ranges(model: torch.nn.Module):
 def _model_errors(device: torch.device, batch: int):
     try:
         yield
-    except (UsageError, ModelError, KeyboardInterrupt):
+    except (FxacctError, KeyboardInterrupt):
         raise
     except torch.cuda.OutOfMemoryError as e:
         raise ModelError(f"out of memory on {device} at batch {batch} ({first_line(e)}); "
@@ -265,7 +266,7 @@ def _model_errors(device: torch.device, batch: int):
     except Exception as e:
         if "out of memory" in str(e).lower():
             raise ModelError(f"out of memory on {device} at batch {batch}; lower --batch") from e
-        raise ModelError(f"the real run raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+        raise classify(e, "the real run") from e
 
 
 def _cpu_allocator_peak(prof, baseline: int) -> int | None:

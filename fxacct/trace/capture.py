@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxacct.errors import USER_FRAMES_HINT, ModelError, UsageError, describe_exception
+from fxacct.errors import FxacctError, ModelError, classify, describe_exception
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases)
     BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
@@ -126,7 +126,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureO
     session = _start(model, args, kwargs, options)
     try:
         _run(session)
-    except (UsageError, ModelError):
+    except FxacctError:
         raise
     except (tp.DataDependentOutputException, tp.DynamicOutputShapeException) as e:
         raise ModelError(
@@ -137,7 +137,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureO
     except tp.UnsupportedOperatorException as e:
         raise ModelError(f"an op has no fake-tensor implementation ({e}); fxacct cannot trace it") from e
     except Exception as e:
-        raise ModelError(f"the model's {session.recorder.phase} raised {describe_exception(e)}; {USER_FRAMES_HINT}") from e
+        raise classify(e, f"the model's {session.recorder.phase}") from e
     finally:
         session.storages.open = False
     return _finish(session)

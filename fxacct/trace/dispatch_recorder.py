@@ -9,6 +9,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fxacct.errors import acts_for_torch, passes_through
 from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.trace.records import (
@@ -100,6 +101,7 @@ class Recorder(tp.TorchDispatchMode):
 
         return map_nested(a, one, torch.Tensor)
 
+    @passes_through
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):
             # the backward engine asks every gradient for its device; answer as FakeTensor
@@ -180,6 +182,7 @@ class SavedTracker:
         return t, t._version
 
     @staticmethod
+    @acts_for_torch
     def unpack(packed):
         t, version = packed
         if t._version != version:
@@ -199,6 +202,7 @@ class AttentionScope(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
 
+    @passes_through
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
