@@ -188,25 +188,13 @@ def _hf_llama():
                                         max_position_embeddings=64))
 
 
-# transformers 5.x masking_utils._ignore_causal_mask_sdpa returns False when the padding mask is a
-# fake tensor (`is_tracing(padding_mask)`), so under fxacct's FakeTensorMode the Llama forward builds
-# a (2,1,16,16) float mask and, with a mask, integrations/sdpa_attention.use_gqa_in_sdpa is False, so
-# repeat_kv materializes k and v at 4 heads. The eager run skips the mask and uses enable_gqa.
-# Per layer fxacct counts mask 2,048 B + repeated k/v 2·8,192 B instead of eager's 2·4,096 B.
-# A documented limitation (README, "Limits"): a shortcut taken on tensor *values* cannot be taken on
-# fake tensors, and transformers says so itself by testing for them. Strict, so a transformers
-# release that changes this is noticed.
-HF_MASK = pytest.mark.xfail(strict=True, reason=(
-    "value-dependent shortcut: HF Llama materializes the causal mask and repeat_kv on fake tensors "
-    "(transformers' is_tracing() is True for them) but skips both in eager when no token is padded; "
-    "fp32 activation_bytes expected 274,304 got 294,784 (+20,480 = 2 layers · (2,048 mask + 8,192 "
-    "repeated k/v)); bf16 158,592 vs 168,832; amp 343,936 vs 354,176"))
-
-
+# transformers tests for fake tensors (is_tracing) before its causal-mask and k/v shortcuts; under
+# fxacct.trace.hf_eager it answers as in eager, so the Llama (grouped-query attention) skips the
+# explicit mask and repeat_kv exactly as the eager run with no padded token does.
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("factory", [
     pytest.param(_hf_gpt2, id="GPT2LMHeadModel"),
-    pytest.param(_hf_llama, id="LlamaForCausalLM", marks=HF_MASK),
+    pytest.param(_hf_llama, id="LlamaForCausalLM"),
 ])
 def test_hugging_face_saved_activations_match_eager(factory, mode):
     pytest.importorskip("transformers")

@@ -37,6 +37,7 @@ from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the ph
     BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
 )
 from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
+from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
 from fxacct.trace.loss import training_loss
 from fxacct.trace.optim_step import step_once
@@ -189,7 +190,7 @@ def _run(session: _Session) -> None:
             swapped(model, session.fake, training=not o.inference), \
             torch.autograd.graph.saved_tensors_hooks(session.saved.pack, session.saved.unpack), \
             AttentionScope(rec), (CudaRules() if o.cuda else contextlib.nullcontext()), replay:
-        with torch.no_grad() if o.inference else contextlib.nullcontext(), _autocast(o):
+        with torch.no_grad() if o.inference else contextlib.nullcontext(), _autocast(o), hf_eager(model):
             box = [model(*session.fake_args, **session.fake_kwargs)]  # _train_step drops it
         if o.inference:
             session.outputs = [t for t in tp.tree_leaves(box.pop()) if isinstance(t, torch.Tensor)]

@@ -102,3 +102,8 @@ def kineto_events(prof):
     None where this torch keeps them elsewhere."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     return results.events() if results is not None else None
+
+
+# Run real tensors past every active dispatch mode (fake tensors, the recorder): the small known
+# values of fxacct.trace.known_values are computed for real beside the traced op.
+disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "torch.utils._python_dispatch")

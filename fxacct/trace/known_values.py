@@ -1,0 +1,97 @@
+"""Known values: the few small tensors whose values an eager run would know, carried beside
+their fake tensors so a check on them takes the branch eager takes.
+
+Fake tensors have shapes, not values, so ``if (x == 0).all():`` raises on them. Most such checks
+in model code look at tensors the code itself made from sizes alone: ``torch.arange(T)`` position
+ids, a mask of ones, their differences and cumulative sums. Those values do not depend on the
+weights or on the user's data, so the eager run with any inputs computes the same ones. This
+dispatch mode keeps, for every tensor made by a deterministic op whose tensor arguments all have
+known values (a factory op has none), a real copy of the value when it is small
+(``MAX_NUMEL`` elements), and answers ``aten._local_scalar_dense`` (``bool()``, ``.item()``) from
+it. Anything touched by a parameter, an input or a random op stays unknown, and a check on it
+raises as before (fxacct.trace.capture reports a data-dependent forward).
+
+The real computation runs past every mode (no record, no fake tensor); it costs a Python check
+per op and real work only on the tiny known tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxacct.trace import torch_private as tp
+from fxacct.trace.aliasing import INPLACE, schema_kind
+
+VALUE = "_fxacct_known_value"
+MAX_NUMEL = 1 << 16
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_NO_VALUE = object()
+
+
+def known(t) -> torch.Tensor | None:
+    """The real value behind fake tensor ``t``, or None when an eager run's value is unknown."""
+    return getattr(t, VALUE, None)
+
+
+def _seeded(func) -> bool:
+    """Random or uninitialised outputs: their values are no one's to know."""
+    return torch.Tag.nondeterministic_seeded in func.tags or "empty" in func.__name__
+
+
+class KnownValues(tp.TorchDispatchMode):
+    """Carries the known values (module docstring); stack it above the fake-tensor mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SCALAR:
+            value = known(args[0])
+            if value is not None:
+                with tp.disable_current_modes():
+                    return value.item()
+        out = func(*args, **kwargs)
+        real = _real_arguments((args, kwargs))
+        attached = real is not _NO_VALUE and not _seeded(func) and _attach(func, real, out)
+        if not attached and schema_kind(func) == INPLACE:
+            _forget(args, kwargs)
+        return out
+
+
+def _real_arguments(tree):
+    """``tree`` with each tensor replaced by its known value; _NO_VALUE if one has none."""
+    leaves, spec = tp.tree_flatten(tree)
+    values = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            leaf = known(leaf)
+            if leaf is None:
+                return _NO_VALUE
+        values.append(leaf)
+    return tp.tree_unflatten(values, spec)
+
+
+def _attach(func, real, out) -> bool:
+    """Compute the outputs' values for real; False where they stay unknown."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, torch.Tensor) and o.numel() <= MAX_NUMEL for o in outs):
+        return False
+    args, kwargs = real
+    try:
+        with tp.disable_current_modes():
+            values = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001  a value eager would know but this kernel cannot give: stays unknown
+        return False
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    if len(values) != len(outs) or not all(
+            isinstance(v, torch.Tensor) and v.shape == o.shape and v.device.type != "meta"
+            for o, v in zip(outs, values)):
+        return False
+    for o, v in zip(outs, values):
+        setattr(o, VALUE, v)
+    return True
+
+
+def _forget(args, kwargs) -> None:
+    """An in-place op with an unknown argument: what it wrote is unknown."""
+    for leaf in tp.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and known(leaf) is not None:
+            delattr(leaf, VALUE)
