@@ -1,0 +1,143 @@
+"""Hugging Face models as people train them: tiny configs (built from config objects, no hub) of
+every common family, accounted exactly as the eager run does (fxacct.trace.hf_eager).
+
+Oracles, each independent of fxacct:
+- activation bytes == ``torch.autograd.graph.saved_tensors_hooks`` on an eager CPU run of the same
+  model with real weights (each storage once, parameters and buffers excluded);
+- training and inference peaks within ±1% of fxacct/runtime/storage_tracker.py on that eager run;
+- ``matmul + attention`` FLOPs, forward and backward, == ``FlopCounterMode`` on the meta-built model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxacct
+from fxacct.runtime.storage_tracker import measure_inference, measure_training_step
+from helpers import flop_counter_oracle, meta_input, model_flops, on_meta
+from test_memory_acceptance import activation_split, eager_saved_bytes
+
+transformers = pytest.importorskip("transformers")
+
+B, T, V = 2, 16, 128  # batch, sequence, vocabulary
+DECODER = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=V, max_position_embeddings=64)
+
+
+def _tokens():
+    return {"input_ids": ("long", (B, T), V)}
+
+
+def _seq2seq():
+    return {"input_ids": ("long", (B, T), V), "decoder_input_ids": ("long", (B, T // 2), V)}
+
+
+def _pixels(size: int = 32):
+    return {"pixel_values": ("float", (B, 3, size, size), None)}
+
+
+def _causal(name):
+    return lambda: (getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM"))
+
+
+# id -> (model factory on a fresh config, inputs {name: (kind, shape, bound)}, extra forward kwargs)
+ZOO = {
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER)), _tokens, True),
+    "llama-eager-attn": (lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**DECODER, attn_implementation="eager")), _tokens, True),
+    "mistral": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER, sliding_window=8)),
+                _tokens, True),
+    "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER)), _tokens, True),
+    "gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**DECODER, head_dim=16)),
+              _tokens, True),
+    "mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **DECODER, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")),
+        _tokens, True),
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, vocab_size=V, n_positions=64)), _tokens, True),
+    "gpt-neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=V,
+        max_position_embeddings=64)), _tokens, True),
+    "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=V,
+        max_position_embeddings=64)), _tokens, False),
+    "t5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=64, d_ff=96, d_kv=16, num_heads=4, vocab_size=V,
+        decoder_start_token_id=0)), _seq2seq, True),
+    "vit": (lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, image_size=32,
+        patch_size=8, num_labels=10)), _pixels, False),
+    "clip": (lambda: transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         vocab_size=V, max_position_embeddings=64),
+        vision_config=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                           image_size=32, patch_size=8), projection_dim=32)),
+             lambda: {**_tokens(), **_pixels()}, False),
+    "whisper": (lambda: transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        encoder_layers=2, decoder_layers=2, d_model=64, encoder_ffn_dim=96, decoder_ffn_dim=96,
+        encoder_attention_heads=4, decoder_attention_heads=4, num_mel_bins=16, max_source_positions=8,
+        max_target_positions=32, vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1)),
+        lambda: {"input_features": ("float", (B, 16, 16), None), "decoder_input_ids": ("long", (B, 8), V)},
+        True),
+}
+
+
+def _inputs(spec: dict, device: str) -> dict:
+    out = {}
+    for name, (kind, shape, bound) in spec.items():
+        if device == "meta":
+            out[name] = meta_input(*shape, dtype=torch.long if kind == "long" else torch.float32)
+        elif kind == "long":
+            out[name] = torch.randint(0, bound, shape)
+        else:
+            out[name] = torch.randn(shape)
+    return out
+
+
+def _build(case: str):
+    factory, spec, use_cache = ZOO[case]
+    extra = {"use_cache": False} if use_cache else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = on_meta(factory)
+        torch.manual_seed(0)
+        model = factory()
+    torch.manual_seed(1)
+    return meta, model, {**_inputs(spec(), "meta"), **extra}, {**_inputs(spec(), "cpu"), **extra}
+
+
+@pytest.fixture(scope="module", params=list(ZOO))
+def zoo(request):
+    meta, model, meta_kw, real_kw = _build(request.param)
+    p = fxacct.profile_module(meta, (), meta_kw, fxacct.Config(batch=B, optimizer="adamw"))
+    return request.param, meta, model, meta_kw, real_kw, p
+
+
+def test_activation_bytes_equal_eager_saved_tensors(zoo):
+    case, meta, model, _, real_kw, p = zoo
+    assert model.training and meta.training  # dropout active on both sides
+    total, by = eager_saved_bytes(model, (), real_kw)
+    assert total > 0
+    assert (p.memory.activation_bytes, activation_split(p)) == (total, by), case
+
+
+def test_peaks_within_one_percent_of_the_storage_tracker(zoo):
+    case, _, model, _, real_kw, p = zoo
+    train = measure_training_step(model, (), lambda ps: torch.optim.AdamW(ps, lr=1e-3), kwargs=real_kw)
+    model.zero_grad(set_to_none=True)
+    infer = measure_inference(model, (), kwargs=real_kw)
+    train_ratio = p.memory.peak_train.bytes / train.peak_bytes
+    infer_ratio = p.memory.peak_inference.bytes / infer.peak_bytes
+    assert abs(train_ratio - 1) <= 0.01, (case, p.memory.peak_train.bytes, train.peak_bytes)
+    assert abs(infer_ratio - 1) <= 0.01, (case, p.memory.peak_inference.bytes, infer.peak_bytes)
+
+
+def test_flops_equal_flop_counter_mode_on_meta(zoo):
+    case, meta, _, meta_kw, _, p = zoo
+    forward, backward = flop_counter_oracle(meta, (), meta_kw)
+    totals = p.accounting.totals
+    assert (model_flops(totals.forward), model_flops(totals.backward)) == (forward, backward), case
