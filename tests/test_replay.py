@@ -122,10 +122,64 @@ class Stack(nn.Module):
         return x
 
 
-def test_blocks_with_different_plain_attributes_are_not_a_run():
-    # a layer_idx can change a sliding window, a RoPE base or a scale: distinct blocks
-    assert find_runs(Stack([Numbered(i) for i in range(4)])) == []
+def test_an_int_that_differs_from_the_first_two_blocks_on_is_a_label():
+    # blocks 0 and 1 carry different values, so their op comparison probes two values: one run
+    assert len(find_runs(Stack([Numbered(i) for i in range(4)]))) == 1
     assert len(find_runs(Stack([Numbered(0) for _ in range(4)]))) == 1
+    # blocks 0 and 1 agree, block 2 does not: nothing proves the new value changes nothing, so the
+    # run splits where the value changes ([0, 0] is too short; [1, 1, 1] is a run)
+    runs = find_runs(Stack([Numbered(i) for i in (0, 0, 1, 1, 1)]))
+    assert [[fqn for fqn, _ in run] for run in runs] == [["blocks.2", "blocks.3", "blocks.4"]]
+
+
+class _Config:
+    """A plain config object, as Hugging Face blocks hold one."""
+
+    def __init__(self, layer_types):
+        self.layer_types = layer_types
+
+
+class TableSelected(nn.Module):
+    """What the block does is chosen at run time through a per-layer table: config.layer_types[layer_idx]."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.relu(y) if self.config.layer_types[self.layer_idx] == "sliding" else y * 2
+
+
+class Scaled(Numbered):
+    def forward(self, x):
+        return self.lin(x) * (self.layer_idx + 1)
+
+
+def _table_stack(types):
+    config = _Config(types)
+    with torch.device("meta"):
+        return Stack([TableSelected(config, i) for i in range(len(types))])
+
+
+def test_a_label_read_through_a_per_layer_table_must_agree_there():
+    # blocks 0 and 1 are both "full": their ops match, but block 2 is "sliding": not one run
+    assert find_runs(_table_stack(["full", "full", "sliding", "full", "full"])) == []
+    assert len(find_runs(_table_stack(["full"] * 5))) == 1
+
+
+@pytest.mark.parametrize("config", [{}, {"optimizer": "sgd"}])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _table_stack(["full", "full", "sliding", "full", "full", "sliding"]), id="table"),
+    pytest.param(lambda: _table_stack(["full"] * 5), id="table-uniform"),
+    pytest.param(lambda: Stack([Scaled(i) for i in range(5)]), id="scale"),
+])
+def test_labelled_blocks_same_account_both_ways(make, config):
+    with torch.device("meta"):
+        model = make()
+    a, b = _accounts(model, (torch.empty(2, 4, device="meta"),), **config)
+    _assert_same(a, b)
 
 
 def test_shared_blocks_are_not_a_run():
@@ -153,3 +207,56 @@ def test_replay_leaves_the_blocks_as_they_were():
     for name, m in model.named_modules():
         assert "forward" not in vars(m), name
         assert vars(m).keys() == before[name].keys(), name
+
+
+# -- Hugging Face blocks: `layer_idx` differs per block ----------------------------------------------
+
+def _hf(name: str, layers: int = 4, **extra):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{name}Config")(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, **extra)
+    with torch.device("meta"):
+        return getattr(transformers, f"{name}ForCausalLM")(config)
+
+
+def _hf_accounts(model, dedups=(True, False), **config):
+    kwargs = {"input_ids": torch.empty(2, 8, dtype=torch.long, device="meta"), "use_cache": False}
+    return [fxacct.profile_module(model, (), kwargs, fxacct.Config(batch=2, dedup=dedup, **config))
+            for dedup in dedups]
+
+
+def test_hugging_face_llama_blocks_form_one_run():
+    model = _hf("Llama")
+    assert [[fqn for fqn, _ in run] for run in find_runs(model)] == [[f"model.layers.{i}" for i in range(4)]]
+
+
+@pytest.mark.parametrize("config", [{}, {"optimizer": "sgd"}, {"amp": torch.bfloat16}])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _hf("Llama"), id="llama"),
+    # layers alternate sliding-window and full attention: they must not share a template
+    pytest.param(lambda: _hf("Qwen2", layers=6, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                             layer_types=["sliding_attention", "full_attention"] * 3), id="qwen2-alternating"),
+    pytest.param(lambda: _hf("Mistral", layers=5, sliding_window=4), id="mistral-sliding"),
+])
+def test_hugging_face_same_account_both_ways(make, config):
+    a, b = _hf_accounts(make(), **config)
+    _assert_same(a, b)
+
+
+def test_hugging_face_llama_replays(monkeypatch):
+    calls = {"n": 0}
+    original = recorder_module.Recorder.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls["n"] += 1
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(recorder_module.Recorder, "__torch_dispatch__", counting)
+    model = _hf("Llama", layers=8)
+    counts = []
+    for dedup in (True, False):
+        calls["n"] = 0
+        _hf_accounts(model, (dedup,))
+        counts.append(calls["n"])
+    assert counts[0] < counts[1] / 2, counts

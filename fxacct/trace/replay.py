@@ -9,11 +9,26 @@ outputs of the template's shapes. The account is the same op for op, bytes for b
 turns this off, and tests/test_replay.py checks both ways agree.
 
 What counts as identical, before any op is compared: same class; same parameter and buffer
-names, shapes, dtypes and requires_grad; same plain attributes in every submodule (an int such
-as a `layer_idx` that differs — it can change a sliding window, a RoPE base or a scale — makes
-blocks distinct); no parameter shared with anything outside the block. Then the two traced
-blocks must record the same ops, arguments, shapes, strides, dtypes and storage lifetimes, with
-arguments that point at the same relative places (own inputs, own parameters, own earlier ops).
+names, shapes, dtypes and requires_grad; same plain attributes in every submodule; no parameter
+shared with anything outside the block. Then the two traced blocks must record the same ops,
+arguments, shapes, strides, dtypes and storage lifetimes, with arguments that point at the same
+relative places (own inputs, own parameters, own earlier ops).
+
+Labels. An int attribute that differs between blocks (Hugging Face's `layer_idx`) may only label
+the block, or it may select what the block does (a sliding window, a RoPE variant, a scale). It
+is taken for a label, and blocks that differ only in labels form one run, when all of these hold
+(fxacct.trace.replay_runs), else the run splits where the values change (the old, exact rule):
+- the first two blocks, the two that are traced and compared op for op, carry *different* values
+  of every varying label, so the op comparison is a probe of two values: a value that changes an
+  op, an argument (a scale), a shape or a lifetime makes them differ, and nothing replays;
+- every per-layer table the blocks can read it through agrees at each block's value: for each
+  list, tuple or dict held by an object the blocks reference (a `config`) that has one entry per
+  block of the container or a name about layers, the entry at
+  the value (`config.layer_types[layer_idx]`), or whether the value is a member
+  (`layer_idx in config.mlp_only_layers`), is the same for every block of the run.
+What a block's code computes from a label in Python without a table (`layer_idx % 3 == 2`) only
+the probe can see; a choice made at construction shows up as a differing attribute, parameter or
+class instead. `--no-dedup` traces every block.
 
 Only forward-only (inference) captures replay: a training step's backward runs in reverse, after
 every forward, which a replayed block would have to reproduce as well.
@@ -28,60 +43,7 @@ import torch
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.records import NO_NUMBERS, TAG, Ref, Slot, TensorMeta, map_nested
-
-_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
-               "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_is_full_backward_hook",
-               "forward"}
-
-
-def _attrs(module: torch.nn.Module) -> tuple:
-    """Plain attributes of every submodule: values compared by ==, objects by identity."""
-    out = []
-    for name, m in module.named_modules():
-        for k, v in sorted(vars(m).items()):
-            if k in _SKIP_ATTRS:
-                continue
-            if isinstance(v, (int, float, str, bool, type(None), tuple, frozenset)):
-                out.append((name, k, v))
-            elif isinstance(v, torch.Tensor):
-                out.append((name, k, tuple(v.shape), v.dtype))
-            else:
-                out.append((name, k, id(v)))
-    return tuple(out)
-
-
-def _signature(module: torch.nn.Module) -> tuple:
-    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
-    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
-    return (type(module), params, buffers, _attrs(module))
-
-
-def find_runs(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
-    """Runs of three or more consecutive identical blocks, with their FQNs."""
-    owners: dict[int, set[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), set()).add(name)
-    runs = []
-    for name, container in model.named_modules():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-            continue
-        items = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(container)]
-        run: list = []
-        for fqn, m in items + [(None, None)]:
-            if m is not None and run and _signature(m) == _signature(run[0][1]) and _own_params(m, fqn, owners):
-                run.append((fqn, m))
-                continue
-            if len(run) >= 3:
-                runs.append(run)
-            run = [(fqn, m)] if m is not None and _own_params(m, fqn, owners) else []
-    return runs
-
-
-def _own_params(module, fqn: str, owners) -> bool:
-    return all(all(o.startswith(fqn + ".") for o in owners[id(p)]) for p in module.parameters())
+from fxacct.trace.replay_runs import find_runs  # noqa: F401  (re-exported)
 
 
 class _Tensor(NamedTuple):
