@@ -46,3 +46,13 @@ SHAPES = {
     "llama2-7b": dict(vocab=32000, d=4096, L=32, h=32, kvh=32, ff=11008),
     "llama2-70b": dict(vocab=32000, d=8192, L=80, h=64, kvh=8, ff=28672),
 }
+
+
+def hf_llama_config(shape: str):
+    """A transformers LlamaConfig of the same dimensions (the HF case of bench/speed.py)."""
+    from transformers import LlamaConfig
+
+    s = SHAPES[shape]
+    return LlamaConfig(vocab_size=s["vocab"], hidden_size=s["d"], num_hidden_layers=s["L"],
+                       num_attention_heads=s["h"], num_key_value_heads=s["kvh"], intermediate_size=s["ff"],
+                       max_position_embeddings=4096, use_cache=False)

@@ -4,10 +4,12 @@ Each measurement is a whole process (python start, torch import, meta model buil
 timed by CPU time (user + sys, from wait4) with its peak RSS; fxacct and FlopCounterMode runs
 alternate in pairs so both see the same machine load, and the ratio is taken per pair.
 
-    python bench/speed.py               # 7B at T=2048 and 70B at T=4096, 3 pairs each
+    python bench/speed.py               # 7B at T=2048, 70B at T=4096, HF 70B at T=2048, 3 pairs each
     python bench/speed.py --pairs 1 --only llama2-7b
 
 Targets (issue 2): median ratio fxacct / FlopCounterMode ≤ 1.0; 70B at T=4096 under 1 GiB RSS.
+Issue 11: the Hugging Face LlamaForCausalLM at Llama-2-70B dimensions (T=2048, use_cache=False)
+≤ 0.8 (its blocks replay although each carries its own ``layer_idx``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,20 @@ CHILD = r'''
 import sys, torch
 sys.path[:0] = [{here!r}, {root!r}]
 from llama_shapes import Llama, SHAPES
-with torch.device("meta"):
-    model = Llama(**SHAPES[{shape!r}], T={T})
 idx = torch.empty(1, {T}, dtype=torch.long, device="meta")
+args, kwargs = (idx,), {{}}
+if {shape!r}.startswith("hf-"):
+    import transformers
+    from llama_shapes import hf_llama_config
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_llama_config({shape!r}[3:]))
+    args, kwargs = (), {{"input_ids": idx, "use_cache": False}}
+else:
+    with torch.device("meta"):
+        model = Llama(**SHAPES[{shape!r}], T={T})
 if {tool!r} == "fxacct":
     import fxacct
-    p = fxacct.profile_module(model, (idx,), {{}}, fxacct.Config(batch=1))
+    p = fxacct.profile_module(model, args, kwargs, fxacct.Config(batch=1))
     t = p.accounting.totals
     total = t.model_flops
 else:
@@ -39,7 +49,8 @@ else:
     from torch.utils.flop_counter import FlopCounterMode
     with FakeTensorMode(allow_non_fake_inputs=True):
         with FlopCounterMode(display=False) as fc:
-            out = model(idx)
+            out = model(*args, **kwargs)
+            out = getattr(out, "logits", out)
             out.float().sum().backward()
     total = fc.get_total_flops()
 print(total)
@@ -62,9 +73,9 @@ def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b"), default=None)
+    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b"), default=None)
     args = ap.parse_args()
-    cases = [("llama2-7b", 2048), ("llama2-70b", 4096)]
+    cases = [("llama2-7b", 2048), ("llama2-70b", 4096), ("hf-llama2-70b", 2048)]
     rows = []
     for shape, T in cases:
         if args.only and shape != args.only:
