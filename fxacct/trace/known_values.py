@@ -12,7 +12,9 @@ it. Anything touched by a parameter, an input or a random op stays unknown, and 
 raises as before (fxacct.trace.capture reports a data-dependent forward).
 
 The real computation runs past every mode (no record, no fake tensor); it costs a Python check
-per op and real work only on the tiny known tensors.
+per op and real work only on the tiny known tensors. An in-place op with an unknown argument makes
+the tensor it writes unknown; a view of it taken earlier keeps its old value (model code does not
+write unknown values into its own position ids or masks through a second view).
 """
 
 from __future__ import annotations
