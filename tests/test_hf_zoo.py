@@ -56,6 +56,13 @@ ZOO = {
     "mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **DECODER, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")),
         _tokens, True),
+    # the default experts implementation, grouped_mm: torch's fake kernel of aten._grouped_mm takes
+    # bfloat16 only (the CPU kernel takes float32 too), so this one runs in bfloat16
+    "mixtral-grouped-mm-bf16": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **DECODER, num_local_experts=4, num_experts_per_tok=2)).to(torch.bfloat16), _tokens, True),
+    "qwen2-moe": (lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=64, experts_implementation="batched_mm")), _tokens, True),
     "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_head=4, n_embd=64, vocab_size=V, n_positions=64)), _tokens, True),
     "gpt-neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
