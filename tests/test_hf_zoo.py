@@ -57,7 +57,9 @@ ZOO = {
         **DECODER, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")),
         _tokens, True),
     # the default experts implementation, grouped_mm: torch's fake kernel of aten._grouped_mm takes
-    # bfloat16 only (the CPU kernel takes float32 too), so this one runs in bfloat16
+    # bfloat16 only (the CPU kernel takes float32 too), so this one runs in bfloat16. Neither
+    # FlopCounterMode nor fxacct's registry has a formula for aten._grouped_mm (fxacct lists it as
+    # unsupported), so its FLOPs comparison covers the attention and dense layers only.
     "mixtral-grouped-mm-bf16": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **DECODER, num_local_experts=4, num_experts_per_tok=2)).to(torch.bfloat16), _tokens, True),
     "qwen2-moe": (lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
