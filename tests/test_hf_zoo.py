@@ -53,6 +53,9 @@ ZOO = {
     "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER)), _tokens, True),
     "gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**DECODER, head_dim=16)),
               _tokens, True),
+    # layers alternate sliding-window (4 < T) and full attention, logits soft-capped
+    "gemma2": (lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**DECODER, head_dim=16,
+                                                                                 sliding_window=4)), _tokens, True),
     "mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **DECODER, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")),
         _tokens, True),
@@ -67,6 +70,8 @@ ZOO = {
         shared_expert_intermediate_size=64, experts_implementation="batched_mm")), _tokens, True),
     "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_head=4, n_embd=64, vocab_size=V, n_positions=64)), _tokens, True),
+    "gpt2-eager-attn": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, vocab_size=V, n_positions=64, attn_implementation="eager")), _tokens, True),
     "gpt-neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=V,
         max_position_embeddings=64)), _tokens, True),
@@ -150,3 +155,20 @@ def test_flops_equal_flop_counter_mode_on_meta(zoo):
     forward, backward = flop_counter_oracle(meta, (), meta_kw)
     totals = p.accounting.totals
     assert (model_flops(totals.forward), model_flops(totals.backward)) == (forward, backward), case
+
+
+@pytest.mark.parametrize("case", ["llama", "bert"])
+def test_a_given_attention_mask_is_accounted_as_a_padded_batch(case):
+    # fxacct cannot know the values of a mask the user passes in, so transformers takes its general
+    # path, the one an eager run takes when some token is padded: the account equals that run
+    meta, model, meta_kw, real_kw, = _build(case)[:4]
+    meta_kw["attention_mask"] = meta_input(B, T, dtype=torch.long)
+    p = fxacct.profile_module(meta, (), meta_kw, fxacct.Config(batch=B))
+    padded = torch.ones(B, T, dtype=torch.long)
+    padded[0, -1] = 0
+    total, by = eager_saved_bytes(model, (), {**real_kw, "attention_mask": padded})
+    assert (p.memory.activation_bytes, activation_split(p)) == (total, by)
+    unpadded, _ = eager_saved_bytes(model, (), {**real_kw, "attention_mask": torch.ones(B, T, dtype=torch.long)})
+    # an unpadded batch skips the mask (and, for Llama's grouped-query attention, repeat_kv): an
+    # upper bound then (for BERT the mask is not saved, so the two are equal)
+    assert unpadded < total if case == "llama" else unpadded == total

@@ -238,6 +238,7 @@ def test_hugging_face_llama_blocks_form_one_run():
     pytest.param(lambda: _hf("Qwen2", layers=6, use_sliding_window=True, sliding_window=4, max_window_layers=0,
                              layer_types=["sliding_attention", "full_attention"] * 3), id="qwen2-alternating"),
     pytest.param(lambda: _hf("Mistral", layers=5, sliding_window=4), id="mistral-sliding"),
+    pytest.param(lambda: _hf("Gemma2", layers=5, sliding_window=4, head_dim=8), id="gemma2-alternating"),
 ])
 def test_hugging_face_same_account_both_ways(make, config):
     a, b = _hf_accounts(make(), **config)
