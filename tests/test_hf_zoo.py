@@ -161,7 +161,7 @@ def test_flops_equal_flop_counter_mode_on_meta(zoo):
 def test_a_given_attention_mask_is_accounted_as_a_padded_batch(case):
     # fxacct cannot know the values of a mask the user passes in, so transformers takes its general
     # path, the one an eager run takes when some token is padded: the account equals that run
-    meta, model, meta_kw, real_kw, = _build(case)[:4]
+    meta, model, meta_kw, real_kw = _build(case)
     meta_kw["attention_mask"] = meta_input(B, T, dtype=torch.long)
     p = fxacct.profile_module(meta, (), meta_kw, fxacct.Config(batch=B))
     padded = torch.ones(B, T, dtype=torch.long)
