@@ -146,6 +146,8 @@ def test_peaks_within_one_percent_of_the_storage_tracker(zoo):
     infer = measure_inference(model, (), kwargs=real_kw)
     train_ratio = p.memory.peak_train.bytes / train.peak_bytes
     infer_ratio = p.memory.peak_inference.bytes / infer.peak_bytes
+    print(f"{case}: peak_train {p.memory.peak_train.bytes:,} / {train.peak_bytes:,} = {train_ratio:.5f}; "
+          f"peak_inference {p.memory.peak_inference.bytes:,} / {infer.peak_bytes:,} = {infer_ratio:.5f}")
     assert abs(train_ratio - 1) <= 0.01, (case, p.memory.peak_train.bytes, train.peak_bytes)
     assert abs(infer_ratio - 1) <= 0.01, (case, p.memory.peak_inference.bytes, infer.peak_bytes)
 
