@@ -29,6 +29,7 @@ import torch
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
+from fxacct.trace.known_values import VALUE, known
 from fxacct.trace.records import (
     TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta,
 )
@@ -69,7 +70,8 @@ class TrainReplay(ForwardPatches):
 
     @staticmethod
     def _in_meta(leaves):
-        return [(tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad)
+        # whether a value is known (fxacct.trace.known_values) too: a check on it can take another branch
+        return [(tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad, known(x) is not None)
                 for x in leaves if isinstance(x, torch.Tensor)]
 
     def _inputs_match(self, template, leaves, spec) -> bool:
@@ -166,6 +168,9 @@ class TrainReplay(ForwardPatches):
         inputs = [x for x in fresh if isinstance(x, torch.Tensor)]
         for j, x in enumerate(inputs):
             setattr(x, TAG, Ref(Slot("probe-in", j)))
+        for x, y in zip(leaves, fresh):  # a probe sees the values the block would see
+            if isinstance(x, torch.Tensor) and known(x) is not None:
+                setattr(y, VALUE, known(x))
         return fresh, inputs
 
     # -- replaying a block ---------------------------------------------------------------------
