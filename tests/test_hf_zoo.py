@@ -174,3 +174,26 @@ def test_a_given_attention_mask_is_accounted_as_a_padded_batch(case):
     # an unpadded batch skips the mask (and, for Llama's grouped-query attention, repeat_kv): an
     # upper bound then (for BERT the mask is not saved, so the two are equal)
     assert unpadded < total if case == "llama" else unpadded == total
+
+
+def test_known_values_answer_checks_eager_would_answer():
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from fxacct.trace.known_values import KnownValues, known
+
+    with FakeTensorMode(), KnownValues():
+        # find_packed_sequence_indices' test on arange position ids: not packed, in eager as here
+        pos = torch.arange(8).unsqueeze(0).expand(2, -1)
+        packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        assert bool((packed[:, -1] == 0).all()) is True
+        restarted = torch.cat([torch.arange(3), torch.arange(5)]).unsqueeze(0)  # two packed sequences
+        assert int(torch.diff(restarted).ne(1).sum()) == 1
+        ones = torch.ones(2, 8, dtype=torch.long)
+        ones[0, -1] = 0  # an in-place write of a known value keeps it known
+        assert bool(torch.all(ones == 1)) is False
+        unknown = torch.empty(2, 8)  # an uninitialised (or random, or user-given) value is no one's to know
+        assert known(unknown) is None and known(unknown + pos) is None
+        with pytest.raises(DataDependentOutputException):
+            bool(unknown.sum() > 0)
+        ones[1, 0] = unknown[0, 0]  # written from an unknown value: unknown from then on
+        assert known(ones) is None

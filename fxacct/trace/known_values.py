@@ -13,8 +13,8 @@ raises as before (fxacct.trace.capture reports a data-dependent forward).
 
 The real computation runs past every mode (no record, no fake tensor); it costs a Python check
 per op and real work only on the tiny known tensors. An in-place op with an unknown argument makes
-the tensor it writes unknown; a view of it taken earlier keeps its old value (model code does not
-write unknown values into its own position ids or masks through a second view).
+what it writes unknown, through every view (its values' storage is marked stale). A real CPU
+tensor the code passes in (a constant) is its own value.
 """
 
 from __future__ import annotations
@@ -30,9 +30,23 @@ _SCALAR = torch.ops.aten._local_scalar_dense.default
 _NO_VALUE = object()
 
 
+_STALE: set[int] = set()  # storages of values an in-place op overwrote with unknown ones
+
+
 def known(t) -> torch.Tensor | None:
     """The real value behind fake tensor ``t``, or None when an eager run's value is unknown."""
-    return getattr(t, VALUE, None)
+    value = getattr(t, VALUE, None)
+    if value is not None and _STALE and tp.storage_key(value) in _STALE:
+        return None
+    return value
+
+
+def _value_of(leaf):
+    """A tensor argument's value: a fake one's known value; a real CPU tensor (a constant the code
+    made outside the fake mode, such as the 0 of ``x[i] = 0``) is its own value."""
+    if isinstance(leaf, tp.FakeTensor):
+        return known(leaf)
+    return None if leaf.device.type == "meta" or leaf.numel() > MAX_NUMEL else leaf
 
 
 def _seeded(func) -> bool:
@@ -42,6 +56,10 @@ def _seeded(func) -> bool:
 
 class KnownValues(tp.TorchDispatchMode):
     """Carries the known values (module docstring); stack it above the fake-tensor mode."""
+
+    def __exit__(self, *exc):
+        _STALE.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,7 +82,7 @@ def _real_arguments(tree):
     values = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            leaf = known(leaf)
+            leaf = _value_of(leaf)
             if leaf is None:
                 return _NO_VALUE
         values.append(leaf)
@@ -93,7 +111,8 @@ def _attach(func, real, out) -> bool:
 
 
 def _forget(args, kwargs) -> None:
-    """An in-place op with an unknown argument: what it wrote is unknown."""
+    """An in-place op with an unknown argument: what it wrote is unknown, in every view of it."""
     for leaf in tp.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and known(leaf) is not None:
-            delattr(leaf, VALUE)
+        value = known(leaf) if isinstance(leaf, tp.FakeTensor) else None
+        if value is not None:
+            _STALE.add(tp.storage_key(value))
