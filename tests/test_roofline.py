@@ -25,11 +25,6 @@ TWO_LAYER = str(ROOT / "examples/two_layer.py") + ":TwoLayer"
 TOY = DeviceModel("toy", {"float32": 1e6}, 1e6, 1e9, "test")
 
 
-@pytest.fixture(autouse=True)
-def _no_calibration(tmp_path, monkeypatch):
-    monkeypatch.setenv("FXACCT_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def invoke(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
