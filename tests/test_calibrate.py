@@ -163,6 +163,16 @@ def test_a_bogus_profile_is_a_one_line_usage_error(cache, content, says):
     assert "Traceback" not in result.output
 
 
+def test_an_unwritable_cache_dir_is_a_one_line_usage_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FXACCT_CACHE_DIR", str(blocker / "fxacct"))  # its parent is a file
+    monkeypatch.setattr(calibrate, "calibrate", lambda device, progress=None: fake_calibration())
+    result = invoke("calibrate", "--device", "cpu")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "FXACCT_CACHE_DIR" in result.stderr, result.stderr
+
+
 def test_a_stored_profile_round_trips(cache):
     path = calibrate.save(fake_calibration())
     assert path == cache / "device-cpu.json"

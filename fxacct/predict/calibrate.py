@@ -231,11 +231,17 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
 
 
 def save(cal: Calibration) -> Path:
+    """Write the profile atomically (a temporary file, then a rename); a cache dir that cannot be
+    written is a one-line usage error."""
     path = profile_path(cal.kind, cal.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"schema": SCHEMA, **asdict(cal)}, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"schema": SCHEMA, **asdict(cal)}, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(f"cannot store the device profile in {path.parent} ({e.strerror or e}); set "
+                         "FXACCT_CACHE_DIR to a writable folder") from None
     return path
 
 
