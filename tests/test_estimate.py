@@ -21,11 +21,6 @@ SEEDS_TRAIN = ["--params", "70e9", "--tokens", "15e12", "--world-size", "1024", 
 SEEDS_MAX = ["--world-size", "8", "--gpu", "h100", "--optimizer", "adamw", "--dtype", "fp32"]
 
 
-@pytest.fixture(autouse=True)
-def _in_repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
-
-
 def invoke(*args: str):
     return CliRunner().invoke(cli, ["estimate", *args], catch_exceptions=False)
 
@@ -225,7 +220,8 @@ def test_flops_six_n_d():
     (["train-time", "--params", "1e9", "--tokens", "1e9", "--gpu", "b300"], "--gpu"),
     (["train-time", "--params", "1e9", "--tokens", "1e9"], "--gpu"),
     (["train-time", "--params", "1e9", "--tokens", "1e9", "--gpu", "h100", "--gpus", "0"], "--world-size"),
-    (["train-time", "--from", "nowhere.json", "--tokens", "1e9", "--gpu", "h100"], "nowhere.json"),
+    (["train-time", "--from", str(ROOT / "tests" / "nowhere.json"), "--tokens", "1e9", "--gpu", "h100"],
+     "nowhere.json"),
     (["max-params", "--world-size", "8"], "--gpu"),
     (["max-params", "--gpu", "h100", "--shard", "zero3"], "--world-size"),
     (["max-params", "--gpu", "h100", "--shard", "zero9", "--world-size", "8"], "--shard"),
