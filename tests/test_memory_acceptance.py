@@ -377,7 +377,7 @@ def test_dedup_and_no_dedup_give_the_same_account(name, deeper, optimizer, monke
     b = fxacct.profile(fxacct.Config(target=target(rel), batch=2, kwargs=kwargs, optimizer=optimizer, dedup=False))
     assert replayed == {BlockReplay: [], TrainReplay: []}, replayed  # --no-dedup installs neither
     # the same graph op for op, and the same account node for node
-    ops = [[(n.name, str(n.target), n.meta.get("phase")) for n in p.capture.graph.nodes if n.op == "call_function"]
+    ops = [[(n.name, str(n.target), n.meta["trace"].phase) for n in p.capture.graph.nodes if n.op == "call_function"]
            for p in (a, b)]
     assert ops[0] == ops[1]
     assert a.accounting.nodes == b.accounting.nodes
