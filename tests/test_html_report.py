@@ -195,6 +195,12 @@ def test_hovering_the_timeline_peak_shows_the_peak_node(gpt_page, gpt):
     assert f"({peak['bytes']:,} B)" in text  # the live total at that op is the training peak
     page.mouse.move(overlay["x"] + 1, overlay["y"] + 5)  # the first op is not the peak
     assert "the peak" not in tip.inner_text()
+    page.focus("#timeline")  # the keyboard reaches every op, one at a time, even where a column shows two
+    names = _embedded(page.content())["timeline"]["names"]
+    page.keyboard.press("End")
+    assert f"node {names[-1]}\n" in tip.inner_text()
+    page.keyboard.press("ArrowLeft")
+    assert f"node {names[-2]}\n" in tip.inner_text()
 
 
 def _first_row(page) -> str:

@@ -326,7 +326,7 @@
                             gradients: "#9467bd", optimizer_state: "#8c564b", activations: "#e377c2", temporaries: "#7f7f7f" };
   const PHASE_COLORS = { forward: "#4c72b0", loss: "#c44e52", backward: "#dd8452", optimizer: "#55a868" };
   const BYTE_UNITS = [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10], ["B", 1]];
-  const timeline = { bins: null, cursor: null };
+  const timeline = { bins: null, cursor: null, op: null };
 
   function niceStep(max, ticks) {
     const raw = max / ticks, mag = 10 ** Math.floor(Math.log10(raw));
@@ -426,10 +426,22 @@
     const { X, bw, m, plotH } = timeline.geom, x = X(j) + bw / 2;
     svg.insertBefore(svgEl("line", { id: "tl-cursor", class: "cursor", x1: x, x2: x, y1: m.t, y2: m.t + plotH }), $("tl-overlay"));
   }
+  function stepTimeline(e) {  // keyboard: ← → step op by op (every op, not one per column), Home / End
+    const n = DATA.timeline ? DATA.timeline.names.length : 0, moves = { ArrowLeft: -1, ArrowRight: 1, Home: -n, End: n };
+    if (!n || !timeline.bins || !(e.key in moves)) return;
+    e.preventDefault();
+    const i = Math.min(n - 1, Math.max(0, (timeline.op == null ? -1 : timeline.op) + moves[e.key]));
+    const j = timeline.bins.findIndex((bin) => i >= bin.a && i < bin.b);
+    setCursor(j);
+    timeline.op = i;
+    const box = $("timeline").getBoundingClientRect(), { X, bw, m } = timeline.geom;
+    showTip($("tl-tip"), timelineTip({ a: i, b: i + 1, op: i }), { clientX: box.left + X(j) + bw / 2, clientY: box.top + m.t + 20 });
+  }
   function hoverTimeline(e) {
     const { m, bw } = timeline.geom, box = $("timeline").getBoundingClientRect();
     const j = Math.min(timeline.bins.length - 1, Math.max(0, Math.floor((e.clientX - box.left - m.l) / bw)));
     setCursor(j);
+    timeline.op = timeline.bins[j].op;
     showTip($("tl-tip"), timelineTip(timeline.bins[j]), e);
   }
   function timelineTip(bin) {
@@ -527,6 +539,7 @@
     const phaseRows = phases.map((p) => ({ phase: p, predicted_ms: predicted(p), measured_ms: rt ? rt[p + "_ms"] : null }))
       .map((r) => Object.assign(r, { ratio: r.measured_ms != null && r.predicted_ms ? r.measured_ms / r.predicted_ms : null }));
     body.appendChild(el("h3", {}, "by phase" + (pred ? " (prediction: " + pred.device + ", " + pred.source + ")" : "")));
+    if (!pred) body.appendChild(el("p", { class: "hint" }, "no prediction: give --gpu NAME, or run `fxacct calibrate --device cpu` for this CPU"));
     const phaseTable = body.appendChild(el("table", { class: "data", id: "time-phases" }));
     phaseTable.appendChild(el("thead"));
     sortableTable(phaseTable, timeColumns("phase", "phase", !!rt), phaseRows);
@@ -563,6 +576,8 @@
   renderSummary();
   setupTreemap();
   renderTimeline();
+  $("timeline").addEventListener("keydown", stepTimeline);
+  $("timeline").addEventListener("blur", () => { $("tl-tip").hidden = true; setCursor(null); });
   renderTime();
   renderNodes();
   let resizeTimer = null;
