@@ -334,7 +334,7 @@
     return 10 * mag;
   }
   // Columns of at least 2 px; each shows its highest op (first one on a tie, as the peak walk).
-  function binOps(T, totals, columns) {
+  function binOps(totals, columns) {
     const n = totals.length, bins = [];
     for (let j = 0; j < columns; j++) {
       const a = Math.floor(j * n / columns), b = Math.floor((j + 1) * n / columns);
@@ -352,8 +352,8 @@
     svg.setAttribute("width", W);
     const plotW = Math.max(10, W - m.l - m.r), plotH = H - m.t - m.b;
     const totals = T.bytes.map((row) => row.reduce((a, b) => a + b, 0));
-    const bins = binOps(T, totals, Math.max(1, Math.min(totals.length, Math.floor(plotW / 2))));
-    const bw = plotW / bins.length, maxY = Math.max(1, ...totals) * 1.12;
+    const bins = binOps(totals, Math.max(1, Math.min(totals.length, Math.floor(plotW / 2))));
+    const bw = plotW / bins.length, maxY = totals.reduce((a, b) => Math.max(a, b), 1) * 1.12;  // no spread: 10^5 ops
     const X = (j) => m.l + j * bw, Y = (v) => m.t + plotH - plotH * v / maxY;
     timeline.bins = bins; timeline.geom = { m: m, bw: bw, plotH: plotH, X: X, Y: Y, totals: totals };
     drawAxes(svg, maxY, m, plotW, plotH, Y, totals.length);
@@ -548,7 +548,7 @@
     body.appendChild(el("h3", {}, rt ? "by module: predicted beside measured (forward + backward)" : "by module: predicted (forward + backward)"));
     const table = body.appendChild(el("table", { class: "data", id: "time-modules" }));
     table.appendChild(el("thead"));
-    const max = Math.max(...modules.map((m) => Math.max(m.predicted_ms || 0, m.measured_ms || 0)), 1e-12);
+    const max = modules.reduce((a, m) => Math.max(a, m.predicted_ms || 0, m.measured_ms || 0), 1e-12);
     const columns = timeColumns("module", "module", !!rt);
     columns.push({ key: "bars", label: rt ? "predicted / measured" : "predicted", get: () => null,
                    render: (td, row) => drawBars(td, row, max) });
