@@ -19,7 +19,7 @@ from fxacct.trace.optim_step import parse_optim_arg
 from fxacct.units import parse_bytes
 
 DEFAULTS = Config()
-FORMATS = ("table", "json", "csv", "markdown")
+FORMATS = ("table", "json", "csv", "markdown", "html")
 
 
 def format_option(*choices: str):

@@ -1,4 +1,4 @@
-"""`fxacct profile`: the account of one training step, as tables, JSON, CSV or Markdown."""
+"""`fxacct profile`: the account of one training step, as tables, JSON, CSV, Markdown or HTML."""
 
 from __future__ import annotations
 
@@ -112,6 +112,10 @@ def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace
         click.echo(f"wrote {plot}", err=True)
     if fmt == "json":
         text = json.dumps(document(result, prediction, run), indent=2) + "\n"
+    elif fmt == "html":
+        from fxacct.report.html import render_html
+
+        text = render_html(result, prediction, run)
     elif fmt in ("csv", "markdown"):
         text = render_rows(result, fmt, **({"by": by} if by is not None else {}))
     else:
