@@ -21,12 +21,12 @@ from fxacct_cli.options import (AMP, DEBUG, GPU_HELP, MASTER_WEIGHTS, MFU, OPTIM
 
 FORMAT = format_option("table", "json")
 WORLD_SIZE = world_size_option("--gpus")  # --gpus: the same flag, as the calculators speak of GPUs
-PARAMS = click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9.")
+PARAMS = click.option("--params", default=None, metavar="N", help="Parameters N of 6·N·D, e.g. 70e9 (default: none).")
 
 
 def tokens_option(required: bool):
     return click.option("--tokens", required=required, default=None, metavar="D",
-                        help="Training tokens D of 6·N·D, e.g. 15e12.")
+                        help="Training tokens D of 6·N·D, e.g. 15e12" + ("." if required else " (default: none)."))
 
 
 def _emit(result, fmt, output, render, to_doc) -> None:
@@ -47,7 +47,7 @@ def estimate_group():
     "fxacct estimate train-time --from profile.json --tokens 1e12 --world-size 64 --gpu h100 --mfu 0.4"))
 @group("Model", PARAMS, click.option(
     "--from", "from_file", default=None, metavar="PROFILE.json",
-    help="Use this profile's own FLOPs per token (forward + backward, matmul + attention) instead of 6·N."),
+    help="Use this profile's own FLOPs per token (forward + backward, matmul + attention) instead of 6·N (default: none)."),
     tokens_option(required=True))
 @group("Hardware and parallelism", click.option("--gpu", required=True, help=f"{GPU_HELP} whose peak FLOP/s is used."),
        MFU, click.option("--dtype", default=None,
@@ -73,8 +73,10 @@ def train_time_command(params, from_file, tokens, gpu, mfu, dtype, world_size, f
        click.option("--dtype", default=None, help="Parameter (and gradient) dtype: fp32 (default), bf16, fp16, fp8."),
        AMP, MASTER_WEIGHTS)
 @group("Hardware and parallelism", click.option(
-    "--gpu", default=None, help=f"{GPU_HELP} whose nominal memory (marketed GB × 1e9: 80e9 for an H100) is the budget."),
-    max_memory_option("Per-GPU memory instead of --gpu's, e.g. 80GB or 79.6GiB (GB = 1e9 B, GiB = 2^30 B)."),
+    "--gpu", default=None, help=f"{GPU_HELP} whose nominal memory (marketed GB × 1e9: 80e9 for an H100) is the budget "
+         "(default: none, then --max-memory)."),
+    max_memory_option("Per-GPU memory instead of --gpu's, e.g. 80GB or 79.6GiB (GB = 1e9 B, GiB = 2^30 B; "
+                      "default: none, then --gpu)."),
     SHARD, WORLD_SIZE)
 @group(OUTPUT_GROUP, FORMAT, OUTPUT, DEBUG)
 def max_params_command(gpu, max_memory, optimizer, optim_items, dtype, amp, master_weights, shard, world_size,
@@ -96,7 +98,8 @@ def _mm(text: str) -> tuple[int, int, int]:
 
 @estimate_group.command("flops", epilog=examples("fxacct estimate flops --mm 256x512x256",
                                                  "fxacct estimate flops --params 70e9 --tokens 15e12"))
-@group("Inputs", click.option("--mm", default=None, metavar="MxNxP", help="(M×N)@(N×P) matmul: 2·M·N·P FLOPs."),
+@group("Inputs", click.option("--mm", default=None, metavar="MxNxP",
+                              help="(M×N)@(N×P) matmul: 2·M·N·P FLOPs (default: none)."),
        PARAMS, tokens_option(required=False))
 @group(OUTPUT_GROUP, FORMAT, OUTPUT, DEBUG)
 def flops_command(mm, params, tokens, fmt, output, debug):

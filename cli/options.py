@@ -64,7 +64,7 @@ def world_size_option(*aliases: str):
                         show_default=True, help="Data-parallel ranks (GPUs).")
 
 
-OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead of stdout; '-' is stdout.")
+OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead of stdout (default: stdout; '-' is stdout).")
 DEBUG = click.option("--debug", is_flag=True, help="Show tracebacks.")
 MFU = click.option("--mfu", type=float, default=DEFAULT_MFU, show_default=True,
                    help="Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1].")

@@ -67,7 +67,7 @@ PROFILE_OUTPUT = [
     click.option("--top", type=click.IntRange(min=0), default=None,
                  help=f"How many nodes, by FLOPs, the table lists (default {_default(render_profile_text, 'top')})."),
     OUTPUT,
-    file_option("--plot", metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib)."),
+    file_option("--plot", metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib; default: no plot)."),
     DEBUG,
 ]
 PROFILE_RUNTIME = [
@@ -80,7 +80,7 @@ PROFILE_RUNTIME = [
                  help=f"Warm-up steps before them (default {RuntimeOptions.warmup})."),
     click.option("--inference", is_flag=True, help="Time forward passes under eval() and no_grad()."),
     click.option("--force", is_flag=True, help="Run even if the predicted peak exceeds free memory."),
-    file_option("--trace", metavar="FILE.json", help="Write a Chrome/Perfetto trace, measured beside predicted."),
+    file_option("--trace", metavar="FILE.json", help="Write a Chrome/Perfetto trace, measured beside predicted (default: none)."),
 ]
 
 
