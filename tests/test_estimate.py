@@ -146,7 +146,7 @@ def test_train_time_from_a_profile_uses_the_peak_check_uses(tmp_path, precision,
     assert doc["peak_dtype"] == checked["peak_dtype"] == expected, (doc, checked)
     assert doc["peak_flops_per_s"] == checked["peak_flops_per_s"], (doc, checked)
     out = ok("train-time", "--from", str(path), "--tokens", "1e9", "--gpu", "h100")
-    why = "no --amp or --dtype: float32" if not precision else f"the profile's {precision[0]}"
+    why = "the profile (no --amp or --dtype: float32" if not precision else f"the profile's {precision[0]}"
     assert f"{expected}, dense; dtype from {why}" in out, out
 
 

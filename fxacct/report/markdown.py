@@ -1,6 +1,6 @@
 """`fxacct profile --format markdown`: the summary, the totals and the per-module (or per-node)
 table, with thousands separators and units, ready to post as a pull-request comment (GitHub
-flavoured pipe tables)."""
+flavoured pipe tables, numbers right-aligned)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def cell(text) -> str:
 
 
 def pipe_table(headers, rows, align) -> str:
-    return tabulate([[cell(c) for c in r] for r in rows], headers=[cell(h) for h in headers], tablefmt="github",
+    return tabulate([[cell(c) for c in r] for r in rows], headers=[cell(h) for h in headers], tablefmt="pipe",
                     colalign=align)
 
 

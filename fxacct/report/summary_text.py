@@ -60,8 +60,8 @@ def _memory_facts(p: Profile) -> list[tuple[str, str]]:
     pk = m.rank_peak
     if pk is not None:
         parts = sorted(((b, cat) for cat, b in pk.by_category if b), reverse=True)[:TOP_CATEGORIES]
-        where = "per rank" if m.per_rank is not None else "training"
-        rows.append(("peak", f"{exact_bytes(pk.bytes)} {where}, at {pk.node or 'start'} ({pk.phase}): "
+        where = f"training step, per rank ({c.shard})" if m.per_rank is not None else "training step"
+        rows.append(("peak", f"{where} {exact_bytes(pk.bytes)} at {pk.node or 'start'} ({pk.phase}): "
                              + ", ".join(f"{cat.replace('_', ' ')} {format_bytes(b)}" for b, cat in parts)))
     if m.peak_inference is not None:
         rows.append(("inference", f"peak {format_bytes(m.peak_inference.bytes)} (eval, no_grad)"))

@@ -133,7 +133,7 @@ def profile_dtype(doc: dict) -> tuple[torch.dtype, str]:
     for flag in ("amp", "dtype"):
         if config.get(flag):
             return parse_dtype(config[flag]), f"the profile's --{flag}"
-    return torch.float32, "the profile has no --amp or --dtype: float32, as fxacct check uses"
+    return torch.float32, "the profile (no --amp or --dtype: float32, as fxacct check uses)"
 
 
 @dataclass(frozen=True)
