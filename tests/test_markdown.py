@@ -107,3 +107,10 @@ def test_profile_markdown_has_summary_totals_and_modules_with_separators():
 def test_profile_markdown_summary_only():
     text = invoke("profile", *TINY_GPT, "--format", "markdown", "--summary")
     assert tables(text) == [] and "**parameters**: 15.328k (15,328)" in text, text
+
+
+def test_profile_markdown_depth_limits_the_modules():
+    text = invoke("profile", *TINY_GPT, "--format", "markdown", "--depth", "1")
+    modules = tables(text)[1]
+    # depth 1 of the tiny GPT: the root and its five children wte, wpe, h, ln_f, lm_head
+    assert [r[0] for r in modules[1:]] == ["(root)", "wte", "wpe", "h", "ln_f", "lm_head"], modules

@@ -128,3 +128,14 @@ def test_fit_table_shortens_text_in_the_middle_and_never_cuts_numbers():
 ])
 def test_durations_pick_the_unit_that_keeps_the_number_at_least_1(ms, text):
     assert format_ms(ms) == text
+
+
+@pytest.mark.parametrize("args, flag", [(("--summary", "--format", "json"), "--summary"),
+                                        (("--summary", "--format", "csv"), "--summary"),
+                                        (("--wide", "--format", "markdown"), "--wide")])
+def test_layout_flags_elsewhere_are_refused_not_ignored(args, flag):
+    result = CliRunner().invoke(cli, ["profile", target("examples/two_layer.py:TwoLayer"), *args],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: ") and flag in line and f"drop {flag}" in line, line
