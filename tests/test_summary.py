@@ -139,3 +139,9 @@ def test_layout_flags_elsewhere_are_refused_not_ignored(args, flag):
     assert result.exit_code == 2, result.output
     [line] = result.stderr.splitlines()
     assert line.startswith("error: ") and flag in line and f"drop {flag}" in line, line
+
+
+def test_runtime_tables_fit_the_width_too():
+    out = run(*TINY_GPT, "--runtime", "--device", "cpu", "--steps", "1", "--warmup", "0", columns=80)
+    assert "runtime on cpu" in out and "measured/predicted" in out, out
+    assert max(len(line) for line in out.splitlines()) <= 80, out

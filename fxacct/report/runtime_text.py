@@ -83,7 +83,8 @@ def _rows_table(rows, first: str, with_op: bool, width: int | None = None) -> st
     headers = [first] + (["op"] if with_op else []) + ["FLOPs", "predicted", "measured", "measured/predicted",
                                                        "achieved"]
     names = (0, 1) if with_op else (0,)
-    return fit_table(headers, body, width, text_columns=names, optional=(len(headers) - 1,),
+    # too narrow: names shortened in the middle, then achieved and FLOPs left out (ratios stay)
+    return fit_table(headers, body, width, text_columns=names, optional=(len(headers) - 1, len(names)),
                      colalign=("left",) * len(names) + ("right",) * 5)
 
 
