@@ -34,7 +34,7 @@ from fxacct_cli.options import (MFU, OUTPUT, count_or_none, format_option, max_m
 @OUTPUT
 def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_step_time, mfu,
                   require_no_unsupported_ops, fmt, output, **options):
-    """Profile PATH.py:NAME and check it against budgets.
+    """Profile MODEL (PATH.py:Name, package.module:Name or hf:PATH) and check it against budgets.
 
     \b
     Examples:

@@ -69,13 +69,16 @@ def _runtime_options(runtime: bool, trace, **given) -> RuntimeOptions | None:
 @file_option("--trace", metavar="FILE.json", help="--runtime: write a Chrome/Perfetto trace, measured beside predicted.")
 def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, warmup, inference, force, trace,
                     **options):
-    """Profile PATH.py:NAME (an nn.Module class or factory) on fake tensors.
+    """Profile MODEL on fake tensors: PATH.py:Name or package.module:Name (an nn.Module class
+    or factory), or hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config).
 
     \b
     Examples:
       fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16
       fxacct profile examples/gpt2.py:GPT --batch 8 --amp bf16 --gpu h100 --world-size 8 --shard zero3
       fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json
+      fxacct profile torch.nn:TransformerEncoderLayer -k d_model=512 -k nhead=8 -k batch_first=True --input 'float[B,128,512]'
+      fxacct profile hf:path/to/config.json --batch 4 --seq-len 512 --loss cross-entropy
 
     \b
     Exit codes: 0 success; 2 usage error (also an unwritable -o FILE); 3 the model failed (its
