@@ -91,7 +91,7 @@ SEQ_LEN = click.option("--seq-len", type=int, default=None,
                             "maximum positions, at most 2048).")
 
 MODEL_OPTIONS = (
-    click.argument("target", metavar="MODEL"),
+    click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH"),
     click.option("-b", "--batch", type=int, default=DEFAULTS.batch, show_default=True,
                  help="Per-rank micro-batch; B in --input specs."),
     DTYPE,
