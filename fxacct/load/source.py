@@ -117,8 +117,6 @@ def default_inputs(source: ModelSource, model: torch.nn.Module, seq_len: int | N
     """The form's default input specs for a built model, or None."""
     if source.hf_model:
         return hf.default_inputs(model, seq_len, with_labels)
-    if seq_len is not None:
-        raise UsageError("--seq-len sets the default inputs of Hugging Face models; give --input for this model")
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
     if isinstance(cfg, dict) and len(cfg.get("input_size", ())) == 3:  # timm: (C, H, W)
         return (InputSpec(None, torch.float32, ("B", *cfg["input_size"])),)
@@ -135,14 +133,16 @@ def specs_inputs(specs, batch: int, device="meta") -> tuple[tuple, dict]:
 
 def inputs(source: ModelSource, model, config, batch: int, device="meta") -> tuple[tuple, dict]:
     """(args, kwargs) for one step at ``batch``: --input specs, example_inputs, the form's defaults."""
+    seq_len = getattr(config, "seq_len", None)
+    if seq_len is not None and (config.inputs or not source.hf_model):
+        raise UsageError("--seq-len sets the default inputs of Hugging Face models; "
+                         + ("with --input give the length there" if config.inputs else "give --input for this model"))
     if config.inputs:
-        if getattr(config, "seq_len", None) is not None:
-            raise UsageError("--seq-len sets the default inputs; with --input give the length there")
         return specs_inputs(config.inputs, batch, device)
     found = loading.example_inputs(model, source.file_module, batch, device)
     if found is not None:
         return found
-    specs = default_inputs(source, model, getattr(config, "seq_len", None), getattr(config, "loss", "sum") == "model")
+    specs = default_inputs(source, model, seq_len, getattr(config, "loss", "sum") == "model")
     if specs is None:
         return loading.require_inputs(None)
     return specs_inputs(specs, batch, device)
