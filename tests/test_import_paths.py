@@ -179,3 +179,12 @@ def test_module_path_detection():
     assert not is_module_path("hf:/tmp/x")
     with pytest.raises(UsageError):
         fxacct.profile(fxacct.Config(target="torch.nn:Linear", kwargs={"in_features": 2}))  # needs out_features
+
+
+def test_a_module_in_the_working_directory_imports(tmp_path, monkeypatch):
+    (tmp_path / "fxacct_test_cwd_net.py").write_text(
+        "import torch\n\nclass Net(torch.nn.Linear):\n    def __init__(self):\n        super().__init__(3, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    # one Linear 3 -> 2 at batch 5: forward 2·5·3·2 = 60 (matmul) FLOPs
+    doc = profile_json("fxacct_test_cwd_net:Net", "--input", "float[B,3]", "--batch", "5")
+    assert doc["totals"]["forward_flops_by_class"]["matmul"] == 60

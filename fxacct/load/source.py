@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import re
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -93,6 +95,8 @@ def _transformers_class(cls, kwargs: dict) -> ModelSource:
 def import_name(target: str):
     """'torch.nn:Linear' -> the object; a missing module or name is a usage error."""
     module_name, _, name = target.rpartition(":")
+    added = [os.getcwd()] if os.getcwd() not in sys.path else []  # a module in the working directory
+    sys.path[:0] = added
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -101,6 +105,9 @@ def import_name(target: str):
                          "or give PATH.py:Name for a file") from None
     except Exception as e:
         raise classify(e, f"importing {module_name}") from e
+    finally:
+        for p in added:
+            sys.path.remove(p)
     obj = getattr(module, name, None)
     if obj is None:
         close = difflib.get_close_matches(name, [n for n in dir(module) if not n.startswith("_")], 3)
