@@ -12,6 +12,7 @@ from fxacct.trace import torch_private as tp
 
 from fxacct.load import model_spec as loading
 from fxacct.load.hf import is_causal_lm
+from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
 from fxacct.trace.capture import Capture, CaptureOptions, capture
@@ -118,7 +119,8 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     )
     if config.gpu is not None:
         memory = _with_fit(memory, model, config, inputs_for)
-    return Profile(config, acct, memory, cap, precision_warnings(cap))
+    loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
+    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note)
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:

@@ -189,6 +189,16 @@ def test_hf_model_with_labels_returns_its_own_loss(hf_gpt2):
     assert ce.memory.peak_train.bytes == eager.peak_bytes
 
 
+def test_a_returned_loss_under_sum_is_warned_about(hf_gpt2):
+    from fxacct.load.inputs import parse_input_spec
+
+    inputs = tuple(parse_input_spec(f"{n}=long[B,16]<512") for n in ("input_ids", "labels"))
+    p = fxacct.profile(fxacct.Config(target=f"hf:{hf_gpt2}", batch=2, inputs=inputs))
+    assert any("--loss model" in w for w in p.warnings), p.warnings
+    p = fxacct.profile(fxacct.Config(target=f"hf:{hf_gpt2}", batch=2, inputs=inputs, loss="model"))
+    assert not any("--loss model" in w for w in p.warnings), p.warnings
+
+
 def test_hf_model_loss_flops_match_flop_counter(hf_gpt2):
     from fxacct.profile import load_model
 

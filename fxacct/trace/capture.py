@@ -39,7 +39,7 @@ from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the ph
 )
 from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
-from fxacct.trace.loss import LossSpec, target_spec, training_loss
+from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
 from fxacct.trace.optim_step import step_once
 from fxacct.trace.records import (  # noqa: F401  (re-exported)
     TAG, Ref, Slot, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
@@ -96,6 +96,7 @@ class Capture:
     # storage id -> index of the last op recorded before the traced program dropped it; storages
     # alive when the step ends are absent
     deaths: dict | None = None
+    returned_loss: bool = False  # the output carried a loss of its own (fxacct.trace.loss.returned_loss)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class _Session:
     masters: list = field(default_factory=list)
     outputs: list = field(default_factory=list)  # inference: the model's outputs, live to the end
     loss: object = None
+    returned_loss: bool = False
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureOptions = CaptureOptions()) -> Capture:
@@ -213,6 +215,7 @@ def _train_step(session: _Session, box: list) -> None:
     rec.phase = LOSS
     output = box.pop()
     spec = LossSpec(o.loss, o.loss_output, o.causal_lm)
+    session.returned_loss = returned_loss(output)
     target = _target(session, target_spec(output, spec))
     with _autocast(o):
         session.loss = loss = training_loss(output, spec, target)  # alive to the step's end
@@ -293,6 +296,7 @@ def _finish(session: _Session) -> Capture:
         saved_storages=frozenset(session.saved.saved),
         master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in session.masters),
         inference=session.options.inference, deaths=dict(storages.deaths),
+        returned_loss=session.returned_loss,
     )
 
 

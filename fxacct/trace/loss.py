@@ -122,6 +122,17 @@ def training_loss(output, spec: LossSpec | int | None = None, target: torch.Tens
     return F.cross_entropy(out.float().view(-1, out.shape[-1]), target.view(-1), ignore_index=IGNORE_INDEX)
 
 
+def returned_loss(output) -> bool:
+    """The output carries a loss of its own (``output.loss`` / ``output["loss"]`` is a tensor)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return isinstance(loss, torch.Tensor)
+
+
+def ignored_loss_warning(kind: str) -> str:
+    return (f"the model returned its own loss, which --loss {kind} does not take as the loss (sum adds "
+            "it to the other outputs): use --loss model to train on it")
+
+
 def model_loss(output, spec: LossSpec) -> torch.Tensor:
     """The loss the model returned: output.loss / output["loss"], else its one 0-dim floating output."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
