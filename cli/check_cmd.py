@@ -43,7 +43,7 @@ BUDGETS = [
 @group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
 def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_step_time, mfu,
                   require_no_unsupported_ops, fmt, output, **options):
-    """Profile PATH.py:NAME and check it against budgets.
+    """Profile MODEL (PATH.py:Name, package.module:Name or hf:PATH) and check it against budgets.
 
     \b
     Exit codes: 0 every budget holds; 1 a budget is over (the table says which and by how much);

@@ -19,6 +19,7 @@ from fxacct.load.inputs import parse_input_spec
 from fxacct.load.model_spec import parse_kwarg
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.report.files import check_writable
+from fxacct.trace.loss import LOSSES
 from fxacct.trace.optim_step import parse_optim_arg
 from fxacct.units import parse_bytes
 
@@ -85,7 +86,17 @@ OPTIM_ARG = click.option("--optim-arg", "optim_items", multiple=True, metavar="N
 SHARD = click.option("--shard", default=DEFAULTS.shard, show_default=True,
                      help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp.")
 
-TARGET = click.argument("target", metavar="PATH.py:NAME")
+LOSS = click.option("--loss", type=click.Choice(LOSSES), default=DEFAULTS.loss, show_default=True,
+                    help="The loss: sum of the outputs, cross-entropy or mse against random targets, or "
+                         "model (the loss the model returns, e.g. with labels).")
+HF_CLASS = click.option("--hf-class", default=None, metavar="CLASS",
+                        help="hf:PATH: the transformers class (default: the config's architectures, "
+                             "else AutoModelForCausalLM).")
+SEQ_LEN = click.option("--seq-len", type=int, default=None,
+                       help="Sequence length of the default Hugging Face inputs (default: the config's "
+                            "maximum positions, at most 2048).")
+
+TARGET = click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH")
 
 # The option groups of --help (cloup). Add an option to a group with one line in its list; a
 # command shows the groups it is decorated with (model_options: the first three).
@@ -101,7 +112,8 @@ MODEL_AND_INPUTS = [
                       "(default: the model's example_inputs(batch))."),
     click.option("--input-requires-grad", is_flag=True, help="Inputs need gradients (adds dInput to backward)."),
     click.option("--loss-output", type=int, default=None,
-                 help="Index of the floating-point output that is the loss (default: sum of all)."),
+                 help="Index of the floating-point output the loss takes (default: all for sum, the first otherwise)."),
+    LOSS, HF_CLASS, SEQ_LEN,
     click.option("--tokens-per-example", type=int, default=None,
                  help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
     click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default=DEFAULTS.causal_attention,
@@ -173,7 +185,8 @@ def _kwargs(kwargs_json: str | None, kwarg_items) -> dict:
 
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
-              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False, **_) -> Config:
+              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
+              loss=DEFAULTS.loss, hf_class=None, seq_len=None, **_) -> Config:
     return Config(
         target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
         inputs=tuple(parse_input_spec(s) for s in input_specs),
@@ -182,10 +195,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         optimizer=optimizer, optim_args=optim_args(optim_items), amp=dtype_or_none(amp),
         master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
+        loss=loss, hf_class=hf_class, seq_len=seq_len,
     )
 
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "model_options", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
+           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "model_options", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

@@ -12,6 +12,9 @@ from fxacct.profile import Profile
 from fxacct.units import format_bytes, format_count
 
 
+LOSS_TEXT = {"sum": "sum of outputs", "model": "the model's own loss is in its forward"}
+
+
 def _flops(n: int) -> str:
     return format_count(n)
 
@@ -27,7 +30,7 @@ def summary(p: Profile) -> str:
     a, c, t = p.accounting, p.config, p.accounting.totals
     head = [
         f"in detail: batch {c.batch}" + (f", dtype {dtype_name(c.dtype)}" if c.dtype else "")
-        + f", inputs {' '.join(a.input_shapes) or '-'}",
+        + f", inputs {' '.join(a.input_shapes) or '-'}" + f", loss {c.loss}",
         f"  conventions: 1 multiply-add = 2 FLOPs; attention {c.causal_attention}"
         + (" (causal kernels halved)" if c.causal_attention == "halved" else " (no causal discount)")
         + ("; recompute counted" if c.count_recompute else "; no recompute")
@@ -43,7 +46,7 @@ def summary(p: Profile) -> str:
     flops_table = tabulate(rows, headers=["FLOPs", "forward", "backward", "forward+backward"],
                            colalign=("left", "right", "right", "right"))
     lines = head + [flops_table, ""]
-    lines.append(f"loss FLOPs (sum of outputs, not in the totals above): {_flops(t.loss_flops)}")
+    lines.append(f"loss FLOPs ({LOSS_TEXT.get(c.loss, c.loss)}, not in the totals above): {_flops(t.loss_flops)}")
     if t.recompute_flops:
         lines.append(f"recomputed by activation checkpointing in the backward: {_flops(t.recompute_flops)} "
                      "FLOPs, not in the backward above (model FLOPs; --count-recompute adds them)")
