@@ -86,7 +86,6 @@ PROFILE_RUNTIME = [
 
 @cli.command("profile", epilog=examples(
     "fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16 --gpu h100 --summary",
-    "fxacct profile examples/gpt2.py:GPT --batch 8 --amp bf16 --gpu h100 --world-size 8 --shard zero3",
     "fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json",
     "fxacct profile hf:path/to/config.json --batch 4 --seq-len 512 --loss cross-entropy"))
 @model_options

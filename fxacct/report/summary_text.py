@@ -35,7 +35,7 @@ def _precision(p: Profile) -> str:
 
 def facts(p: Profile, prediction=None) -> list[tuple[str, str]]:
     """(label, text) pairs, in reading order: the summary as data, for text and markdown alike."""
-    c, t, m = p.config, p.accounting.totals, p.memory
+    c, t = p.config, p.accounting.totals
     fb = t.forward.total + t.backward.total
     flops = (f"{format_count(fb)} per step = forward {format_count(t.forward.total)} + backward "
              f"{format_count(t.backward.total)}; {format_count(fb // c.batch)} per example")
