@@ -70,3 +70,9 @@ def fx_append_node(graph, op: str, target, args: tuple, kwargs: dict, name: str)
     table.insert(node)
     graph._len += 1
     return node
+
+
+def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
+    """(name, kwarg_only) of each argument in an OpOverload's schema, in order (fxacct.costs reads
+    arguments by name: positions differ between overloads and kernels)."""
+    return tuple((a.name, a.kwarg_only) for a in op._schema.arguments)
