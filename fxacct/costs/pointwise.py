@@ -39,14 +39,21 @@ def per_input_element(k: int):
 register(torch.Tag.pointwise)(per_output_element(1))
 register(torch.Tag.reduction)(per_input_element(1))
 
-register(aten.index_add, aten.scatter_add, aten.index_put, aten.index_put_, aten.scatter_reduce,
-         aten._index_put_impl_)(lambda *a, out_shape, ctx, **k: Flops(other=numel(_src_shape(a))))
+register(aten.index_add, aten.scatter_add, aten.scatter_reduce)(
+    lambda *a, out_shape, ctx, **k: Flops(other=numel(_src_shape(a))))
 
 
 def _src_shape(args):
-    # the updates tensor: last tensor-shaped argument (values / src)
+    # the updates tensor: last tensor-shaped argument (source / src)
     shapes = [a for a in args if isinstance(a, tuple)]
     return shapes[-1] if shapes else ()
+
+
+@register(aten.index_put, aten.index_put_, aten._index_put_impl_)
+def index_put(x_shape, indices, values_shape, accumulate=False, *args, out_shape, ctx,
+              **kwargs) -> Flops:
+    # accumulate=True adds each value into its slot (1 per value); otherwise a scatter copy
+    return Flops(other=numel(values_shape) if accumulate else 0)
 
 
 def _window(kernel_size, dims: int) -> int:

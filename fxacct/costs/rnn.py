@@ -2,11 +2,12 @@
 
 `mkldnn_rnn_layer` (CPU LSTM, one layer and direction): with G gates (LSTM 4, GRU 3, plain RNN 1),
 hidden size H, input size I, T steps and batch B, each step computes x_t W_ihᵀ (B×I @ I×GH) and
-h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per step: two bias adds (2·GH),
-the gate pre-activations, activations and cell update of torch's own cell (rnn_elementwise). The backward, like any matmul backward, takes one product per required
-gradient: dX (2·T·B·GH·I, if the input needs it), dW_ih (same size), the recurrent dh through W_hh
-(2·(T-1)·B·GH·H to go back in time, 2·T·B·GH·H when hx needs a gradient too) and dW_hh
-(2·T·B·GH·H).
+h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per step: what torch's own
+cell does besides the products (rnn_elementwise, rnn_backward_elementwise). The backward, like
+any matmul backward, takes one product per required gradient: dX (2·T·B·GH·I, if the input
+needs it), dW_ih (same size), the recurrent dh through W_hh (2·(T-1)·B·GH·H to go back in time,
+2·T·B·GH·H when hx needs a gradient too) and dW_hh (2·T·B·GH·H). Its elementwise work does not
+depend on the mask: the fused kernel computes every gradient.
 """
 
 import torch
@@ -40,6 +41,20 @@ def rnn_elementwise(t, b, gh, h, has_biases) -> int:
     return t * b * ((2 * gh if has_biases else 0) + cell)
 
 
+def rnn_backward_elementwise(t, b, gh, h, has_biases) -> int:
+    """Per step and batch row: autograd through torch's own cell, lowered to core ATen, with every
+    gradient computed (as the fused kernel does): LSTM 21H, GRU 16H, RNN 3H besides the products;
+    the bias gradients, sums over the batch (2·GH, with biases); and the add that joins the
+    output's gradient with the recurrent one from the next step (H)."""
+    if gh == 4 * h:
+        cell = 21 * h
+    elif gh == 3 * h:
+        cell = 16 * h
+    else:
+        cell = 3 * h
+    return t * b * ((2 * gh if has_biases else 0) + cell + h)
+
+
 @register(aten.mkldnn_rnn_layer)
 def mkldnn_rnn_layer(x_shape, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode,
                      hidden_size, num_layers, has_biases, bidirectional, batch_first, train, *args,
@@ -70,6 +85,4 @@ def mkldnn_rnn_layer_backward(x_shape, w_ih, w_hh, b_ih, b_hh, hx, cx_tmp, outpu
     matmul += per_ih if mask is None or mask[0] else 0  # dX = dgates · W_ih
     matmul += per_ih if mask is None or mask[1] else 0  # dW_ih = dgatesᵀ · X
     matmul += per_hh if mask is None or mask[2] else 0  # dW_hh = dgatesᵀ · H
-    # elementwise, a convention: the cell's derivative costs as many passes as its forward (the
-    # bias gradients' sums included); not derived from a decomposition
-    return Flops(matmul=matmul, other=rnn_elementwise(t, b, gh, h, has_biases))
+    return Flops(matmul=matmul, other=rnn_backward_elementwise(t, b, gh, h, has_biases))
