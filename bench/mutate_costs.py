@@ -34,30 +34,35 @@ def mutate(source: str, line: int, col: int, end: int, value: int) -> str:
     return "".join(lines)
 
 
+def run_tests(copy: Path) -> int:
+    """pytest's exit status on the copy: 0 all passed (the mutant survived), 1 a test failed."""
+    env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}  # the copy's fxacct, not the install
+    return subprocess.run([sys.executable, *TEST], cwd=copy, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode
+
+
 def main() -> int:
     start = time.time()
+    survivors, total = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "repo"
         shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info"))
-        env_path = f"{copy}"
-        survivors, total = [], 0
         for path in sorted((copy / COSTS).glob("*.py")):
             original = path.read_text()
             for line, col, end, value in literals(original):
                 total += 1
                 path.write_text(mutate(original, line, col, end, value))
-                rc = subprocess.run([sys.executable, *TEST], cwd=copy, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-                path.write_text(original)
+                try:
+                    rc = run_tests(copy)
+                finally:
+                    path.write_text(original)
                 where = f"{COSTS}/{path.name}:{line}:{col}  {value} -> {value + 1}"
                 if rc == 0:
                     survivors.append(where)
                     print("SURVIVED", where, flush=True)
-                elif rc != 1:
-                    print(f"(pytest exit {rc})", where, flush=True)
-        # the unmutated copy must pass, or every "kill" above means nothing
-        clean = subprocess.run([sys.executable, *TEST], cwd=copy, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+                elif rc != 1:  # 2-4: collection or import error; still a failure, but say so
+                    print(f"killed (pytest exit {rc})", where, flush=True)
+        clean = run_tests(copy)  # the unmutated copy must pass, or every "kill" means nothing
     print(f"{total} mutants, {total - len(survivors)} killed, {len(survivors)} survived; "
           f"unmutated run exit {clean}; {time.time() - start:.0f} s")
     return 1 if survivors or clean != 0 else 0

@@ -128,13 +128,15 @@ def _softmax_cases():
     yield "log_softmax_last", aten._log_softmax.default, (X2, -1, False), None
     yield "safe_softmax", aten._safe_softmax.default, (X3, -1), None
     yield "softmax_bwd", aten._softmax_backward_data.default, (r(2, 5, 3), y, 1, torch.float32), None
-    yield "log_softmax_bwd", aten._log_softmax_backward_data.default, (r(2, 5, 3), y.log(), 1, torch.float32), None
+    yield ("log_softmax_bwd", aten._log_softmax_backward_data.default,
+           (r(2, 5, 3), y.log(), 1, torch.float32), None)
 
 
 def _layer_norm_cases():
     x = r(3, 4, 6)
     for w, b in ((W6, B6), (None, None), (W6, None)):
-        yield f"layer_norm w={w is not None} b={b is not None}", aten.native_layer_norm.default, (x, [6], w, b, 1e-5), None
+        yield (f"layer_norm w={w is not None} b={b is not None}", aten.native_layer_norm.default,
+               (x, [6], w, b, 1e-5), None)
     _, mean, rstd = aten.native_layer_norm(x, [6], W6, B6, 1e-5)
     for m in ((1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)):
         m = [bool(i) for i in m]
@@ -160,14 +162,16 @@ def _batch_norm_cases():
     for tr in (True, False):
         for w, b in ((C3, B3), (None, None), (C3, None)):
             tag = f"train={tr} w={w is not None} b={b is not None}"
-            yield f"bn {tag}", aten.native_batch_norm.default, (XC, w, b, RM.clone(), RV.clone(), tr, 0.1, 1e-5), None
-            yield f"legit {tag}", aten._native_batch_norm_legit.default, (XC, w, b, RM.clone(), RV.clone(), tr, 0.1, 1e-5), None
-            yield f"functional {tag}", aten._native_batch_norm_legit_functional.default, (XC, w, b, RM, RV, tr, 0.1, 1e-5), None
-        yield f"cudnn train={tr}", aten.cudnn_batch_norm.default, (XC, C3, B3, RM.clone(), RV.clone(), tr, 0.1, 1e-5), None
+            args = (XC, w, b, RM.clone(), RV.clone(), tr, 0.1, 1e-5)
+            yield f"bn {tag}", aten.native_batch_norm.default, args, None
+            yield f"legit {tag}", aten._native_batch_norm_legit.default, args, None
+            yield f"functional {tag}", aten._native_batch_norm_legit_functional.default, args, None
+        yield f"cudnn train={tr}", aten.cudnn_batch_norm.default, (XC, C3, B3, RM, RV, tr, 0.1, 1e-5), None
     yield "bn no stats", aten.native_batch_norm.default, (XC, C3, B3, None, None, True, 0.1, 1e-5), None
     yield "legit no_stats", aten._native_batch_norm_legit.no_stats, (XC, C3, None, True, 0.1, 1e-5), None
-    yield "no_training", aten._native_batch_norm_legit_no_training.default, (XC, C3, B3, RM, RV, 0.1, 1e-5), None
-    yield "no_training nw", aten._native_batch_norm_legit_no_training.default, (XC, None, None, RM, RV, 0.1, 1e-5), None
+    no_training = aten._native_batch_norm_legit_no_training.default
+    yield "no_training", no_training, (XC, C3, B3, RM, RV, 0.1, 1e-5), None
+    yield "no_training nw", no_training, (XC, None, None, RM, RV, 0.1, 1e-5), None
     _, sm, si = aten.native_batch_norm(XC, C3, B3, RM.clone(), RV.clone(), True, 0.1, 1e-5)
     for tr in (True, False):
         for m in ((1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1)):
@@ -194,7 +198,8 @@ def _loss_cases():
     for red in (0, 1, 2):
         g = r(4) if red == 0 else torch.tensor(1.0)
         for w in (None, W6):
-            yield f"nll red={red} w={w is not None}", aten.nll_loss_forward.default, (lx, TGT, w, red, -100), None
+            yield (f"nll red={red} w={w is not None}", aten.nll_loss_forward.default,
+                   (lx, TGT, w, red, -100), None)
             yield (f"nll_bwd red={red} w={w is not None}", aten.nll_loss_backward.default,
                    (g, lx, TGT, w, red, -100, torch.tensor(4.0)), None)
         yield f"nll2d red={red}", aten.nll_loss2d_forward.default, (lx2d, t2d, None, red, -100), None
@@ -293,7 +298,8 @@ def test_matmul_family_equals_flop_counter(op, shapes):
 def test_convolution_equals_flop_counter(conv, op, bias):
     x, w, stride, pad, dil, transposed, out_pad, groups = conv
     c_out = w[1] * groups if transposed else w[0]
-    args = [_meta(*x), _meta(*w), _meta(c_out) if bias else None, stride, pad, dil, transposed, out_pad, groups]
+    args = [_meta(*x), _meta(*w), _meta(c_out) if bias else None, stride, pad, dil, transposed,
+            out_pad, groups]
     if op is aten._convolution.default:
         args += [False, False, True, True]  # benchmark, deterministic, cudnn_enabled, allow_tf32
     out = op(*args)
@@ -372,8 +378,10 @@ def test_bthd_kernels_equal_flop_counter():
         assert _cost_shapes(op, (o, q, k, v)) == Flops(attention=oracle)
 
 
-@pytest.mark.parametrize("op", SDPA_BWD + [aten._flash_attention_backward.default, aten._efficient_attention_backward.default])
-@pytest.mark.parametrize("mask", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1), (0, 0, 0), (1, 1, 1, 0)])
+@pytest.mark.parametrize("op", SDPA_BWD + [aten._flash_attention_backward.default,
+                                            aten._efficient_attention_backward.default])
+@pytest.mark.parametrize("mask", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1), (0, 0, 0),
+                                  (1, 1, 1, 0)])
 def test_attention_backward_counts_only_required_gradients(op, mask):
     bthd = op.overloadpacket in (aten._flash_attention_backward, aten._efficient_attention_backward)
     q, k, v, o = ((B, TQ, H, D), (B, TK, H, D), (B, TK, H, DV), (B, TQ, H, DV)) if bthd else (Q, K, V, O)
@@ -450,8 +458,10 @@ def test_scans_scatters_and_embedding_bags():
         # sum for compilers, not the scan the kernel runs
         assert _cost_shapes(op, (x, 1)) == Flops(other=24)
     src = (3, 6)
-    for op, args in ((aten.index_add.default, (x, 0, (3,), src)), (aten.scatter_add.default, (x, 0, src, src)),
-                     (aten.scatter_reduce.two, (x, 0, src, src, "sum")), (aten.index_put.default, (x, [(3,)], src, True)),
+    for op, args in ((aten.index_add.default, (x, 0, (3,), src)),
+                     (aten.scatter_add.default, (x, 0, src, src)),
+                     (aten.scatter_reduce.two, (x, 0, src, src, "sum")),
+                     (aten.index_put.default, (x, [(3,)], src, True)),
                      (aten.index_put_.default, (x, [(3,)], src, True)),
                      (aten._index_put_impl_.default, (x, [(3,)], src, True))):
         assert _cost_shapes(op, args) == Flops(other=18)  # one add per source element
