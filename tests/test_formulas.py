@@ -552,14 +552,16 @@ def test_tag_fallback_and_transcendentals():
 def test_unknown_op_is_reported_not_zero():
     import torch.fx as fx
     from fxacct.account.annotate import node_cost
+    from fxacct.trace.graph_builder import INPUT, OP, NodeTrace
 
     op = aten.linalg_eigh.default
     assert lookup(op) is None
     g = fx.Graph()
     a = g.placeholder("a")
-    a.meta["val"] = torch.empty(4, 4, device="meta")
+    a.meta.update(val=torch.empty(4, 4, device="meta"), trace=NodeTrace(INPUT, "forward", ""))
     n = g.call_function(op, (a,))
-    n.meta["val"] = (torch.empty(4, device="meta"), torch.empty(4, 4, device="meta"))
+    n.meta.update(val=(torch.empty(4, device="meta"), torch.empty(4, 4, device="meta")),
+                  trace=NodeTrace(OP, "forward", ""))
     assert node_cost(n).unsupported  # counted and listed in every report
 
 
