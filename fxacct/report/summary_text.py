@@ -94,13 +94,20 @@ def _time_facts(p: Profile, prediction) -> list[tuple[str, str]]:
     return [("step time", text)]
 
 
-def _uncosted(p: Profile) -> str:
+def uncosted_ops(p: Profile) -> tuple[int, str] | None:
+    """(op nodes without a cost formula, "op ×n, ...") or None when every op has one."""
     a = p.accounting
     if not a.unsupported_ops:
-        return f"nothing: every op has a cost formula ({a.node_count:,} op nodes)"
-    count = sum(a.unsupported_ops.values())
-    ops = ", ".join(f"{op} ×{n}" for op, n in a.unsupported_ops.items())
-    return f"WARNING {count} of {a.node_count:,} op nodes, FLOPs not counted: {ops}"
+        return None
+    return sum(a.unsupported_ops.values()), ", ".join(f"{op} ×{n}" for op, n in a.unsupported_ops.items())
+
+
+def _uncosted(p: Profile) -> str:
+    n = p.accounting.node_count
+    missing = uncosted_ops(p)
+    if missing is None:
+        return f"nothing: every op has a cost formula ({n:,} op nodes)"
+    return f"WARNING {missing[0]} of {n:,} op nodes, FLOPs not counted: {missing[1]}"
 
 
 def render_summary(p: Profile, prediction=None, width: int | None = None) -> str:

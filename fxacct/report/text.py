@@ -3,6 +3,7 @@ footer of ops fxacct could not cost."""
 
 from __future__ import annotations
 
+from fxacct.report.summary_text import uncosted_ops
 from fxacct.report.tables import tabulate
 from fxacct.report.width import fit_table, wrap_lines
 
@@ -97,10 +98,10 @@ def nodes_table(p: Profile, top: int, width: int | None = None) -> str:
 
 def unsupported_footer(p: Profile) -> str:
     a = p.accounting
-    if not a.unsupported_ops:
+    missing = uncosted_ops(p)
+    if missing is None:
         return f"every op has a cost formula ({a.node_count:,} op nodes)"
-    count = sum(a.unsupported_ops.values())
-    ops = ", ".join(f"{op} ×{n}" for op, n in a.unsupported_ops.items())
+    count, ops = missing
     return (f"WARNING: {len(a.unsupported_ops)} op(s) without a cost formula, their FLOPs not counted: "
             f"{count} of {a.node_count:,} op nodes ({100 * count / max(1, a.node_count):.1f}%): {ops}")
 
