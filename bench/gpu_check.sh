@@ -6,7 +6,7 @@
 # 1. bench/gpu_check.py (the library alone): calibrates the GPU into a temporary cache dir, runs
 #    GPT-2 124M at bf16 AMP and the MLP under --runtime, prints predicted vs measured step time,
 #    MFU and peak memory with ratios (measured / predicted).
-# 2. If click and tabulate import, the same through the CLI for the MLP, with a Chrome trace.
+# 2. If click, cloup and tabulate import, the same through the CLI for the MLP, with a Chrome trace.
 #    If they do not, it says what to install; the library check above does not need them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ PY="${PYTHON:-python}"
 
 "$PY" bench/gpu_check.py "$@"
 
-if "$PY" -c 'import tabulate, click' 2>/dev/null; then
+if "$PY" -c 'import tabulate, click, cloup' 2>/dev/null; then
   # the CLI package is fxacct_cli (the cli/ folder, named so at install): a link makes it importable
   shim="$(mktemp -d)"
   trap 'rm -rf "$shim"' EXIT
@@ -30,6 +30,6 @@ if "$PY" -c 'import tabulate, click' 2>/dev/null; then
     | sed -n '/^predicted step time/,$p'
 else
   echo
-  echo "click/tabulate are not installed here: the CLI check was skipped (the library check above"
-  echo "does not need them). To run the CLI: pip install click tabulate (or carry their wheels)."
+  echo "click/cloup/tabulate are not installed here: the CLI check was skipped (the library check above"
+  echo "does not need them). To run the CLI: pip install click cloup tabulate (or carry their wheels)."
 fi

@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import click
 
-from fxacct_cli.main import cli
+from fxacct_cli.main import cli, examples
 from fxacct_cli.options import DEBUG
 
 
-@cli.command("calibrate")
+@cli.command("calibrate", epilog=examples("fxacct calibrate --device cpu", "fxacct calibrate --device cuda",
+                                          "fxacct profile examples/mlp.py:MLP --batch 64   # then predicts on this CPU"))
 @click.option("--device", default="cpu", show_default=True, help="cpu, or cuda for the local GPU.")
 @DEBUG
 def calibrate_command(device, debug):
     """Measure the local device's achievable matmul FLOP/s per dtype and its memory bandwidth
     (a few seconds) and store them in the user cache dir ($FXACCT_CACHE_DIR, else
     $XDG_CACHE_HOME/fxacct, else ~/.cache/fxacct).
-
-    \b
-    Examples:
-      fxacct calibrate --device cpu
-      fxacct calibrate --device cuda
 
     \b
     Exit codes: 0 success; 2 usage error (e.g. --device cuda without CUDA); 4 an internal error

@@ -14,33 +14,36 @@ from fxacct.tools.budgets import Limits, evaluate, validate
 from fxacct.load.quantities import parse_duration
 from fxacct.report import document
 from fxacct.report.check_text import check_document, render_check
-from fxacct_cli.main import cli, write_output
-from fxacct_cli.options import (MFU, OUTPUT, count_or_none, format_option, max_memory_option, model_options,
-                                to_config)
+from fxacct_cli.main import cli, examples, write_output
+from fxacct_cli.options import (DEBUG, MFU, OUTPUT, OUTPUT_GROUP, count_or_none, format_option, group,
+                                max_memory_option, model_options, to_config)
 
 
-@cli.command("check")
+BUDGETS = [
+    max_memory_option("Per-rank training peak budget, e.g. 80GB, 79.6GiB, 512MiB (GB = 1e9 B, GiB = 2^30 B). "
+                      "Default with --gpu: its capacity as the driver reports it (H100: 81559 MiB); else none."),
+    click.option("--max-params", default=None, metavar="N", help="Parameter budget, e.g. 7e9 or 7B (default: none)."),
+    click.option("--max-flops", default=None, metavar="N",
+                 help="Forward+backward FLOPs per step (per rank) (default: none)."),
+    click.option("--max-flops-per-example", default=None, metavar="N",
+                 help="Forward+backward FLOPs per example (default: none)."),
+    click.option("--max-step-time", default=None, metavar="TIME",
+                 help="Step time budget (250ms, 1.5s): model FLOPs at the --gpu's peak × --mfu (default: none)."),
+    MFU,
+    click.option("--require-no-unsupported-ops", is_flag=True, help="Fail when an op has no cost formula."),
+]
+
+
+@cli.command("check", epilog=examples(
+    "fxacct check model.py:Model --batch 32 --amp bf16 --gpu h100 --world-size 8 --shard zero2",
+    "fxacct check model.py:Model --max-memory 40GB --max-params 7B --require-no-unsupported-ops",
+    "fxacct check model.py:Model --gpu h100 --max-step-time 500ms --mfu 0.4 --format json"))
 @model_options
-@max_memory_option("Per-rank training peak budget, e.g. 80GB, 79.6GiB, 512MiB (GB = 1e9 B, GiB = 2^30 B). "
-                   "Default with --gpu: its capacity as the driver reports it (H100: 81559 MiB).")
-@click.option("--max-params", default=None, metavar="N", help="Parameter budget, e.g. 7e9 or 7B.")
-@click.option("--max-flops", default=None, metavar="N", help="Forward+backward FLOPs per step (per rank).")
-@click.option("--max-flops-per-example", default=None, metavar="N", help="Forward+backward FLOPs per example.")
-@click.option("--max-step-time", default=None, metavar="TIME",
-              help="Step time budget (250ms, 1.5s): model FLOPs at the --gpu's peak × --mfu.")
-@MFU
-@click.option("--require-no-unsupported-ops", is_flag=True, help="Fail when an op has no cost formula.")
-@format_option("table", "json")
-@OUTPUT
+@group("Budgets", *BUDGETS)
+@group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
 def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_step_time, mfu,
                   require_no_unsupported_ops, fmt, output, **options):
-    """Profile PATH.py:NAME and check it against budgets.
-
-    \b
-    Examples:
-      fxacct check model.py:Model --batch 32 --amp bf16 --gpu h100 --world-size 8 --shard zero2
-      fxacct check model.py:Model --max-memory 40GB --max-params 7B --require-no-unsupported-ops
-      fxacct check model.py:Model --gpu h100 --max-step-time 500ms --mfu 0.4 --format json
+    """Profile MODEL (PATH.py:Name, package.module:Name or hf:PATH) and check it against budgets.
 
     \b
     Exit codes: 0 every budget holds; 1 a budget is over (the table says which and by how much);

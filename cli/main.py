@@ -11,6 +11,7 @@ import sys
 import traceback
 
 import click
+import cloup
 
 from fxacct.errors import FxacctError, internal_error
 from fxacct.report.files import write_text
@@ -23,7 +24,7 @@ def _fail(e: FxacctError, debug: bool):
     sys.exit(e.exit_code)
 
 
-class FxacctGroup(click.Group):
+class FxacctGroup(cloup.Group):
     """Turns click's usage errors into one line on stderr and exit 2, and fxacct's errors into
     their own exit codes, for every command."""
 
@@ -52,7 +53,19 @@ class FxacctGroup(click.Group):
             _fail(internal_error(e), debug)
 
 
-@click.group(cls=FxacctGroup, context_settings={"help_option_names": ["-h", "--help"]})
+HELP_SETTINGS = cloup.Context.settings(help_option_names=["-h", "--help"], align_option_groups=False,
+                                       formatter_settings=cloup.HelpFormatter.settings(max_width=100))
+
+
+def examples(*lines: str) -> str:
+    """The epilog that ends a command's help: two or three example command lines."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+@click.group(cls=FxacctGroup, context_settings=HELP_SETTINGS,
+             epilog=examples("fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16 --gpu h100",
+                             "fxacct check model.py:Model --batch 32 --amp bf16 --gpu h100 --max-memory 80GB",
+                             "fxacct estimate train-time --params 70e9 --tokens 15e12 --gpu h100 --world-size 1024"))
 @click.version_option(package_name="fxacct", prog_name="fxacct")
 def cli():
     """What one training step of a PyTorch model costs: FLOPs, bytes and time, node by node,
@@ -84,4 +97,4 @@ def main() -> None:
     cli()
 
 
-__all__ = ["cli", "main", "write_output"]
+__all__ = ["cli", "main", "write_output", "examples"]

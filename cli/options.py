@@ -5,8 +5,12 @@ RuntimeOptions, DEFAULT_MFU), so each is stated in one place."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
 
 import click
+import cloup
 
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
@@ -15,11 +19,12 @@ from fxacct.load.inputs import parse_input_spec
 from fxacct.load.model_spec import parse_kwarg
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.report.files import check_writable
+from fxacct.trace.loss import LOSSES
 from fxacct.trace.optim_step import parse_optim_arg
 from fxacct.units import parse_bytes
 
 DEFAULTS = Config()
-FORMATS = ("table", "json", "csv", "markdown")
+FORMATS = ("table", "json", "csv", "markdown", "html")
 
 
 def format_option(*choices: str):
@@ -60,16 +65,18 @@ def world_size_option(*aliases: str):
                         show_default=True, help="Data-parallel ranks (GPUs).")
 
 
-OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead of stdout; '-' is stdout.")
+OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead of stdout (default: stdout; '-' is stdout).")
 DEBUG = click.option("--debug", is_flag=True, help="Show tracebacks.")
 MFU = click.option("--mfu", type=float, default=DEFAULT_MFU, show_default=True,
                    help="Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1].")
 GPU_HELP = "Target GPU (h100, h100-pcie, h200, a100, a100-40gb)"
-GPU = click.option("--gpu", default=None, help=f"{GPU_HELP}: CUDA kernel rules, capacity, peak FLOP/s.")
+GPU = click.option("--gpu", default=None,
+                   help=f"{GPU_HELP}: CUDA kernel rules, capacity, peak FLOP/s (default: this machine's CPU).")
 DTYPE = click.option("--dtype", "dtype", default=None,
-                     help="Cast parameters, buffers and floating inputs: fp32, bf16, fp16, fp8 or a torch name.")
+                     help="Cast parameters, buffers and floating inputs: fp32, bf16, fp16, fp8 or a torch name "
+                          "(default: the model's own dtypes).")
 AMP = click.option("--amp", default=None,
-                   help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations.")
+                   help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations (default: off).")
 MASTER_WEIGHTS = click.option("--master-weights", is_flag=True,
                               help="With --dtype bf16/fp16: the optimizer steps fp32 master copies.")
 OPTIMIZER = click.option("--optimizer", default=DEFAULTS.optimizer, show_default=True,
@@ -79,38 +86,75 @@ OPTIM_ARG = click.option("--optim-arg", "optim_items", multiple=True, metavar="N
 SHARD = click.option("--shard", default=DEFAULTS.shard, show_default=True,
                      help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp.")
 
-MODEL_OPTIONS = (
-    click.argument("target", metavar="PATH.py:NAME"),
+LOSS = click.option("--loss", type=click.Choice(LOSSES), default=DEFAULTS.loss, show_default=True,
+                    help="The loss: sum of the outputs, cross-entropy or mse against random targets, or "
+                         "model (the loss the model returns, e.g. with labels).")
+HF_CLASS = click.option("--hf-class", default=None, metavar="CLASS",
+                        help="hf:PATH: the transformers class (default: the config's architectures, "
+                             "else AutoModelForCausalLM).")
+SEQ_LEN = click.option("--seq-len", type=int, default=None,
+                       help="Sequence length of the default Hugging Face inputs (default: the config's "
+                            "maximum positions, at most 2048).")
+
+TARGET = click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH")
+
+# The option groups of --help (cloup). Add an option to a group with one line in its list; a
+# command shows the groups it is decorated with (model_options: the first three).
+MODEL_AND_INPUTS = [
     click.option("-b", "--batch", type=int, default=DEFAULTS.batch, show_default=True,
                  help="Per-rank micro-batch; B in --input specs."),
-    DTYPE,
-    click.option("--kwargs", "kwargs_json", default=None, help="Constructor arguments as a JSON object."),
+    click.option("--kwargs", "kwargs_json", default=None,
+                 help="Constructor arguments as a JSON object (default: none)."),
     click.option("-k", "--kwarg", "kwarg_items", multiple=True, metavar="NAME=VALUE",
                  help="One constructor argument (a Python literal, else a string); repeatable."),
     click.option("--input", "input_specs", multiple=True, metavar="SPEC",
-                 help="Input spec such as 'long[B,1024]<50257' or 'x=float32[B,3]'; repeatable, in order."),
+                 help="Input spec such as 'long[B,1024]<50257' or 'x=float32[B,3]'; repeatable, in order "
+                      "(default: the model's example_inputs(batch))."),
     click.option("--input-requires-grad", is_flag=True, help="Inputs need gradients (adds dInput to backward)."),
     click.option("--loss-output", type=int, default=None,
-                 help="Index of the floating-point output that is the loss (default: sum of all)."),
+                 help="Index of the floating-point output the loss takes (default: all for sum, the first otherwise)."),
+    LOSS, HF_CLASS, SEQ_LEN,
+    click.option("--tokens-per-example", type=int, default=None,
+                 help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
     click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default=DEFAULTS.causal_attention,
                  show_default=True, help="Count causal attention kernels in full or halved."),
     click.option("--count-recompute", is_flag=True,
                  help="Count the ops activation checkpointing re-runs in the backward (hardware FLOPs)."),
-    click.option("--tokens-per-example", type=int, default=None,
-                 help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
-    OPTIMIZER, OPTIM_ARG, AMP, MASTER_WEIGHTS, GPU, world_size_option(), SHARD,
-    click.option("--no-max-batch", "no_max_batch", is_flag=True,
-                 help="With --gpu: skip the search for the largest batch that fits (it costs a few traces)."),
     click.option("--no-dedup", "no_dedup", is_flag=True,
                  help="Trace every repeated block instead of replaying proven-identical ones."),
-    DEBUG,
-)
+]
+PRECISION_AND_OPTIMIZER = [DTYPE, AMP, MASTER_WEIGHTS, OPTIMIZER, OPTIM_ARG]
+HARDWARE_AND_PARALLELISM = [
+    GPU, world_size_option(), SHARD,
+    click.option("--no-max-batch", "no_max_batch", is_flag=True,
+                 help="With --gpu: skip the search for the largest batch that fits (it costs a few traces)."),
+]
+OUTPUT_GROUP = "Output"
+RUNTIME_GROUP = "Runtime (a real run)"
+GROUPS = (("Model and inputs", MODEL_AND_INPUTS), ("Precision and optimizer", PRECISION_AND_OPTIMIZER),
+          ("Hardware and parallelism", HARDWARE_AND_PARALLELISM))
+
+
+def group(title: str, *options):
+    """One titled section of --help (cloup.option_group)."""
+    return cloup.option_group(title, *options)
 
 
 def model_options(fn):
-    for option in reversed(MODEL_OPTIONS):
-        fn = option(fn)
-    return fn
+    for title, options in reversed(GROUPS):
+        fn = group(title, *options)(fn)
+    return TARGET(fn)
+
+
+def terminal_width() -> int | None:
+    """The width the text report fits: COLUMNS when set, else the terminal's; None (no limit)
+    when stdout is not a terminal (a file or a pipe keeps every character)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
 
 
 def count_or_none(text: str | None, flag: str) -> int | None:
@@ -141,7 +185,8 @@ def _kwargs(kwargs_json: str | None, kwarg_items) -> dict:
 
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
-              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False, **_) -> Config:
+              world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
+              loss=DEFAULTS.loss, hf_class=None, seq_len=None, **_) -> Config:
     return Config(
         target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
         inputs=tuple(parse_input_spec(s) for s in input_specs),
@@ -150,9 +195,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         optimizer=optimizer, optim_args=optim_args(optim_items), amp=dtype_or_none(amp),
         master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
+        loss=loss, hf_class=hf_class, seq_len=seq_len,
     )
 
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "model_options", "to_config", "count_or_none", "dtype_or_none", "optim_args"]
+           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "model_options", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
+           "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

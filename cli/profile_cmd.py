@@ -1,4 +1,4 @@
-"""`fxacct profile`: the account of one training step, as tables, JSON, CSV or Markdown."""
+"""`fxacct profile`: the account of one training step, as tables, JSON, CSV, Markdown or HTML."""
 
 from __future__ import annotations
 
@@ -14,22 +14,29 @@ from fxacct.predict.roofline import predict_profile
 from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
 from fxacct.runtime import RuntimeOptions
-from fxacct_cli.main import cli, write_output
-from fxacct_cli.options import FORMATS, OUTPUT, file_option, format_option, model_options, to_config
+from fxacct.report.markdown import render_markdown
+from fxacct_cli.main import cli, examples, write_output
+from fxacct_cli.options import (DEBUG, FORMATS, OUTPUT, OUTPUT_GROUP, RUNTIME_GROUP, file_option, format_option, group,
+                                model_options, terminal_width, to_config)
 
 
 def _default(fn, name: str):
     return inspect.signature(fn).parameters[name].default
 
 
-def _check_layout_flags(fmt: str, by, depth, top) -> None:
-    """--by picks csv/markdown rows; --depth and --top shape the table: elsewhere they would do
-    nothing, so they are refused rather than ignored."""
+def _check_layout_flags(fmt: str, by, depth, top, summary_only=False, wide=False) -> None:
+    """--by picks csv/markdown rows; --depth, --top and --wide shape the table, --summary the table
+    or markdown: elsewhere they would do nothing, so they are refused rather than ignored."""
     if by is not None and fmt not in ("csv", "markdown"):
         raise UsageError(f"--by chooses the rows of --format csv or markdown; the {fmt} output has "
                          "both modules and nodes: drop --by or add --format csv")
+    if summary_only and fmt not in ("table", "markdown"):
+        raise UsageError(f"--summary shortens the table or markdown output; --format {fmt} writes "
+                         "everything: drop --summary")
+    if wide and fmt != "table":
+        raise UsageError(f"--wide shapes the text table; --format {fmt} is never cut: drop --wide")
     for flag, value in (("--depth", depth), ("--top", top)):
-        if value is not None and fmt != "table":
+        if value is not None and fmt != "table" and not (fmt == "markdown" and flag == "--depth"):
             raise UsageError(f"{flag} shapes the text table; --format {fmt} writes every "
                              f"{'module' if flag == '--depth' else 'node'}: drop {flag}")
 
@@ -46,43 +53,56 @@ def _runtime_options(runtime: bool, trace, **given) -> RuntimeOptions | None:
     return RuntimeOptions(**given, keep_trace=trace is not None)
 
 
-@cli.command("profile")
-@model_options
-@format_option(*FORMATS)
-@click.option("--by", type=click.Choice(("node", "module")), default=None,
-              help=f"Rows of the csv/markdown table (default {_default(render_rows, 'by')}).")
-@click.option("--depth", type=click.IntRange(min=0), default=None,
-              help=f"Module nesting depth shown in the table (default {_default(render_profile_text, 'depth')}).")
-@click.option("--top", type=click.IntRange(min=0), default=None,
-              help=f"How many nodes, by FLOPs, the table lists (default {_default(render_profile_text, 'top')}).")
-@OUTPUT
-@file_option("--plot", metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib).")
-@click.option("--runtime", is_flag=True,
-              help="Also run the real model under torch.profiler and compare measured with predicted.")
-@click.option("--device", default=None,
-              help=f"Where --runtime runs: auto (CUDA if present), cpu, cuda, cuda:N (default {RuntimeOptions.device}).")
-@click.option("--steps", type=int, default=None, help=f"--runtime: timed steps (default {RuntimeOptions.steps}).")
-@click.option("--warmup", type=int, default=None,
-              help=f"--runtime: warm-up steps before them (default {RuntimeOptions.warmup}).")
-@click.option("--inference", is_flag=True, help="--runtime: time forward passes under eval() and no_grad().")
-@click.option("--force", is_flag=True, help="--runtime: run even if the predicted peak exceeds free memory.")
-@file_option("--trace", metavar="FILE.json", help="--runtime: write a Chrome/Perfetto trace, measured beside predicted.")
-def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, warmup, inference, force, trace,
-                    **options):
-    """Profile PATH.py:NAME (an nn.Module class or factory) on fake tensors.
+PROFILE_OUTPUT = [
+    format_option(*FORMATS),
+    click.option("--summary", "summary_only", is_flag=True,
+                 help="Print only the one-screen summary (table and markdown formats)."),
+    click.option("--wide", is_flag=True,
+                 help="Do not fit the table to the terminal (default: fit COLUMNS, or the terminal's width; "
+                      "no limit when stdout is not a terminal)."),
+    click.option("--by", type=click.Choice(("node", "module")), default=None,
+                 help="Rows of the csv/markdown table (default: node for csv, module for markdown)."),
+    click.option("--depth", type=click.IntRange(min=0), default=None,
+                 help=f"Module nesting depth shown in the table (default {_default(render_profile_text, 'depth')})."),
+    click.option("--top", type=click.IntRange(min=0), default=None,
+                 help=f"How many nodes, by FLOPs, the table lists (default {_default(render_profile_text, 'top')})."),
+    OUTPUT,
+    file_option("--plot", metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib; default: no plot)."),
+    DEBUG,
+]
+PROFILE_RUNTIME = [
+    click.option("--runtime", is_flag=True,
+                 help="Also run the real model under torch.profiler and compare measured with predicted."),
+    click.option("--device", default=None,
+                 help=f"Where --runtime runs: auto (CUDA if present), cpu, cuda, cuda:N (default {RuntimeOptions.device})."),
+    click.option("--steps", type=int, default=None, help=f"Timed steps (default {RuntimeOptions.steps})."),
+    click.option("--warmup", type=int, default=None,
+                 help=f"Warm-up steps before them (default {RuntimeOptions.warmup})."),
+    click.option("--inference", is_flag=True, help="Time forward passes under eval() and no_grad()."),
+    click.option("--force", is_flag=True, help="Run even if the predicted peak exceeds free memory."),
+    file_option("--trace", metavar="FILE.json", help="Write a Chrome/Perfetto trace, measured beside predicted (default: none)."),
+]
 
-    \b
-    Examples:
-      fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16
-      fxacct profile examples/gpt2.py:GPT --batch 8 --amp bf16 --gpu h100 --world-size 8 --shard zero3
-      fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json
+
+@cli.command("profile", epilog=examples(
+    "fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16 --gpu h100 --summary",
+    "fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json",
+    "fxacct profile hf:path/to/config.json --batch 4 --seq-len 512 --loss cross-entropy"))
+@model_options
+@group(OUTPUT_GROUP, *PROFILE_OUTPUT)
+@group(RUNTIME_GROUP, *PROFILE_RUNTIME)
+def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runtime, device, steps, warmup, inference,
+                    force, trace, **options):
+    """Profile MODEL on fake tensors: PATH.py:Name or package.module:Name (an nn.Module class or
+    factory), or hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config). A one-screen
+    summary, then memory, modules, top nodes and the predicted step time.
 
     \b
     Exit codes: 0 success; 2 usage error (also an unwritable -o FILE); 3 the model failed (its
     constructor or forward raised, or --runtime refused because the predicted peak exceeds the
     free memory); 4 an internal error of fxacct; 130 interrupted.
     """
-    _check_layout_flags(fmt, by, depth, top)
+    _check_layout_flags(fmt, by, depth, top, summary_only, wide)
     config = to_config(**options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
@@ -97,6 +117,7 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
         run, result = None, fxacct.profile(config)
         prediction = predict_profile(result)
     layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
+    layout.update(summary_only=summary_only, width=None if wide else terminal_width())
     _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace)
     if run is not None and run.measured.interrupted:
         click.echo(f"error: interrupted after {run.measured.steps} of {run.measured.steps_requested} timed steps; "
@@ -112,8 +133,15 @@ def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace
         click.echo(f"wrote {plot}", err=True)
     if fmt == "json":
         text = json.dumps(document(result, prediction, run), indent=2) + "\n"
-    elif fmt in ("csv", "markdown"):
+    elif fmt == "html":
+        from fxacct.report.html import render_html
+
+        text = render_html(result, prediction, run)
+    elif fmt == "csv":
         text = render_rows(result, fmt, **({"by": by} if by is not None else {}))
+    elif fmt == "markdown":
+        text = render_markdown(result, prediction, by=by or "module", depth=layout.get("depth"),
+                               summary_only=layout["summary_only"])
     else:
         text = render_profile_text(result, prediction=prediction, runtime=run, **layout)
     write_output(text, output)

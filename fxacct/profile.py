@@ -11,6 +11,8 @@ import torch
 from fxacct.trace import torch_private as tp
 
 from fxacct.load import model_spec as loading
+from fxacct.load.hf import is_causal_lm
+from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
 from fxacct.trace.capture import Capture, CaptureOptions, capture
@@ -67,7 +69,8 @@ def _capture(model, args, kwargs, config: Config, inference: bool = False) -> Ca
     return capture(model, tuple(args), kwargs, CaptureOptions(
         dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
         optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
-        master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup))
+        master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup,
+        loss=config.loss, causal_lm=is_causal_lm(model)))
 
 
 def rank_peak(cap: Capture, model, config: Config) -> tuple[Peak, Peak | None, tuple[str, int] | None]:
@@ -116,7 +119,8 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     )
     if config.gpu is not None:
         memory = _with_fit(memory, model, config, inputs_for)
-    return Profile(config, acct, memory, cap, precision_warnings(cap))
+    loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
+    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note)
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
@@ -170,17 +174,14 @@ MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
 
 
 def load_model(config: Config):
-    """(model on meta, args, kwargs, inputs_for) for config.target, per DESIGN.md's loading rules."""
-    obj, file_module = loading.resolve(config.target)
-    name = config.target.rpartition(":")[2]
-    model = loading.build(obj, dict(config.kwargs), name)
+    """(model on meta, args, kwargs, inputs_for) for config.target (fxacct.load.source)."""
+    from fxacct.load import source as sources
+
+    src = sources.open_source(config)
+    model = src.build()
 
     def inputs_for(batch: int):
-        if config.inputs:
-            args = tuple(s.make(batch) for s in config.inputs if s.name is None)
-            kwargs = {s.name: s.make(batch) for s in config.inputs if s.name is not None}
-            return args, kwargs
-        return loading.require_inputs(loading.example_inputs(model, file_module, batch))
+        return sources.inputs(src, model, config, batch)
 
     args, kwargs = inputs_for(config.batch)
     return model, args, kwargs, inputs_for

@@ -1,8 +1,15 @@
-"""Shared test set-up: Hypothesis profiles and a meta-device model builder.
+"""Shared test set-up: Hypothesis profiles, an isolated cache dir for every test, and a meta-device
+model builder.
 
 Profiles: ``ci`` (derandomized, so a CI failure reproduces exactly) is loaded when the ``CI``
-environment variable is set; ``dev`` otherwise. A test that needs fewer examples says so with its
-own ``@settings``.
+environment variable is true (GitHub Actions and most CI services set ``CI=true``); ``dev``
+otherwise. A test that needs fewer examples says so with its own ``@settings``.
+
+Cache: fxacct keeps device calibrations in ``$FXACCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxacct``,
+else ``~/.cache/fxacct`` (fxacct.predict.calibrate). No test may read or write the user's: a
+session-wide empty cache covers module- and session-scoped fixtures, and each test gets its own
+empty one on top. Subprocesses inherit ``os.environ``; a test that passes ``env=`` must build it
+from ``os.environ``.
 """
 
 import os
@@ -22,7 +29,26 @@ from helpers import on_meta  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=20, deadline=None)
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+
+def _point_cache_at(mp: pytest.MonkeyPatch, folder: Path) -> Path:
+    mp.setenv("FXACCT_CACHE_DIR", str(folder / "fxacct-cache"))
+    mp.setenv("XDG_CACHE_HOME", str(folder / "xdg-cache"))
+    return folder / "fxacct-cache"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """An empty cache for what runs outside a test: session- and module-scoped fixtures."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield _point_cache_at(mp, tmp_path_factory.mktemp("session-cache"))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(_session_cache, tmp_path_factory, monkeypatch) -> Path:
+    """This test's own empty fxacct cache dir (not created; fxacct.predict.calibrate.save makes it),
+    outside ``tmp_path`` so a test that lists its tmp_path finds only its own files."""
+    return _point_cache_at(monkeypatch, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")

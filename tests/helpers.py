@@ -113,3 +113,59 @@ def profile_meta(model: torch.nn.Module, args=(), kwargs=None, batch: int | None
 
 def meta_input(*shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def flop_counter_forward_by_module(model: torch.nn.Module, args=(), kwargs=None) -> dict[str, int]:
+    """{module FQN: forward FLOPs} as torch.utils.flop_counter attributes them (inclusive; "" is the
+    root). Only modules that were called appear: a ModuleList never runs, so it has no entry.
+
+    Forward only: FlopCounterMode's backward attribution follows its ModuleTracker, which gives a
+    gradient that several modules' inputs share (k_proj and v_proj reading one x, a ResNet shortcut)
+    to whichever module's backward hook fired last; fxacct attributes by the autograd link instead."""
+    root = type(model).__name__
+    with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as fc:
+        model(*args, **(kwargs or {}))
+    return {("" if key in ("Global", root) else key.removeprefix(root + ".")): sum(counts.values())
+            for key, counts in fc.get_flop_counts().items()}
+
+
+def eager_saved_bytes(model: torch.nn.Module, args=(), kwargs=None, amp: torch.dtype | None = None):
+    """(total, {dtype name: bytes}) autograd saves during a real eager forward of ``model``: each
+    storage once (``untyped_storage()._cdata``), parameters and buffers excluded, saved inputs
+    included (DESIGN.md, ``activation_bytes``). The graph (and so every saved storage) stays alive
+    until the sums are taken, so no storage address is reused while counting."""
+    excluded = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in excluded and st._cdata not in seen:
+            seen[st._cdata] = (st.nbytes(), t.dtype)
+        return t
+
+    autocast = torch.autocast("cpu", dtype=amp) if amp is not None else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        out = model(*args, **(kwargs or {}))
+    by: dict[str, int] = {}
+    for nbytes, dt in seen.values():
+        name = str(dt).removeprefix("torch.")
+        by[name] = by.get(name, 0) + nbytes
+    del out
+    return sum(by.values()), by
+
+
+def real_model(rel: str, kwargs: dict, batch: int, dtype: torch.dtype | None = None):
+    """(CPU model with real weights, args, kwargs) for 'examples/x.py:Name', inputs from the
+    model's own example_inputs on CPU; with ``dtype`` the model and floating inputs are cast."""
+    from fxacct.load import model_spec
+
+    obj, file_module = model_spec.resolve(target(rel))
+    torch.manual_seed(0)
+    model = obj(**kwargs)
+    args, kw = model_spec.example_inputs(model, file_module, batch, device="cpu")
+    if dtype is not None:
+        model = model.to(dtype)
+        args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+        kw = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in kw.items()}
+    return model, args, kw

@@ -110,13 +110,18 @@ def test_gpt_linear_nodes_carry_their_module(gpt_small):
 
 def test_module_rows_are_inclusive(gpt_small):
     rows = {m.module: m for m in gpt_small.accounting.modules}
-    t = gpt_small.accounting.totals
-    assert rows[""].forward == t.forward
-    # a block is the sum of its two sublayers' matmuls (its LayerNorms and residual adds are `other`)
+    # B·T = 2·32 = 64 rows, n_embd 64. Per block: c_attn (64, 64) @ (64, 192): 2·64·64·192 = 1,572,864;
+    # attn.c_proj 2·64·64·64 = 524,288; mlp.c_fc 2·64·64·256 = 2,097,152; mlp.c_proj the same
+    # (LayerNorms and residual adds are `other`, SDPA is `attention`)
+    attn, mlp = 1_572_864 + 524_288, 2 * 2_097_152
     for i in range(2):
-        assert rows[f"h.{i}"].forward.matmul == rows[f"h.{i}.attn"].forward.matmul + rows[f"h.{i}.mlp"].forward.matmul
-        # c_attn: (2·32, 64) @ (64, 192): 2·64·64·192 = 1,572,864
-        assert rows[f"h.{i}.attn.c_attn"].forward.matmul == 2 * 64 * 64 * 192
+        assert rows[f"h.{i}.attn.c_attn"].forward.matmul == 1_572_864
+        assert rows[f"h.{i}.attn"].forward.matmul == attn
+        assert rows[f"h.{i}.mlp"].forward.matmul == mlp
+        assert rows[f"h.{i}"].forward.matmul == attn + mlp  # inclusive: the block holds both sublayers
+    # the root holds both blocks and lm_head, (64, 64) @ (64, 100): 2·64·64·100 = 819,200
+    assert rows[""].forward.matmul == 2 * (attn + mlp) + 819_200
+    assert rows["h"].forward.matmul == 2 * (attn + mlp)  # a ModuleList never runs, yet holds its blocks
 
 
 class Shared(nn.Module):

@@ -12,18 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 from fxacct_cli.main import cli
+from helpers import target
 
-ROOT = Path(__file__).resolve().parents[1]
-MLP = ["examples/mlp.py:MLP", "-k", "d_model=64", "-k", "d_hidden=128", "-k", "n_blocks=2"]
+MLP = [target("examples/mlp.py:MLP"), "-k", "d_model=64", "-k", "d_hidden=128", "-k", "n_blocks=2"]
 # per block: ln 2·64 = 128, fc1 64·128 + 128 = 8,320, fc2 128·64 + 64 = 8,256 → 16,704;
 # 2 blocks + ln_f 128 → 33,536 parameters
 MLP_PARAMS = 2 * (128 + 8_320 + 8_256) + 128
 H100_REPORTED = 81_559 * 2**20  # bytes: nvidia-smi memory.total of an H100 80GB HBM3 (81559 MiB)
-
-
-@pytest.fixture(autouse=True)
-def _in_repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
 
 
 def invoke(*args: str):
@@ -120,7 +115,7 @@ def test_check_usage_errors_exit_2(args, says):
 
 
 def test_check_a_broken_model_exits_3():
-    exits(3, "check", "tests/models/forward_raises.py:ForwardRaises", "--max-memory", "80GB")
+    exits(3, "check", target("tests/models/forward_raises.py:ForwardRaises"), "--max-memory", "80GB")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,7 +129,7 @@ def profiles(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, hidden in (("baseline", 128), ("wider", 160)):
         path = folder / f"{name}.json"
-        result = CliRunner().invoke(cli, ["profile", str(ROOT / "examples/mlp.py") + ":MLP", "-k", "d_model=64",
+        result = CliRunner().invoke(cli, ["profile", target("examples/mlp.py:MLP"), "-k", "d_model=64",
                                           "-k", f"d_hidden={hidden}", "-k", "n_blocks=2", "--format", "json",
                                           "-o", str(path)], catch_exceptions=False)
         assert result.exit_code == 0, shown(result)
@@ -209,5 +204,6 @@ def test_diff_bad_budgets_are_usage_errors(profiles, budget, says):
     assert says in line, line
 
 
-def test_diff_of_a_missing_file_is_a_usage_error(profiles):
-    exits(2, "diff", str(profiles["baseline"]), "missing.json")
+def test_diff_of_a_missing_file_is_a_usage_error(profiles, tmp_path):
+    line = exits(2, "diff", str(profiles["baseline"]), str(tmp_path / "missing.json")).stderr
+    assert "missing.json" in line, line

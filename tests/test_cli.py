@@ -232,25 +232,30 @@ def test_csv_by_module_has_one_row_per_module():
     text = profile(*TINY_GPT, "--batch", "2", "--format", "csv", "--by", "module").stdout
     rows = list(csv.DictReader(io.StringIO(text)))
     assert "module" in text.splitlines()[0].split(","), text
-    assert [r["module"] for r in rows] == [m["module"] for m in doc["modules"]], text
-    root = next(r for r in rows if r["module"] == "")
+    # the root module is "(root)", as in the text table (its JSON name stays "")
+    assert [r["module"] for r in rows] == [m["module"] or "(root)" for m in doc["modules"]], text
+    root = next(r for r in rows if r["module"] == "(root)")
     assert int(root["forward_flops"]) == doc["totals"]["forward_flops"], text
     lm_head = next(r for r in rows if r["module"] == "lm_head")
     assert int(lm_head["forward_flops"]) == 2 * 32 * 32 * 64  # B·T=32 tokens, C=32, V=64: 131,072
 
 
-def test_markdown_is_a_pipe_table():
-    text = profile(TWO_LAYER, "--batch", "2", "--format", "markdown").stdout
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert all(line.startswith("|") and line.rstrip().endswith("|") for line in lines), text
-    assert "name" in lines[0] and "forward_flops" in lines[0], text
-    assert set(lines[1].replace("|", "").replace(" ", "")) <= {"-", ":"}, text  # the separator row
-    assert len(lines) == 2 + 3, text  # header, separator, x / mm / mm_1
-    by_module = profile(*TINY_GPT, "--format", "markdown", "--by", "module").stdout
-    mlines = [line for line in by_module.splitlines() if line.strip()]
+def test_markdown_has_summary_totals_and_tables():
+    # Pipe tables under headings; the per-module table by default, per-node with --by node. Parsed as
+    # tables (markdown-it-py) in tests/test_markdown.py; here the rows and figures.
+    text = profile(TWO_LAYER, "--batch", "2", "--format", "markdown", "--by", "node").stdout
+    assert text.startswith("### fxacct profile: `examples/two_layer.py:TwoLayer`"), text
+    rows = [line for line in text.split("#### Forward nodes")[1].splitlines() if line.startswith("|")]
+    assert "node" in rows[0] and "forward FLOPs" in rows[0], text
+    assert set(rows[1].replace("|", "").replace(" ", "")) <= {"-", ":"}, text  # the separator row
+    assert len(rows) == 2 + 3, text  # header, separator, x / mm / mm_1
+    assert "| forward + backward FLOPs" in text and "144 |" in text, text  # 60 forward + 84 backward
+    by_module = profile(*TINY_GPT, "--format", "markdown").stdout
+    mlines = [line for line in by_module.split("#### Modules")[1].splitlines() if line.startswith("|")]
     assert "module" in mlines[0], by_module
     assert len(mlines) == 2 + 16, by_module  # 16 modules in named_modules() of the tiny GPT
-    assert any("h.0.attn.c_attn" in line for line in mlines), by_module
+    assert any("`h.0.attn.c_attn`" in line for line in mlines), by_module
+    assert mlines[2].startswith("| (root)"), by_module  # the root is named, not blank
 
 
 def test_depth_limits_the_module_table():

@@ -16,14 +16,10 @@ from fxacct_cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_BF16 = 989.5e12  # FLOP/s, NVIDIA H100 SXM datasheet, dense (the seeds' h100_flop_per_sec)
+H100_FP32 = 67e12  # FLOP/s, NVIDIA H100 SXM datasheet, FP32 (no tensor cores)
 H100_NOMINAL = 80 * 10**9  # bytes, "80GB" as the seeds use it (h100_bytes = 80e9)
 SEEDS_TRAIN = ["--params", "70e9", "--tokens", "15e12", "--world-size", "1024", "--gpu", "h100", "--mfu", "0.3"]
 SEEDS_MAX = ["--world-size", "8", "--gpu", "h100", "--optimizer", "adamw", "--dtype", "fp32"]
-
-
-@pytest.fixture(autouse=True)
-def _in_repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
 
 
 def invoke(*args: str):
@@ -114,12 +110,39 @@ def test_train_time_from_a_profile_uses_its_flops_per_token(gpt_profile):
                   "h100", "--mfu", "0.4")
     assert doc["flops_source"] == "profile", doc
     assert Fraction(doc["total_flops"]) == per_token * 10**12, doc
-    # days = total / (989.5e12 · 0.4 · 64 · 86,400)   (the profile has no --amp/--dtype: bf16 peak)
-    assert doc["days"] == pytest.approx(float(per_token * 10**12) / (H100_BF16 * 0.4 * 64 * 86_400)), doc
+    # days = total / (67e12 · 0.4 · 64 · 86,400)   (the profile has no --amp/--dtype: the fp32 peak,
+    # as `fxacct check` uses for the same profile)
+    assert doc["peak_dtype"] == "float32" and doc["peak_flops_per_s"] == H100_FP32, doc
+    assert doc["days"] == pytest.approx(float(per_token * 10**12) / (H100_FP32 * 0.4 * 64 * 86_400)), doc
     # beside it, 6·N·D with the profile's own N
     assert doc["six_n_d_flops"] == 6 * t["params"] * 10**12, doc
     out = ok("train-time", "--from", str(gpt_profile), "--tokens", "1e12", "--gpus", "64", "--gpu", "h100")
     assert "FLOPs per token" in out and "6·N·D with the profile's N" in out, out
+
+
+TINY_GPT = [str(ROOT / "examples/gpt2.py") + ":GPT", "-k", "n_layer=1", "-k", "n_embd=32", "-k", "n_head=2",
+            "-k", "block_size=16", "-k", "vocab_size=64", "--batch", "2"]
+
+
+@pytest.mark.parametrize("precision, expected", [((), "float32"), (("--dtype", "bf16"), "bfloat16"),
+                                                 (("--amp", "fp16"), "float16")])
+def test_train_time_from_a_profile_uses_the_peak_check_uses(tmp_path, precision, expected):
+    # The same model and flags: `check --max-step-time` and `estimate train-time --from` its profile
+    # price the step at the same matmul peak (--amp, else --dtype, else float32), and say why.
+    path = tmp_path / "p.json"
+    result = CliRunner().invoke(cli, ["profile", *TINY_GPT, *precision, "--format", "json", "-o", str(path)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, shown(result)
+    result = CliRunner().invoke(cli, ["check", *TINY_GPT, *precision, "--gpu", "h100", "--max-step-time", "1h",
+                                      "--format", "json"], catch_exceptions=False)
+    assert result.exit_code == 0, shown(result)
+    checked = json.loads(result.stdout)["assumptions"]
+    doc = as_json("train-time", "--from", str(path), "--tokens", "1e9", "--gpu", "h100")
+    assert doc["peak_dtype"] == checked["peak_dtype"] == expected, (doc, checked)
+    assert doc["peak_flops_per_s"] == checked["peak_flops_per_s"], (doc, checked)
+    out = ok("train-time", "--from", str(path), "--tokens", "1e9", "--gpu", "h100")
+    why = "the profile (no --amp or --dtype: float32" if not precision else f"the profile's {precision[0]}"
+    assert f"{expected}, dense; dtype from {why}" in out, out
 
 
 def test_train_time_from_a_profile_without_tokens_is_a_usage_error(tmp_path):
@@ -225,7 +248,8 @@ def test_flops_six_n_d():
     (["train-time", "--params", "1e9", "--tokens", "1e9", "--gpu", "b300"], "--gpu"),
     (["train-time", "--params", "1e9", "--tokens", "1e9"], "--gpu"),
     (["train-time", "--params", "1e9", "--tokens", "1e9", "--gpu", "h100", "--gpus", "0"], "--world-size"),
-    (["train-time", "--from", "nowhere.json", "--tokens", "1e9", "--gpu", "h100"], "nowhere.json"),
+    (["train-time", "--from", str(ROOT / "tests" / "nowhere.json"), "--tokens", "1e9", "--gpu", "h100"],
+     "nowhere.json"),
     (["max-params", "--world-size", "8"], "--gpu"),
     (["max-params", "--gpu", "h100", "--shard", "zero3"], "--world-size"),
     (["max-params", "--gpu", "h100", "--shard", "zero9", "--world-size", "8"], "--shard"),

@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from fxacct_cli.main import cli
+from helpers import target
 
-ROOT = Path(__file__).resolve().parents[1]
-TWO_LAYER = "examples/two_layer.py:TwoLayer"
-SMALL_GPT = ["examples/gpt2.py:GPT", "-k", "n_layer=2", "-k", "n_head=4", "-k", "n_embd=64",
+TWO_LAYER = target("examples/two_layer.py:TwoLayer")
+SMALL_GPT = [target("examples/gpt2.py:GPT"), "-k", "n_layer=2", "-k", "n_head=4", "-k", "n_embd=64",
              "-k", "vocab_size=100", "-k", "block_size=32"]
-
-
-@pytest.fixture(autouse=True)
-def _in_repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)
 
 
 def invoke(*args: str):
@@ -92,7 +86,7 @@ def test_gpu_profile_prints_the_fit_and_the_largest_batch():
     assert result.exit_code == 0, shown(result)
     text = result.stdout
     # H100 80GB: the driver reports 81,559 MiB = 79.65 GiB
-    fit = [ln for ln in text.splitlines() if "H100" in ln and "79.65 GiB" in ln]
+    fit = [ln for ln in text.splitlines() if "H100" in ln and "79.65 GiB" in ln and "per-rank peak" in ln]
     assert len(fit) == 1, text
     assert re.search(r"per-rank peak [0-9.]+ GiB, fits, [0-9.]+ GiB headroom", fit[0]), fit[0]
     largest = [ln for ln in text.splitlines() if ln.startswith("largest batch that fits: ")]
@@ -101,7 +95,7 @@ def test_gpu_profile_prints_the_fit_and_the_largest_batch():
 
 
 def test_sharded_profile_prints_the_per_rank_line():
-    result = invoke("examples/mlp.py:MLP", "-k", "d_model=32", "-k", "d_hidden=64", "-k", "n_blocks=2",
+    result = invoke(target("examples/mlp.py:MLP"), "-k", "d_model=32", "-k", "d_hidden=64", "-k", "n_blocks=2",
                     "--optimizer", "adam", "--amp", "bf16", "--world-size", "8", "--shard", "zero3")
     assert result.exit_code == 0, shown(result)
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("per rank, zero3 over 8 ranks")), None)

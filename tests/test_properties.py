@@ -1,6 +1,7 @@
 """Hypothesis properties of the account: closed forms for single ops, backward = 2× forward for a
-matmul whose input needs a grad, linearity in batch, views are free, rows add up to totals, and
-agreement with FlopCounterMode on random stacks.
+matmul whose input needs a grad, linearity in batch, views are free, node and module rows against
+FlopCounterMode, per-layer closed forms and eager saved tensors, and agreement with FlopCounterMode
+on random stacks.
 
 Every module here is built on the meta device with meta inputs (helpers.on_meta, meta_input).
 """
@@ -13,9 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fxacct
-from fxacct.costs.registry import ZERO
-from helpers import (SMALL_EXAMPLES, config, flop_counter_oracle, meta_input, model_flops, on_meta,
-                     profile_meta)
+from helpers import (SMALL_EXAMPLES, config, eager_saved_bytes, flop_counter_forward_by_module,
+                     flop_counter_oracle, load, meta_input, model_flops, on_meta, profile_meta, real_model)
 from strategies import bmm_shapes, conv2d_configs, conv_stacks, matmul_shapes, mlp_stacks
 
 
@@ -178,48 +178,81 @@ def test_attention_flops_linear_in_batch(name):
         assert one.forward.attention > 0
 
 
-# ---------------------------------------------------------------- rows and totals
+# ---------------------------------------------------------------- rows against independent figures
+# The totals are the sums of the rows by definition (fxacct.account.accounting), so the rows are
+# held against figures computed without fxacct: forward FLOPs per module from FlopCounterMode
+# (inclusive, as fxacct's module rows are), per-layer closed forms for forward and backward, and the
+# storages autograd saves in a real eager forward (saved_tensors_hooks).
 @pytest.fixture(scope="module")
 def example_profiles():
     return {name: fxacct.profile(config(name, batch=2)) for name in SMALL_EXAMPLES}
 
 
-def _check_rows(acc):
+def _check_rows(p: fxacct.Profile, meta_model, args, kwargs=None, real=None, real_args=()):
+    acc = p.accounting
     for r in acc.nodes:
         if r.kind == "view":
             assert r.output_bytes == 0, r
             assert r.forward.total == 0, r
-    t = acc.totals
-    assert _sum_flops(acc.nodes, "forward") == t.forward
-    assert _sum_flops(acc.nodes, "backward") == t.backward
-    assert sum(r.activation_bytes for r in acc.nodes) == t.activation_bytes
-    root = next(m for m in acc.modules if m.module == "")
-    assert (root.forward, root.backward, root.activation_bytes) == (t.forward, t.backward, t.activation_bytes)
-
-
-def _sum_flops(rows, attr):
-    return sum((getattr(r, attr) for r in rows), ZERO)
+    called = flop_counter_forward_by_module(meta_model, args, kwargs)
+    modules = dict(meta_model.named_modules())
+    for m in acc.modules:
+        if m.module in called:
+            assert model_flops(m.forward) == called[m.module], m
+        else:  # a container that never runs (ModuleList) or a module FlopCounterMode saw no matmul in
+            assert isinstance(modules[m.module], (nn.ModuleList, nn.ModuleDict)) or model_flops(m.forward) == 0, m
+    if real is not None:  # no loss-phase saves here (the loss sums fp32 outputs): rows hold them all
+        assert sum(r.activation_bytes for r in acc.nodes) == eager_saved_bytes(real, real_args)[0]
 
 
 @pytest.mark.parametrize("name", list(SMALL_EXAMPLES))
-def test_rows_sum_to_totals_examples(example_profiles, name):
-    acc = example_profiles[name].accounting
-    assert any(r.kind == "view" for r in acc.nodes) or name in ("TwoLayer", "DeepLinearModel")
-    _check_rows(acc)
+def test_rows_match_independent_figures_examples(example_profiles, name):
+    p = example_profiles[name]
+    assert any(r.kind == "view" for r in p.accounting.nodes) or name in ("TwoLayer", "DeepLinearModel")
+    model, args, kwargs = load(p.config)
+    rel, ctor = SMALL_EXAMPLES[name]
+    real, real_args, real_kwargs = real_model(rel, ctor, 2)
+    assert not real_kwargs
+    _check_rows(p, model, args, kwargs, real, real_args)
+
+
+def _real_copy(stack):
+    torch.manual_seed(0)
+    return stack.build()
 
 
 @given(mlp_stacks(), st.integers(1, 3))
-def test_rows_sum_to_totals_mlp(stack, b):
+def test_rows_match_closed_forms_mlp(stack, b):
     # a 3-d input: Linear folds (b, 2, k) into (2b, k) through views
     model = on_meta(stack.build)
-    _check_rows(profile_meta(model, (meta_input(b, 2, stack.widths[0]),)).accounting)
+    x = meta_input(b, 2, stack.widths[0])
+    p = profile_meta(model, (x,))
+    _check_rows(p, model, (x,), real=_real_copy(stack), real_args=(torch.randn(b, 2, stack.widths[0]),))
+    # per Linear (module "2i"): forward 2·(2b)·k·n; backward dW, plus dX for every layer but the first
+    rows = {m.module: m for m in p.accounting.modules}
+    for i, (k, n) in enumerate(zip(stack.widths, stack.widths[1:])):
+        fwd = 2 * (2 * b) * k * n
+        row = rows[str(2 * i)]
+        assert (model_flops(row.forward), model_flops(row.backward)) == (fwd, fwd * (2 if i else 1)), (i, row)
 
 
 @given(conv_stacks(), st.integers(2, 3), st.booleans())
-def test_rows_sum_to_totals_conv(stack, b, input_grad):
+def test_rows_match_closed_forms_conv(stack, b, input_grad):
     model = on_meta(stack.build)
     x = meta_input(b, stack.in_channels, stack.size, stack.size)
-    _check_rows(profile_meta(model, (x,), input_requires_grad=input_grad).accounting)
+    p = profile_meta(model, (x,), input_requires_grad=input_grad)
+    real_x = torch.randn(b, stack.in_channels, stack.size, stack.size, requires_grad=input_grad)
+    _check_rows(p, model, (x,), real=_real_copy(stack), real_args=(real_x,))
+    # per Conv2d: N·C_out·H_out·W_out·(C_in/groups)·k² multiply-adds (conv_stack_flops, layer by layer)
+    rows = {m.module: m for m in p.accounting.modules}
+    per_layer = 3 if stack.batch_norm else 2  # Conv2d, [BatchNorm2d,] activation
+    size = stack.size
+    for i, c in enumerate(stack.layers):
+        size = (size + 2 * c.padding - c.kernel) // c.stride + 1
+        fwd = 2 * b * c.c_out * size * size * (c.c_in // c.groups) * c.kernel ** 2
+        row = rows[str(per_layer * i)]
+        assert row.forward.matmul == fwd, (i, row)
+        assert row.backward.matmul == fwd * (2 if i > 0 or input_grad else 1), (i, row)
 
 
 # ---------------------------------------------------------------- agreement with FlopCounterMode

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 from click.testing import CliRunner
 
 import fxacct
@@ -18,16 +19,11 @@ from fxacct.predict.roofline import (COMPUTE, FREE, INIT, MEMORY, PHASES, Device
                              op_seconds, predict_profile)
 from fxacct.units import GB, GiB
 from fxacct_cli.main import cli
-from helpers import ROOT, config
+from helpers import ROOT, config, meta_input, on_meta, profile_meta
 
 TWO_LAYER = str(ROOT / "examples/two_layer.py") + ":TwoLayer"
 # matmul 1e6 FLOP/s, other 1e6 FLOP/s, 1e9 B/s: a tiny model is compute-bound, 1 FLOP = 1 µs
 TOY = DeviceModel("toy", {"float32": 1e6}, 1e6, 1e9, "test")
-
-
-@pytest.fixture(autouse=True)
-def _no_calibration(tmp_path, monkeypatch):
-    monkeypatch.setenv("FXACCT_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def invoke(*args):
@@ -127,26 +123,51 @@ def test_two_layer_on_a_toy_device_by_hand():
     assert pr.by_phase["backward"] == pytest.approx(84e-6)
     assert pr.by_phase["loss"] == pytest.approx(4e-6 + 4e-9)
     assert pr.by_module[""] == pytest.approx((60e-6, 84e-6))
-    assert pr.step_s == pytest.approx(sum(pr.by_phase.values()))
+    # without an optimizer the step is 60 + 4.004 + 84 = 148.004 µs
+    bare = predict_profile(fxacct.profile(fxacct.Config(target=TWO_LAYER, batch=2, optimizer="none")), TOY)
+    assert bare.by_phase["optimizer"] == 0
+    assert bare.step_s == pytest.approx(148.004e-6)
+    assert bare.step_ms == pytest.approx(0.148004)
     # AdamW's first step creates its state (zeros_like): not part of a steady-state step
     assert {o.bound for o in pr.ops if o.node.startswith("zeros_like")} == {INIT}
     assert all(o.seconds == 0 for o in pr.ops if o.bound in (FREE, INIT))
 
 
-def test_op_flops_sum_to_the_account_and_times_to_the_phases():
+def test_op_flops_sum_to_the_account():
+    # the prediction walks every op of the graph; the account sums rows of forward nodes with the
+    # backward attributed to them: both must see the same FLOPs per phase
     p = fxacct.profile(config("GPT", batch=2))
     pr = predict_profile(p, from_gpu(get_device("h100")))
     flops = {phase: sum(o.flops for o in pr.ops if o.phase == phase) for phase in PHASES}
     t = p.accounting.totals
     assert flops == {"forward": t.forward.total, "loss": t.loss_flops, "backward": t.backward.total,
                      "optimizer": t.optimizer_flops}
-    for phase in PHASES:
-        assert pr.by_phase[phase] == pytest.approx(sum(o.seconds for o in pr.ops if o.phase == phase))
-    # every forward and backward second is on a node, and the root module holds them all
+    # no forward or backward op is left without a node to carry its time (an orphan backward op
+    # goes to a forward node, never nowhere)
     node_f = sum(f for f, _ in pr.by_node.values())
     node_b = sum(b for _, b in pr.by_node.values())
     assert (node_f, node_b) == pytest.approx((pr.by_phase["forward"], pr.by_phase["backward"]))
-    assert pr.by_module[""] == pytest.approx((node_f, node_b))
+
+
+@pytest.mark.parametrize("m, bound", [(4096, COMPUTE), (1, MEMORY)])
+def test_one_linear_on_an_h100_by_hand(m, bound):
+    # y = x @ Wᵀ, x (m, 4096), W (4096, 4096) fp32, no bias, no optimizer; H100: fp32 matmuls at the
+    # non-tensor 67e12 FLOP/s (TF32 off), 3.35e12 B/s; an op takes max(compute, memory).
+    # forward mm: 2·m·4096·4096 FLOPs; reads x and W, writes y: (m·4096 + 4096² + m·4096)·4 B
+    #   m = 4096: 137,438,953,472 / 67e12 = 2.0513 ms > 201,326,592 B / 3.35e12 = 60.1 µs: compute
+    #   m = 1:    33,554,432 / 67e12 = 0.50 µs < 67,141,632 B / 3.35e12 = 20.04 µs: memory
+    # backward: dW = dyᵀ @ x, the same product and bytes (x needs no grad: no dX); transposes free
+    # loss: sum over y, m·4096 FLOPs at 67e12 vs (m·4096·4 + 4) B: memory; ones_like writes 4 B
+    k = n = 4096
+    p = profile_meta(on_meta(nn.Linear, k, n, bias=False), (meta_input(m, k),), optimizer="none")
+    pr = predict_profile(p, from_gpu(get_device("h100")))
+    mm = max(2 * m * k * n / 67e12, (m * k + k * n + m * n) * 4 / 3.35e12)
+    loss = max(m * n / 67e12, (m * n * 4 + 4) / 3.35e12) + 4 / 3.35e12
+    assert [o.bound for o in pr.ops if o.op == "aten.mm.default"] == [bound, bound]
+    assert pr.by_phase == pytest.approx({"forward": mm, "loss": loss, "backward": mm, "optimizer": 0.0})
+    assert pr.by_node["mm"] == pytest.approx((mm, mm))
+    assert pr.by_module[""] == pytest.approx((mm, mm))
+    assert pr.step_s == pytest.approx(2 * mm + loss)
 
 
 def test_replayed_blocks_predict_the_same_as_traced_ones():

@@ -29,11 +29,6 @@ RUNTIME_KEYS = {"device", "steps", "step_ms", "forward_ms", "backward_ms", "opti
                 "predicted_step_ms", "achieved_flops_per_s", "mfu"}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FXACCT_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def invoke(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 

@@ -31,11 +31,6 @@ GPT = [str(ROOT / "examples/gpt2.py") + ":GPT", "-k", "n_layer=2", "-k", "n_embd
 FAST = ["--runtime", "--device", "cuda", "--steps", "3", "--warmup", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FXACCT_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def runtime_doc(tmp_path, *args) -> dict:
     out = tmp_path / "out.json"
     result = CliRunner().invoke(cli, ["profile", *args, "--format", "json", "-o", str(out)],

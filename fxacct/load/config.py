@@ -34,6 +34,9 @@ class Config:
     shard: str = "none"
     find_max_batch: bool = True  # with a gpu: search the largest batch that fits
     dedup: bool = True  # trace repeated blocks once where proven identical (fxacct.trace.replay)
+    loss: str = "sum"  # fxacct.trace.loss.LOSSES: sum, cross-entropy, mse, model
+    hf_class: str | None = None  # hf:PATH: the transformers class (default from the config)
+    seq_len: int | None = None  # the default inputs' sequence length (Hugging Face models)
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device
@@ -58,8 +61,16 @@ class Config:
                              "use it with --dtype bf16 or --dtype fp16")
         if self.gpu is not None:
             get_device(self.gpu)
+        self._check_loading()
         check(self.shard, self.world_size)
         self.optimizer_spec().resolve()
+
+    def _check_loading(self):
+        from fxacct.trace.loss import LossSpec
+
+        LossSpec(self.loss, self.loss_output)
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
 
     def optimizer_spec(self):
         from fxacct.trace.optim_step import OptimizerSpec

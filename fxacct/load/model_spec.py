@@ -1,4 +1,4 @@
-"""Load: resolve "PATH.py:Name" to a module built on the meta device and its example inputs.
+"""Load: resolve "PATH.py:Name" (fxacct.load.source has the other spec forms) to a module built on the meta device and its example inputs.
 
 `Name` is an nn.Module subclass or a factory returning one; constructor arguments come from the
 config's kwargs. Inputs, first match wins: the config's input specs; an `example_inputs(batch)`
@@ -70,7 +70,8 @@ def resolve(target: str):
     """'examples/gpt2.py:GPT' -> (the object named GPT, the imported file module)."""
     path_text, sep, name = target.rpartition(":")
     if not sep or not path_text or not name:
-        raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT")
+        raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT, "
+                         "package.module:Name such as torch.nn:Linear, or hf:DIR_OR_CONFIG_JSON")
     path = Path(path_text)
     if not path.is_file():
         raise UsageError(f"model file {path_text!r} not found; give a path to a .py file, relative to {os.getcwd()}")
@@ -84,8 +85,8 @@ def resolve(target: str):
     return obj, module
 
 
-def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
-    """Call the class or factory on the meta device: parameters get shapes, never memory."""
+def build(obj, kwargs: dict, name: str, device="meta") -> torch.nn.Module:
+    """Call the class or factory on ``device`` (meta: parameters get shapes, never memory)."""
     if not callable(obj):
         raise UsageError(f"{name} is {_a(type(obj).__name__)}, not an nn.Module class or a factory returning one")
     try:
@@ -105,9 +106,9 @@ def build(obj, kwargs: dict, name: str) -> torch.nn.Module:
                                  f"or --kwargs JSON") from None
             raise UsageError(f"{name}() does not take these arguments ({e}); check -k/--kwargs") from None
     try:
-        with torch.device("meta"):
+        with torch.device(device):
             model = call_user(obj, **kwargs)
-    except FxacctError:
+    except (FxacctError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as e:
         raise classify(e, f"{name}({_kwargs_text(kwargs)})") from e

@@ -9,12 +9,14 @@ What is measured (each the best of repetitions that fill a small time budget: on
 other work only ever slows a repetition down, so the fastest is the device's own rate):
 
 - matmul FLOP/s per dtype: ``a @ b`` on square n×n operands, 2·n³ FLOPs each (1 FMA = 2 FLOPs,
-  fxacct.units). n grows from 256 by doubling until one product takes ``MIN_OP_S`` or n reaches the
-  device's cap, and the rate at that n is kept: a sustained rate. Smaller products that fit in
+  fxacct.units). n grows from ``MIN_N`` by doubling until one product takes ``MIN_OP_S`` or n
+  reaches the device's cap, and the rate at that n is kept: a sustained rate. Smaller products that fit in
   cache can run faster for a moment (on the 2-core CI machine 512² reached 3× the 2048² rate),
   which no model-sized matmul sustains. float32 on CUDA runs with TF32 off (PyTorch's default for
   matmuls); "tf32" is the same product with it on.
-- the same by smallest dimension: (d×n) @ (n×n) for d in ``SKINNY_DIMS``, the square's n. A
+- the same by smallest dimension: (d×n) @ (n×n) for d in ``SKINNY_DIMS``, and the square's n
+  (its own smallest dimension). ``MIN_N`` is twice the largest d, so on any machine, however slow,
+  the square's n lies above every d: the classes of the curve never coincide. A
   matmul with one small dimension (a batch of 64 rows through a 1024→4096 layer, and the weight
   gradient that contracts over those 64) runs well below the square rate on a CPU (measured here:
   ~half); predictions look the rate up by each matmul's smallest dimension (fxacct.predict.roofline).
@@ -55,6 +57,7 @@ MAX_N = {"cpu": 2048, "cuda": 8192}  # largest square operand tried (2048² fp32
 # server CPUs (hundreds of MiB); on a GPU one size far past its L2 (50 MiB on H100)
 COPY_SIZES = {"cpu": tuple(2**20 * m for m in (1, 4, 16, 64, 256)), "cuda": (2**30,)}
 SKINNY_DIMS = (16, 64, 256)  # the small dimension of the (d×n) @ (n×n) products
+MIN_N = 2 * max(SKINNY_DIMS)  # first square n tried: above every skinny d (512² fp32 = 1 MiB each)
 DTYPES = {"cpu": ("float32", "bfloat16", "float16"),
           "cuda": ("float32", "tf32", "bfloat16", "float16")}
 
@@ -155,7 +158,7 @@ def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tup
     dtype = torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
-    n = 256
+    n = MIN_N
     try:
         while True:
             a = torch.randn(n, n, device=kind).to(dtype)
@@ -169,7 +172,10 @@ def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tup
 
 
 def measure_skinny(kind: str, dtype_key: str, n: int, budget_s: float = BUDGET_S) -> dict[int, float]:
-    """{d: FLOP/s} of (d×n) @ (n×n) products for d in SKINNY_DIMS below n."""
+    """{d: FLOP/s} of (d×n) @ (n×n) products for d in SKINNY_DIMS; n must lie above them all, so
+    that no d is the square's own class."""
+    if n <= max(SKINNY_DIMS):
+        raise ValueError(f"square n={n} must exceed every skinny dimension {SKINNY_DIMS}")
     timer = _Timer(kind)
     dtype = torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -177,7 +183,7 @@ def measure_skinny(kind: str, dtype_key: str, n: int, budget_s: float = BUDGET_S
     out = {}
     try:
         b = torch.randn(n, n, device=kind).to(dtype)
-        for d in (d for d in SKINNY_DIMS if d < n):
+        for d in SKINNY_DIMS:
             a = torch.randn(d, n, device=kind).to(dtype)
             out[d] = 2 * d * n * n / _repeat(timer, lambda: torch.mm(a, b), budget_s / 3)  # 2·d·n·n FLOPs
     finally:
@@ -225,30 +231,70 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
 
 
 def save(cal: Calibration) -> Path:
+    """Write the profile atomically (a temporary file, then a rename); a cache dir that cannot be
+    written is a one-line usage error."""
     path = profile_path(cal.kind, cal.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"schema": SCHEMA, **asdict(cal)}, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"schema": SCHEMA, **asdict(cal)}, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(f"cannot store the device profile in {path.parent} ({e.strerror or e}); set "
+                         "FXACCT_CACHE_DIR to a writable folder") from None
     return path
 
 
 def load(kind: str, name: str | None = None) -> Calibration | None:
     """The stored profile of the local CPU (kind "cpu") or of the GPU ``name`` (default: the local
-    one); None if there is none."""
+    one); None if there is none. A file that is not a valid profile is a one-line usage error."""
     if kind == "cuda" and name is None and not torch.cuda.is_available():
         return None
     path = profile_path(kind, name)
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-        if data.pop("schema", None) != SCHEMA:
-            raise ValueError("unknown schema")
-        return Calibration(**data)
-    except (ValueError, TypeError) as e:
+        return parse(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise UsageError(f"device profile {path} is unreadable ({e}); rerun fxacct calibrate "
                          f"--device {kind} or delete it") from None
 
 
-__all__ = ["Calibration", "calibrate", "save", "load", "cache_dir", "profile_path", "check_device"]
+def _positive(field: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"{field} is {v!r}, not a positive number")
+
+
+def _rates(field: str, value, keys_are_ints: bool = False) -> None:
+    """A {key: positive number} mapping, or ValueError naming the field."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} is not a mapping")
+    for k, v in value.items():
+        if keys_are_ints and not str(k).isdigit():
+            raise ValueError(f"{field} has a key {k!r} that is not a size")
+        _positive(f"{field}[{k!r}]", v)
+
+
+def parse(data) -> Calibration:
+    """A Calibration from a stored document; ValueError or TypeError says what is wrong with it."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    data = dict(data)
+    if data.pop("schema", None) != SCHEMA:
+        raise ValueError(f"unknown schema, expected {SCHEMA}")
+    cal = Calibration(**data)  # TypeError for a missing or unknown field
+    if cal.kind not in ("cpu", "cuda"):
+        raise ValueError(f"kind is {cal.kind!r}, not cpu or cuda")
+    _rates("matmul_flops_per_s", cal.matmul_flops_per_s)
+    if "float32" not in cal.matmul_flops_per_s:
+        raise ValueError("matmul_flops_per_s has no float32 rate")
+    if not isinstance(cal.matmul_by_min_dim, dict):
+        raise ValueError("matmul_by_min_dim is not a mapping")
+    for key, by_dim in cal.matmul_by_min_dim.items():
+        _rates(f"matmul_by_min_dim[{key!r}]", by_dim, keys_are_ints=True)
+    _positive("bandwidth_bytes_per_s", cal.bandwidth_bytes_per_s)
+    _rates("bandwidth_by_bytes", cal.bandwidth_by_bytes, keys_are_ints=True)
+    return cal
+
+
+__all__ = ["Calibration", "calibrate", "save", "load", "parse", "cache_dir", "profile_path", "check_device"]

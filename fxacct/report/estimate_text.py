@@ -55,7 +55,8 @@ def render_train_time(r: TrainTime) -> str:
         source = f"6·N·D with N = {r.params:,} parameters"
     rows = [
         ["total FLOPs", sci(r.total_flops), f"{source}, D = {r.tokens:,} tokens"],
-        ["GPU peak", f"{r.peak_flops_per_s / 1e12:g} TFLOP/s", f"{r.gpu}, {r.peak_dtype}, dense"],
+        ["GPU peak", f"{r.peak_flops_per_s / 1e12:g} TFLOP/s",
+         f"{r.gpu}, {r.peak_dtype}, dense" + (f"; dtype from {r.peak_dtype_source}" if r.peak_dtype_source else "")],
         ["MFU", f"{r.mfu:g}", "achieved / peak FLOP/s"],
         ["GPUs", f"{r.world_size:,}", ""],
         ["FLOPs per day", sci(r.flops_per_day), "peak × MFU × GPUs × 86,400 s"],
@@ -75,7 +76,7 @@ def train_time_document(r: TrainTime) -> dict:
     return {"schema": ESTIMATE_SCHEMA, "estimate": "train-time", "flops_source": r.flops_source,
             "model": r.profile_model, "params": r.params, "tokens": r.tokens,
             "flops_per_token": plain_number(r.flops_per_token), "total_flops": plain_number(r.total_flops),
-            "gpu": r.gpu, "peak_dtype": r.peak_dtype, "peak_flops_per_s": r.peak_flops_per_s, "mfu": r.mfu,
+            "gpu": r.gpu, "peak_dtype": r.peak_dtype, "peak_dtype_source": r.peak_dtype_source, "peak_flops_per_s": r.peak_flops_per_s, "mfu": r.mfu,
             "world_size": r.world_size, "flops_per_s": r.flops_per_s, "flops_per_day": r.flops_per_day,
             "days": r.days, "months": r.months, "days_per_month": DAYS_PER_MONTH,
             "six_n_d_flops": r.six_n_d_flops}

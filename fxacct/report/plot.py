@@ -80,38 +80,50 @@ def plot_memory(profile, path: str) -> None:
         raise UsageError("nothing to plot: the captured step has no ops")
     names = [name for name, _, _ in timeline]
     phases = [phase for _, phase, _ in timeline]
-    x = list(range(len(timeline)))
-    stacks = [[live[c] / GiB for _, _, live in timeline] for c in CATEGORIES]
-    totals = [sum(live.values()) for _, _, live in timeline]
-    peak_i = max(x, key=totals.__getitem__)
+    stacks = [[live[c] for _, _, live in timeline] for c in CATEGORIES]
 
     fig = Figure(figsize=(11, 5.5))
     FigureCanvasAgg(fig)  # Agg: render to a file, never to a display
     ax = fig.add_subplot()
-    ax.stackplot(x, *stacks, labels=[c.replace("_", " ") for c in CATEGORIES],
-                 colors=[f"C{i}" for i in range(len(CATEGORIES))], alpha=0.85, linewidth=0)
-
-    top = max(totals) / GiB * 1.15 or 1.0
-    for phase, first, last in _phase_spans(phases):
-        color = _PHASE_COLORS.get(phase, "grey")
-        ax.axvspan(first - 0.5, last + 0.5, color=color, alpha=0.1, linewidth=0)
-        if first > 0:
-            ax.axvline(first - 0.5, color=color, linestyle="--", linewidth=0.8)
-
-    peak_gib = totals[peak_i] / GiB
-    ax.plot([peak_i], [peak_gib], marker="v", color="black", markersize=8, zorder=5)
-    ax.annotate(f"peak {peak_gib:.4g} GiB ({totals[peak_i]:,} B)\n"
-                f"at {names[peak_i]} ({phases[peak_i]})",
-                (peak_i, peak_gib), xytext=(0, 14), textcoords="offset points",
-                ha="right" if peak_i > len(x) / 2 else "left", fontsize=9)
-
-    ax.set_xlim(-0.5, len(x) - 0.5)
-    ax.set_ylim(0, top)
-    ax.set_xlabel("op index in the step")
-    ax.set_ylabel("GiB (2^30 bytes)")
+    draw_timeline(ax, names, phases, stacks)
     ax.set_title(_title(profile), fontsize=11)
     legends = _legends(ax, stacks, phases, Patch)
     _save(fig, path, legends)
+
+
+# Drawing order, back to front: phase shading and boundaries, the memory stack, the peak marker,
+# so a boundary line never hides a spike and the peak is drawn over everything.
+Z_PHASES, Z_STACK, Z_PEAK = 0.5, 2, 6
+
+
+def draw_timeline(ax, names, phases, stacks) -> dict:
+    """Draw the stacked bytes (one list per category, one item per op) on ``ax`` as steps one op wide,
+    so a spike of a single op is a visible column; returns the artists by role (for tests)."""
+    x = list(range(len(names)))
+    totals = [sum(col) for col in zip(*stacks)]
+    peak_i = max(x, key=totals.__getitem__)
+    polys = ax.stackplot(x, *[[b / GiB for b in ys] for ys in stacks],
+                         labels=[c.replace("_", " ") for c in CATEGORIES],
+                         colors=[f"C{i}" for i in range(len(CATEGORIES))], alpha=0.85, linewidth=0, step="mid",
+                         zorder=Z_STACK)
+    boundaries = []
+    for phase, first, last in _phase_spans(phases):
+        color = _PHASE_COLORS.get(phase, "grey")
+        ax.axvspan(first - 0.5, last + 0.5, color=color, alpha=0.1, linewidth=0, zorder=Z_PHASES)
+        if first > 0:
+            boundaries.append(ax.axvline(first - 0.5, color=color, linestyle="--", linewidth=0.8, zorder=Z_PHASES))
+    peak_gib = totals[peak_i] / GiB
+    # a line from 0 to the peak at its op: visible however narrow one op is at this figure's width
+    stem = ax.vlines([peak_i], 0, peak_gib, color="black", linewidth=1.0, zorder=Z_PEAK)
+    marker = ax.plot([peak_i], [peak_gib], marker="v", color="black", markersize=8, zorder=Z_PEAK)[0]
+    ax.annotate(f"peak {peak_gib:.4g} GiB ({totals[peak_i]:,} B)\nat {names[peak_i]} ({phases[peak_i]})",
+                (peak_i, peak_gib), xytext=(0, 14), textcoords="offset points",
+                ha="right" if peak_i > len(x) / 2 else "left", fontsize=9, zorder=Z_PEAK)
+    ax.set_xlim(-0.5, len(x) - 0.5)
+    ax.set_ylim(0, peak_gib * 1.15 or 1.0)
+    ax.set_xlabel("op index in the step")
+    ax.set_ylabel("GiB (2^30 bytes)")
+    return {"stack": polys, "boundaries": boundaries, "peak": [stem, marker], "peak_index": peak_i}
 
 
 def _legends(ax, stacks, phases, patch) -> list:

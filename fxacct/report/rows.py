@@ -1,17 +1,17 @@
-"""Per-node and per-module rows as columns (header → getter), for CSV and Markdown.
-CSV carries exact integers; Markdown the same table text renders."""
+"""Per-node and per-module rows as columns (header → getter), for CSV: exact integers, the root
+module named "(root)" as in every table (its FQN in the JSON stays "")."""
 
 from __future__ import annotations
 
 import csv
 import io
 
-from fxacct.report.tables import tabulate
-
 from fxacct.profile import Profile
 
+ROOT = "(root)"
+
 NODE_COLUMNS = (
-    ("name", lambda n: n.name), ("op", lambda n: n.op), ("module", lambda n: n.module),
+    ("name", lambda n: n.name), ("op", lambda n: n.op), ("module", lambda n: n.module or ROOT),
     ("shape", lambda n: "x".join(str(s) for s in n.shape)), ("dtype", lambda n: n.dtype or ""),
     ("kind", lambda n: n.kind),
     ("forward_flops", lambda n: n.forward.total), ("forward_matmul_flops", lambda n: n.forward.matmul),
@@ -24,7 +24,7 @@ NODE_COLUMNS = (
 )
 
 MODULE_COLUMNS = (
-    ("module", lambda m: m.module), ("depth", lambda m: m.depth),
+    ("module", lambda m: m.module or ROOT), ("depth", lambda m: m.depth),
     ("forward_flops", lambda m: m.forward.total), ("forward_matmul_flops", lambda m: m.forward.matmul),
     ("forward_attention_flops", lambda m: m.forward.attention), ("forward_other_flops", lambda m: m.forward.other),
     ("backward_flops", lambda m: m.backward.total), ("backward_matmul_flops", lambda m: m.backward.matmul),
@@ -46,7 +46,4 @@ def render_rows(p: Profile, fmt: str, by: str = "node") -> str:
         w.writerow(headers)
         w.writerows(rows)
         return buf.getvalue()
-    if fmt == "markdown":
-        align = tuple("right" if isinstance(v, int) else "left" for v in (rows[0] if rows else headers))
-        return tabulate(rows, headers=headers, tablefmt="github", colalign=align) + "\n"
     raise ValueError(fmt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fxacct.report.durations import format_ms
 from fxacct.report.tables import tabulate
+from fxacct.report.width import fit_table
 
 from fxacct.predict.roofline import COMPUTE, MEMORY, PHASES, Prediction
 from fxacct.runtime.compare import achieved_flops_per_s, mfu
@@ -29,10 +30,6 @@ def rate(flops_per_s: float | None) -> str:
         return "-"
     text = format_count(flops_per_s)
     return f"{text[:-1]} {text[-1]}FLOP/s" if text[-1:].isalpha() else f"{text} FLOP/s"
-
-
-def _cut(text: str, width: int = 36) -> str:
-    return text if len(text) <= width else text[: width - 13] + "…" + text[-12:]
 
 
 def _div(a, b):
@@ -76,23 +73,25 @@ def _totals_table(result) -> str:
                     colalign=("left", "right", "right", "right"), disable_numparse=True)
 
 
-def _rows_table(rows, first: str, with_op: bool) -> str:
+def _rows_table(rows, first: str, with_op: bool, width: int | None = None) -> str:
     body = []
     for r in rows:
         name = r.name if not first == "module" else (("  " * max(0, r.depth - 1) + r.name) if r.name else "(root)")
-        line = [_cut(name)] + ([_cut(r.op.removeprefix("aten.").removesuffix(".default"))] if with_op else [])
+        line = [name] + ([r.op.removeprefix("aten.").removesuffix(".default")] if with_op else [])
         body.append(line + [format_count(r.flops), ms(r.predicted_s), ms(r.measured_s), ratio(r.ratio),
                             rate(r.achieved_flops_per_s)])
     headers = [first] + (["op"] if with_op else []) + ["FLOPs", "predicted", "measured", "measured/predicted",
                                                        "achieved"]
-    return tabulate(body, headers=headers, colalign=("left",) * (2 if with_op else 1) + ("right",) * 5,
-                    disable_numparse=True)
+    names = (0, 1) if with_op else (0,)
+    # too narrow: names shortened in the middle, then achieved and FLOPs left out (ratios stay)
+    return fit_table(headers, body, width, text_columns=names, optional=(len(headers) - 1, len(names)),
+                     colalign=("left",) * len(names) + ("right",) * 5)
 
 
 NOISY = 1.5  # slowest / fastest timed step above which the spread is called out
 
 
-def runtime_section(result, depth: int = 2, top: int = 10) -> str:
+def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = None) -> str:
     m, c = result.measured, result.comparison
     p = result.prediction
     what = "inference steps (forward, eval, no_grad)" if m.inference else "training steps"
@@ -129,9 +128,9 @@ def runtime_section(result, depth: int = 2, top: int = 10) -> str:
                      f"{ms(t.pageable_s)}, pinned + non_blocking {ms(t.pinned_s)}; step {ms(m.step_s)} "
                      f"({100 * t.pageable_s / m.step_s:.1f}% / {100 * t.pinned_s / m.step_s:.1f}% of it)")
     modules = [r for r in c.modules if r.depth <= depth]
-    lines += ["", f"modules (depth {depth}, inclusive):", _rows_table(modules, "module", False)]
+    lines += ["", f"modules (depth {depth}, inclusive):", _rows_table(modules, "module", False, width)]
     nodes = sorted(c.nodes, key=lambda r: -(r.measured_s or 0.0))[:top]
-    lines += ["", f"top {top} nodes by measured time (forward + its backward):", _rows_table(nodes, "node", True)]
+    lines += ["", f"top {top} nodes by measured time (forward + its backward):", _rows_table(nodes, "node", True, width)]
     if m.join is not None:
         lines.append(f"joined {m.join.matched} of {m.join.expected} forward op nodes to profiler events; backward "
                      f"outside modules (loss, gradient accumulation): {ms(m.join.outside_backward_s)}")

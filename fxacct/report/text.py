@@ -3,12 +3,17 @@ footer of ops fxacct could not cost."""
 
 from __future__ import annotations
 
+from fxacct.report.summary_text import uncosted_ops
 from fxacct.report.tables import tabulate
+from fxacct.report.width import fit_table, wrap_lines
 
 from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
 from fxacct.dtypes import dtype_name
 from fxacct.profile import Profile
 from fxacct.units import format_bytes, format_count
+
+
+LOSS_TEXT = {"sum": "sum of outputs", "model": "the model's own loss is in its forward"}
 
 
 def _flops(n: int) -> str:
@@ -22,16 +27,11 @@ def _exact(n: int, fmt, unit: str = "") -> str:
     return short if short.replace(",", "") == exact.replace(",", "") else f"{short} ({exact})"
 
 
-def _cut(text: str, width: int = 36) -> str:
-    return text if len(text) <= width else text[: width - 13] + "…" + text[-12:]
-
-
 def summary(p: Profile) -> str:
     a, c, t = p.accounting, p.config, p.accounting.totals
     head = [
-        f"fxacct profile: {c.target or 'module'}",
-        f"  batch {c.batch}" + (f", dtype {dtype_name(c.dtype)}" if c.dtype else "")
-        + f", inputs {' '.join(a.input_shapes) or '-'}",
+        f"in detail: batch {c.batch}" + (f", dtype {dtype_name(c.dtype)}" if c.dtype else "")
+        + f", inputs {' '.join(a.input_shapes) or '-'}" + f", loss {c.loss}",
         f"  conventions: 1 multiply-add = 2 FLOPs; attention {c.causal_attention}"
         + (" (causal kernels halved)" if c.causal_attention == "halved" else " (no causal discount)")
         + ("; recompute counted" if c.count_recompute else "; no recompute")
@@ -47,7 +47,7 @@ def summary(p: Profile) -> str:
     flops_table = tabulate(rows, headers=["FLOPs", "forward", "backward", "forward+backward"],
                            colalign=("left", "right", "right", "right"))
     lines = head + [flops_table, ""]
-    lines.append(f"loss FLOPs (sum of outputs, not in the totals above): {_flops(t.loss_flops)}")
+    lines.append(f"loss FLOPs ({LOSS_TEXT.get(c.loss, c.loss)}, not in the totals above): {_flops(t.loss_flops)}")
     if t.recompute_flops:
         lines.append(f"recomputed by activation checkpointing in the backward: {_flops(t.recompute_flops)} "
                      "FLOPs, not in the backward above (model FLOPs; --count-recompute adds them)")
@@ -69,7 +69,7 @@ def summary(p: Profile) -> str:
     return "\n".join(lines)
 
 
-def modules_table(p: Profile, depth: int) -> str:
+def modules_table(p: Profile, depth: int, width: int | None = None) -> str:
     t = p.accounting.totals
     grand = max(1, t.forward.total + t.backward.total)
     rows = []
@@ -80,39 +80,41 @@ def modules_table(p: Profile, depth: int) -> str:
         name = ("  " * (m.depth - 1) + m.module) if m.module else "(root)"
         rows.append([name, _flops(m.forward.total), _flops(m.backward.total), _flops(total),
                      f"{100 * total / grand:.1f}%", format_bytes(m.activation_bytes)])
-    return tabulate(rows, headers=["module", "forward", "backward", "total", "share", "activations"],
-                    colalign=("left", "right", "right", "right", "right", "right"))
+    return fit_table(["module", "forward", "backward", "total", "share", "activations"], rows, width,
+                     text_columns=(0,), optional=(4,))
 
 
-def nodes_table(p: Profile, top: int) -> str:
+def nodes_table(p: Profile, top: int, width: int | None = None) -> str:
     nodes = sorted(p.accounting.nodes, key=lambda n: -(n.forward.total + n.backward.total))[:top]
-    rows = [[_cut(n.name), _cut(n.op.removeprefix("aten.").removesuffix(".default")), _cut(n.module or "(root)"),
+    rows = [[n.name, n.op.removeprefix("aten.").removesuffix(".default"), n.module or "(root)",
              "x".join(map(str, n.shape)),
              n.dtype or "", n.kind, _flops(n.forward.total), _flops(n.backward.total),
              format_bytes(n.activation_bytes), format_bytes(n.output_bytes)] for n in nodes]
-    return tabulate(rows, headers=["node", "op", "module", "shape", "dtype", "kind", "forward", "backward",
-                                   "saved", "new bytes"],
-                    colalign=("left",) * 6 + ("right",) * 4)
+    # too narrow: names and paths shortened in the middle, then kind, dtype, new bytes, shape left out
+    return fit_table(["node", "op", "module", "shape", "dtype", "kind", "forward", "backward", "saved",
+                      "new bytes"], rows, width, text_columns=(0, 1, 2), optional=(5, 4, 9, 3, 8),
+                     colalign=("left",) * 6 + ("right",) * 4)
 
 
 def unsupported_footer(p: Profile) -> str:
     a = p.accounting
-    if not a.unsupported_ops:
+    missing = uncosted_ops(p)
+    if missing is None:
         return f"every op has a cost formula ({a.node_count:,} op nodes)"
-    count = sum(a.unsupported_ops.values())
-    ops = ", ".join(f"{op} ×{n}" for op, n in a.unsupported_ops.items())
+    count, ops = missing
     return (f"WARNING: {len(a.unsupported_ops)} op(s) without a cost formula, their FLOPs not counted: "
             f"{count} of {a.node_count:,} op nodes ({100 * count / max(1, a.node_count):.1f}%): {ops}")
 
 
-def render_text(p: Profile, depth: int = 2, top: int = 10) -> str:
+def render_text(p: Profile, depth: int = 2, top: int = 10, width: int | None = None) -> str:
     from fxacct.report.memory_text import render_memory
 
     warnings = [f"WARNING: {w}" for w in p.warnings]
     parts = [*warnings, *([""] if warnings else []), summary(p), "", render_memory(p), "",
-             f"modules (depth {depth}, inclusive):", modules_table(p, depth), ""]
+             f"modules (depth {depth}, inclusive):", modules_table(p, depth, width), ""]
     if top > 0:
-        parts += [f"top {top} node{'s' if top != 1 else ''} by forward+backward FLOPs:", nodes_table(p, top), ""]
+        parts += [f"top {top} node{'s' if top != 1 else ''} by forward+backward FLOPs:", nodes_table(p, top, width),
+                  ""]
     parts.append(unsupported_footer(p))
     return "\n".join(parts) + "\n"
 
@@ -121,12 +123,19 @@ __all__ = ["render_text", "summary", "modules_table", "nodes_table", "unsupporte
            "MATMUL", "ATTENTION", "OTHER"]
 
 
-def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=None, runtime=None) -> str:
-    """render_text, then the predicted step time (fxacct.predict.roofline) and, after --runtime, the
-    comparison of predicted and measured (fxacct.report.runtime_text)."""
+def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=None, runtime=None,
+                        width: int | None = None, summary_only: bool = False) -> str:
+    """The one-screen summary (fxacct.report.summary_text), then (unless ``summary_only``) render_text,
+    the predicted step time (fxacct.predict.roofline) and, after --runtime, the comparison of
+    predicted and measured (fxacct.report.runtime_text). Tables fit ``width`` and prose wraps at it
+    (None: no limit)."""
     from fxacct.report.runtime_text import predicted_section, runtime_section
+    from fxacct.report.summary_text import render_summary
 
-    parts = [render_text(p, depth=depth, top=top).rstrip("\n"), "", predicted_section(prediction)]
-    if runtime is not None:
-        parts += ["", runtime_section(runtime, depth=depth, top=top)]
-    return "\n".join(parts) + "\n"
+    parts = [render_summary(p, prediction, width)]
+    if not summary_only:
+        parts += ["", render_text(p, depth=depth, top=top, width=width).rstrip("\n"), "",
+                  predicted_section(prediction)]
+        if runtime is not None:
+            parts += ["", runtime_section(runtime, depth=depth, top=top, width=width)]
+    return wrap_lines("\n".join(parts), width) + "\n"

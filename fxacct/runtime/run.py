@@ -1,10 +1,11 @@
 """Measure: the real model on a real device, under torch.profiler.
 
-The model is built by calling the class or factory with the config's kwargs on the device
-(random init, seed 0), cast to ``--dtype`` if given; the inputs come from the ``--input`` specs
-(random values, integers below ``<N``) or from the model's own ``example_inputs(batch)`` on the
-device. Each step is what fxacct accounts: forward (under autocast with ``--amp``) and the loss
-(DESIGN.md: the sum of ``t.float().sum()`` over the floating outputs), ``loss.backward()``, the
+The model is built as the account builds it (fxacct.load.source: a file, an importable module or
+a Hugging Face config), on the device (random init, seed 0), cast to ``--dtype`` if given; the
+inputs come from the ``--input`` specs (random values, integers below ``<N``), the model's own
+``example_inputs(batch)`` or the spec form's defaults, on the device. Each step is what fxacct
+accounts: forward (under autocast with ``--amp``) and the loss (fxacct.trace.loss, ``--loss``;
+its target drawn once, at the first step, and kept like an input), ``loss.backward()``, the
 optimizer's ``step()`` and ``zero_grad(set_to_none=True)``; with ``inference``, a forward under
 ``eval()`` and ``no_grad()``. ``warmup`` steps run first, unprofiled (the optimizer state is then
 allocated, caches and kernels are warm); the timed steps run under ``torch.profiler`` with CPU
@@ -44,11 +45,12 @@ import torch
 from fxacct.trace import torch_private as tp
 from torch.autograd.profiler import record_function
 
-from fxacct.trace.loss import training_loss
+from fxacct.trace.loss import LossSpec, target_spec, training_loss
+from fxacct.load import source as sources
+from fxacct.load.hf import is_causal_lm
 from fxacct.trace.module_hooks import global_module_hooks
-from fxacct.load import model_spec as loading
 from fxacct.load.config import Config
-from fxacct.errors import FxacctError, ModelError, UsageError, classify, first_line
+from fxacct.errors import FxacctError, ModelError, classify, first_line
 from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
 from fxacct.runtime.transfer import Transfer, measure_transfer
 from fxacct.runtime.storage_tracker import StorageTracker
@@ -113,35 +115,25 @@ def median_step(times: list[StepTime]) -> int:
 
 
 def build_model(config: Config, device: torch.device):
-    """(model with random weights on device, file module)."""
-    obj, file_module = loading.resolve(config.target)
-    name = config.target.rpartition(":")[2]
+    """(model with random weights on device, its ModelSource): the same model the account traces,
+    for every spec form (fxacct.load.source)."""
+    source = sources.open_source(config)
     torch.manual_seed(SEED)
     try:
-        with torch.device(device):
-            model = loading.call_user(obj, **dict(config.kwargs))
+        model = source.build(device)
     except torch.cuda.OutOfMemoryError as e:
-        raise ModelError(f"out of memory building {name} on {device} ({first_line(e)}); "
+        raise ModelError(f"out of memory building {source.name} on {device} ({first_line(e)}); "
                          "use a smaller model or free the device") from e
-    except FxacctError:
-        raise
-    except Exception as e:
-        raise classify(e, f"{name}(...) on {device}") from e
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"{name} returned {type(model).__name__}, not an nn.Module")
     if config.dtype is not None:
         model.to(config.dtype)
-    return model, file_module
+    return model, source
 
 
-def make_inputs(config: Config, model, file_module, device: torch.device):
-    """(args, kwargs) of real tensors on device: the --input specs, else example_inputs(batch)."""
+def make_inputs(config: Config, model, source, device: torch.device):
+    """(args, kwargs) of real tensors on device: the --input specs, else example_inputs(batch),
+    else the spec form's defaults (fxacct.load.source.inputs)."""
     torch.manual_seed(SEED)
-    if config.inputs:
-        args = tuple(s.make(config.batch, device) for s in config.inputs if s.name is None)
-        kwargs = {s.name: s.make(config.batch, device) for s in config.inputs if s.name is not None}
-    else:
-        args, kwargs = loading.require_inputs(loading.example_inputs(model, file_module, config.batch, device))
+    args, kwargs = sources.inputs(source, model, config, config.batch, device)
 
     def prepare(t):
         if not isinstance(t, torch.Tensor):
@@ -157,6 +149,10 @@ def make_inputs(config: Config, model, file_module, device: torch.device):
     args = tp.tree_map(prepare, tuple(args))
     kwargs = tp.tree_map(prepare, dict(kwargs))
     return args, kwargs
+
+
+def loss_spec(config: Config, model) -> LossSpec:
+    return LossSpec(config.loss, config.loss_output, is_causal_lm(model))
 
 
 class _Clock:
@@ -191,7 +187,16 @@ class _Step:
             self.optimizer = config.optimizer_spec().build(params)
         self.inputs_with_grad = [t for t in tp.tree_leaves((args, kwargs))
                                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        self.loss_spec = loss_spec(config, model)
+        self.target = None  # drawn at the first step (its shape is the output's), then reused
         model.train(not inference)
+
+    def loss(self, output) -> torch.Tensor:
+        """fxacct.trace.loss, the definition the account differentiates."""
+        spec = target_spec(output, self.loss_spec)
+        if spec is not None and self.target is None:
+            self.target = spec.make(self.device, torch.Generator().manual_seed(SEED))
+        return training_loss(output, self.loss_spec, self.target)
 
     def autocast(self):
         if self.config.amp is None:
@@ -211,7 +216,7 @@ class _Step:
         with record_function("fxacct.forward"):
             with self.autocast():
                 output = self.model(*self.args, **self.kwargs)
-                loss = training_loss(output, self.config.loss_output)
+                loss = self.loss(output)
             del output
         if clock:
             marks.append(clock.mark())
@@ -300,7 +305,7 @@ def _op_level_peak(step: _Step) -> int:
     gc.disable()
     try:
         with StorageTracker() as tracker:
-            tracker.track(step.model, step.optimizer, step.args, step.kwargs)
+            tracker.track(step.model, step.optimizer, step.args, step.kwargs, step.target)
             step()
     finally:
         if was:
@@ -319,8 +324,8 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     cuda = device.type == "cuda"
     total = warmup + steps
     with _model_errors(device, config.batch):
-        model, file_module = build_model(config, device)
-        args, kwargs = make_inputs(config, model, file_module, device)
+        model, source = build_model(config, device)
+        args, kwargs = make_inputs(config, model, source, device)
         step = _Step(config, model, args, kwargs, inference, device)
         transfer = measure_transfer(args, kwargs, device) if cuda else None
     clock = _Clock(device)
@@ -337,7 +342,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            baseline = StorageTracker().track(model, step.optimizer, args, kwargs).live_bytes
+            baseline = StorageTracker().track(model, step.optimizer, args, kwargs, step.target).live_bytes
             with profile(activities=activities, profile_memory=True) as prof, module_ranges(model):
                 for i in range(steps):
                     with record_function(STEP):

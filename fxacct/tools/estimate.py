@@ -48,6 +48,7 @@ class TrainTime:
     world_size: int
     profile_model: str | None = None
     six_n_d_flops: int | None = None  # with --from: the rule of thumb beside the profile's figure
+    peak_dtype_source: str = ""  # why this dtype's peak: "--dtype", "profile --amp", ...
 
     @property
     def flops_per_s(self) -> float:
@@ -87,9 +88,11 @@ def train_time(tokens: int, gpu: str, mfu: float, world_size: int = 1, params: i
         raise UsageError("give either --params N (6·N·D) or --from PROFILE.json (the profile's FLOPs per token)")
     device = get_device(gpu)
     six = None
+    why = "--dtype" if peak_dtype is not None else "default (the seeds' bf16)"
     if profile_doc is not None:
         per_token, model_params = profile_flops_per_token(profile_doc)
-        peak_dtype = peak_dtype or _profile_dtype(profile_doc)
+        if peak_dtype is None:
+            peak_dtype, why = profile_dtype(profile_doc)
         total, source, model = per_token * tokens, "profile", profile_doc.get("model")
         six = six_n_d(model_params, tokens) if model_params else None
         n = model_params
@@ -101,7 +104,7 @@ def train_time(tokens: int, gpu: str, mfu: float, world_size: int = 1, params: i
     if isinstance(total, Fraction) and total.denominator == 1:
         total = int(total)
     return TrainTime(total, source, tokens, n, per_token, device.name, dtype_name(peak_dtype),
-                     device.matmul_peak(peak_dtype), mfu, world_size, model, six)
+                     device.matmul_peak(peak_dtype), mfu, world_size, model, six, why)
 
 
 def profile_flops_per_token(doc: dict) -> tuple[Fraction, int | None]:
@@ -123,11 +126,14 @@ def profile_flops_per_token(doc: dict) -> tuple[Fraction, int | None]:
     return Fraction(model_flops, batch * tokens), totals.get("params")
 
 
-def _profile_dtype(doc: dict) -> torch.dtype | None:
-    """The profile's low-precision matmul dtype (--amp, else --dtype), for the peak; None: default."""
+def profile_dtype(doc: dict) -> tuple[torch.dtype, str]:
+    """The matmul dtype whose peak a profile's step runs at, and why: its --amp, else its --dtype,
+    else float32 — the rule `fxacct check` applies to the same flags (fxacct.tools.budgets)."""
     config = doc.get("config") or {}
-    name = config.get("amp") or config.get("dtype")
-    return parse_dtype(name) if name else None
+    for flag in ("amp", "dtype"):
+        if config.get(flag):
+            return parse_dtype(config[flag]), f"the profile's --{flag}"
+    return torch.float32, "the profile (no --amp or --dtype: float32, as fxacct check uses)"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ The user's module is left as it was: parameters are swapped for fake ones only i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the ph
 from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
-from fxacct.trace.loss import training_loss
+from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
 from fxacct.trace.optim_step import step_once
 from fxacct.trace.records import (  # noqa: F401  (re-exported)
     TAG, Ref, Slot, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
@@ -65,6 +66,8 @@ class CaptureOptions:
     master_weights: bool = False
     cuda: bool = False
     dedup: bool = True
+    loss: str = "sum"  # fxacct.trace.loss.LOSSES
+    causal_lm: bool = False  # cross-entropy targets are the next tokens (fxacct.load.hf.is_causal_lm)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Capture:
     # storage id -> index of the last op recorded before the traced program dropped it; storages
     # alive when the step ends are absent
     deaths: dict | None = None
+    returned_loss: bool = False  # the output carried a loss of its own (fxacct.trace.loss.returned_loss)
 
 
 @dataclass
@@ -118,6 +122,7 @@ class _Session:
     masters: list = field(default_factory=list)
     outputs: list = field(default_factory=list)  # inference: the model's outputs, live to the end
     loss: object = None
+    returned_loss: bool = False
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureOptions = CaptureOptions()) -> Capture:
@@ -210,8 +215,11 @@ def _train_step(session: _Session, box: list) -> None:
     o, rec = session.options, session.recorder
     rec.phase = LOSS
     output = box.pop()
+    spec = LossSpec(o.loss, o.loss_output, o.causal_lm)
+    session.returned_loss = returned_loss(output)
+    target = _target(session, target_spec(output, spec))
     with _autocast(o):
-        session.loss = loss = training_loss(output, o.loss_output)  # alive to the step's end
+        session.loss = loss = training_loss(output, spec, target)  # alive to the step's end
     del output  # `loss = model(x).sum()`: the outputs live only as long as the loss needs them
     session.targets = targets = session.fake.trainable()
     if o.input_requires_grad:
@@ -227,6 +235,21 @@ def _train_step(session: _Session, box: list) -> None:
         session.state_tensors, session.masters = step_once(
             o.optimizer, session.fake.param_groups, session.fake.fake_of, targets, session.grads,
             o.master_weights, rec)
+
+
+def _target(session: _Session, spec):
+    """The loss's target, an input of the step (a placeholder, resident like the model's inputs,
+    phase loss): made outside the recorded ops, as a data loader makes it before the step."""
+    if spec is None:
+        return None
+    with session.recorder.suppressed():
+        t = torch.empty(spec.shape, dtype=spec.dtype)
+    slot = Slot("input", "target")
+    node = session.builder.placeholder(slot, "target", session.recorder.meta(t), INPUT)
+    node.meta["trace"] = dataclasses.replace(node.meta["trace"], phase=LOSS)
+    setattr(t, TAG, Ref(slot))
+    session.flat_inputs.append(("target", t))  # held to the step's end, as the loop's variable
+    return t
 
 
 def _placeholders(builder: GraphBuilder, recorder: Recorder, fake: FakeModel, flat_inputs) -> list[fx.Node]:
@@ -274,6 +297,7 @@ def _finish(session: _Session) -> Capture:
         saved_storages=frozenset(session.saved.saved),
         master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in session.masters),
         inference=session.options.inference, deaths=dict(storages.deaths),
+        returned_loss=session.returned_loss,
     )
 
 

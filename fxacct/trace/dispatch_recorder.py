@@ -39,6 +39,16 @@ def _batch_norm_stats(storages: Storages, args, out) -> None:
             storages.real[storages.id_of(t)] = (dtype, t.numel() * itemsize(dtype))
 
 
+def _unreduced_loss(storages: Storages, args, out) -> None:
+    """mse_loss and smooth_l1_loss with a reduction return their 0-dim loss in the storage of the
+    unreduced loss they computed first, which so lives as long as the loss (measured on CPU, torch
+    2.13: F.mse_loss of two float32[64, 2048] gives a scalar whose storage is 524,288 B; the fake
+    kernel allocates 4 B). The reduction is shared ATen code (Loss.cpp), not a CPU kernel."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0 and len(args) >= 2:
+        numel = torch.Size(torch.broadcast_shapes(args[0].shape, args[1].shape)).numel()
+        storages.real[storages.id_of(out)] = (out.dtype, numel * itemsize(out.dtype))
+
+
 _aten = torch.ops.aten
 _KERNEL_DTYPES = {
     op: _batch_norm_stats for op in (
@@ -47,6 +57,7 @@ _KERNEL_DTYPES = {
         _aten._native_batch_norm_legit_functional.default,
     )
 }
+_KERNEL_DTYPES.update({op: _unreduced_loss for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default)})
 
 
 class Recorder(tp.TorchDispatchMode):

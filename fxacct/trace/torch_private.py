@@ -104,6 +104,12 @@ def kineto_events(prof):
     return results.events() if results is not None else None
 
 
+def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
+    """(name, kwarg_only) of each argument in an OpOverload's schema, in order (fxacct.costs reads
+    arguments by name: positions differ between overloads and kernels)."""
+    return tuple((a.name, a.kwarg_only) for a in op._schema.arguments)
+
+
 # Run real tensors past every active dispatch mode (fake tensors, the recorder): the small known
 # values of fxacct.trace.known_values are computed for real beside the traced op.
 disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "torch.utils._python_dispatch")

@@ -1,0 +1,127 @@
+"""The one-screen summary that opens `fxacct profile` (and is all of `--summary`): FLOPs, parameters,
+the training peak and its biggest parts, fit and largest batch, predicted step time and tokens/s,
+and what fxacct could not cost. At most ~15 lines; the same facts feed the markdown summary."""
+
+from __future__ import annotations
+
+import textwrap
+
+from fxacct.dtypes import dtype_name
+from fxacct.profile import Profile
+from fxacct.report.durations import format_ms
+from fxacct.units import GiB, format_bytes, format_count
+
+TOP_CATEGORIES = 3  # the peak's biggest parts shown in the summary
+
+
+def exact_count(n: int) -> str:
+    """'124.440M (124,439,808)', or '15' when the short form is already exact."""
+    short = format_count(n)
+    return short if short.replace(",", "") == str(n) else f"{short} ({n:,})"
+
+
+def exact_bytes(n: int) -> str:
+    """'6.49 GiB (6,972,663,156 B)', or '360 B' when that is already exact."""
+    short = format_bytes(n)
+    return short if short == f"{n} B" else f"{short} ({n:,} B)"
+
+
+def _precision(p: Profile) -> str:
+    c = p.config
+    if c.amp is not None:
+        return f"autocast {dtype_name(c.amp)}"
+    return dtype_name(c.dtype) if c.dtype is not None else "model dtypes"
+
+
+def facts(p: Profile, prediction=None) -> list[tuple[str, str]]:
+    """(label, text) pairs, in reading order: the summary as data, for text and markdown alike."""
+    c, t = p.config, p.accounting.totals
+    fb = t.forward.total + t.backward.total
+    flops = (f"{format_count(fb)} per step = forward {format_count(t.forward.total)} + backward "
+             f"{format_count(t.backward.total)}; {format_count(fb // c.batch)} per example")
+    if t.tokens_per_example:
+        flops += f", {format_count(fb // (c.batch * t.tokens_per_example))} per token"
+    rows = [("config", f"batch {c.batch}"
+                      + (f" × {c.world_size} ranks ({c.shard})" if c.world_size > 1 else "")
+                      + f", {_precision(p)}, {c.optimizer}"),
+            ("FLOPs", flops),
+            ("parameters", f"{exact_count(t.params)}"
+                           + (f", trainable {exact_count(t.trainable_params)}" if t.trainable_params != t.params else "")
+                           + f"; {format_bytes(t.param_bytes)}")]
+    rows += _memory_facts(p)
+    rows += _time_facts(p, prediction)
+    rows.append(("uncosted", _uncosted(p)))
+    return rows
+
+
+def _memory_facts(p: Profile) -> list[tuple[str, str]]:
+    m, c = p.memory, p.config
+    rows = []
+    pk = m.rank_peak
+    if pk is not None:
+        parts = sorted(((b, cat) for cat, b in pk.by_category if b), reverse=True)[:TOP_CATEGORIES]
+        where = f"training step, per rank ({c.shard})" if m.per_rank is not None else "training step"
+        rows.append(("peak", f"{where} {exact_bytes(pk.bytes)} at {pk.node or 'start'} ({pk.phase}): "
+                             + ", ".join(f"{cat.replace('_', ' ')} {format_bytes(b)}" for b, cat in parts)))
+    if m.peak_inference is not None:
+        rows.append(("inference", f"peak {format_bytes(m.peak_inference.bytes)} (eval, no_grad)"))
+    if m.fit is not None:
+        f = m.fit
+        verdict = (f"fits, {f.headroom_bytes / GiB:.2f} GiB headroom" if f.headroom_bytes >= 0
+                   else f"DOES NOT FIT, {-f.headroom_bytes / GiB:.2f} GiB short")
+        text = f"{verdict} of {f.capacity_bytes / GiB:.2f} GiB on {f.gpu}"
+        if f.max_batch is not None:
+            text += f"; largest batch {f.max_batch}" + ("" if f.max_batch_verified else " (estimate)")
+        rows.append(("fit", text))
+    elif c.gpu is None:
+        rows.append(("fit", "give --gpu NAME for fit and the largest batch"))
+    return rows
+
+
+def _time_facts(p: Profile, prediction) -> list[tuple[str, str]]:
+    if prediction is None:
+        return [("step time", "not predicted (run `fxacct calibrate --device cpu`, or give --gpu NAME)")]
+    c, t = p.config, p.accounting.totals
+    text = f"{format_ms(prediction.step_ms)} predicted on {prediction.device.name} (roofline)"
+    step_s = prediction.step_s
+    if t.tokens_per_example and step_s > 0:
+        per_rank = c.batch * t.tokens_per_example / step_s
+        text += f"; {format_count(round(per_rank))} tokens/s"
+        if c.world_size > 1:
+            text += f" per rank, {format_count(round(per_rank * c.world_size))} over {c.world_size}"
+    elif step_s > 0:
+        text += f"; {format_count(round(c.batch / step_s))} examples/s"
+    return [("step time", text)]
+
+
+def uncosted_ops(p: Profile) -> tuple[int, str] | None:
+    """(op nodes without a cost formula, "op ×n, ...") or None when every op has one."""
+    a = p.accounting
+    if not a.unsupported_ops:
+        return None
+    return sum(a.unsupported_ops.values()), ", ".join(f"{op} ×{n}" for op, n in a.unsupported_ops.items())
+
+
+def _uncosted(p: Profile) -> str:
+    n = p.accounting.node_count
+    missing = uncosted_ops(p)
+    if missing is None:
+        return f"nothing: every op has a cost formula ({n:,} op nodes)"
+    return f"WARNING {missing[0]} of {n:,} op nodes, FLOPs not counted: {missing[1]}"
+
+
+def render_summary(p: Profile, prediction=None, width: int | None = None) -> str:
+    """The facts as 'label  text' lines, wrapped to ``width`` under their text (None: no limit)."""
+    pairs = facts(p, prediction)
+    label = max(len(k) for k, _ in pairs)
+    lines = [f"fxacct profile: {p.config.target or 'module'}"]
+    for k, v in pairs:
+        line = f"  {k.ljust(label)}  {v}"
+        if width is None or len(line) <= width:
+            lines.append(line)
+        else:
+            lines += textwrap.wrap(line, width=width, subsequent_indent=" " * (label + 4), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+__all__ = ["facts", "render_summary", "exact_count", "exact_bytes"]

@@ -1,0 +1,72 @@
+"""`--help`: options in titled groups (cloup), every option described with its default, and every
+command's help ending with two or three example command lines."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from fxacct_cli.main import cli
+
+
+def commands(group: click.Group = cli, path: tuple[str, ...] = ()):
+    """(command path, command) for every command and group under ``group``, itself included."""
+    yield path, group
+    for name, cmd in getattr(group, "commands", {}).items():
+        yield from commands(cmd, (*path, name))
+
+
+ALL = list(commands())
+IDS = [" ".join(p) or "fxacct" for p, _ in ALL]
+
+
+def help_text(path) -> str:
+    result = CliRunner().invoke(cli, [*path, "--help"], env={"COLUMNS": "100"}, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def default_is_shown(option: click.Option) -> bool:
+    """A default is shown by click ([default: ...]) or said in the help text; a flag is off unless
+    given, a repeatable option empty, a required one has none."""
+    if option.is_flag or option.multiple or option.required:
+        return True
+    if option.show_default and option.default is not None:
+        return True
+    return "default" in (option.help or "").lower()
+
+
+@pytest.mark.parametrize("path, command", ALL, ids=IDS)
+def test_every_option_has_help_and_its_default(path, command):
+    ctx = click.Context(command)
+    missing = [o.name for o in command.get_params(ctx) if isinstance(o, click.Option) and not (o.help or "").strip()]
+    assert not missing, missing
+    hidden_default = [o.name for o in command.params if isinstance(o, click.Option) and not default_is_shown(o)]
+    assert not hidden_default, hidden_default
+
+
+@pytest.mark.parametrize("path, command", ALL, ids=IDS)
+def test_help_ends_with_two_or_three_examples(path, command):
+    lines = help_text(path).rstrip("\n").splitlines()
+    start = max(i for i, line in enumerate(lines) if line.strip() == "Examples:")
+    examples = [line.strip() for line in lines[start + 1:]]
+    assert 2 <= len(examples) <= 3, lines[start:]
+    assert all(e.startswith("fxacct ") for e in examples), examples
+
+
+def test_profile_help_shows_the_option_groups_in_order():
+    text = help_text(("profile",))
+    headings = ["Model and inputs:", "Precision and optimizer:", "Hardware and parallelism:", "Output:",
+                "Runtime (a real run):"]
+    where = [text.find(f"\n{h}\n") for h in headings]
+    assert all(i >= 0 for i in where) and where == sorted(where), (where, text)
+    # each option sits under its group: --batch before precision, --dtype before hardware, ...
+    for flag, group in (("--batch", 0), ("--amp", 1), ("--shard", 2), ("--summary", 3), ("--steps", 4)):
+        i = text.find(f" {flag} ")
+        assert where[group] < i and (group == 4 or i < where[group + 1]), (flag, text)
+
+
+def test_check_help_groups_budgets():
+    text = help_text(("check",))
+    assert "\nBudgets:\n" in text and "\nModel and inputs:\n" in text, text

@@ -1,0 +1,147 @@
+"""The one-screen summary that opens `fxacct profile`, fitting tables to the terminal's width, and
+durations printed with a unit that keeps the number at least 1.
+
+The summary's numbers are checked against the JSON document of the same run (fxacct.report.document:
+an independent rendering path); widths are counted in characters."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from fxacct.report.durations import format_ms
+from fxacct.report.width import fit_table, shorten_middle
+from fxacct_cli.main import cli
+from helpers import target
+
+GPT2 = target("examples/gpt2.py:GPT")
+TINY_GPT = [GPT2, "-k", "n_layer=1", "-k", "n_embd=32", "-k", "n_head=2", "-k", "block_size=16",
+            "-k", "vocab_size=64", "--batch", "2"]
+SI = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def run(*args: str, columns: int | None = None) -> str:
+    env = {"COLUMNS": str(columns)} if columns else {"COLUMNS": ""}
+    result = CliRunner().invoke(cli, ["profile", *args], env=env, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def si(text: str) -> float:
+    """'2.335T' -> 2.335e12."""
+    m = re.fullmatch(r"([\d.,]+)([kMGTP]?)", text)
+    return float(m.group(1).replace(",", "")) * SI[m.group(2)]
+
+
+def line_with(lines: list[str], label: str) -> str:
+    """The summary line '  label  text', joined with its wrapped continuation lines."""
+    i = next(i for i, line in enumerate(lines) if line.startswith(f"  {label} "))
+    parts = [lines[i].strip()]
+    for line in lines[i + 1:]:
+        if not line.startswith("    "):
+            break
+        parts.append(line.strip())
+    return " ".join(parts)
+
+
+def test_gpt2_summary_fits_100_columns_and_matches_the_json():
+    # The acceptance line of issue 10: COLUMNS=100, no line over 100 characters, and the first 15
+    # lines answer FLOPs, parameters, training peak, fit / largest batch, predicted step time.
+    args = ("--batch", "8", "--dtype", "bf16", "--gpu", "h100")
+    out = run(GPT2, *args, columns=100)
+    long = [line for line in out.splitlines() if len(line) > 100]
+    assert not long, long
+    doc = json.loads(run(GPT2, *args, "--format", "json"))
+    t, fit = doc["totals"], doc["memory"]["fit"]
+    head = out.splitlines()[:15]
+    flops, params, peak = (line_with(head, k) for k in ("FLOPs", "parameters", "peak"))
+    fit_line, step = line_with(head, "fit"), line_with(head, "step time")
+    # FLOPs: short SI figures, 4 significant digits: within 0.05% of the exact integers
+    m = re.search(r"forward (\S+) \+ backward (\S+);", flops)
+    assert si(m.group(1)) == pytest.approx(t["forward_flops"], rel=5e-4), flops
+    assert si(m.group(2)) == pytest.approx(t["backward_flops"], rel=5e-4), flops
+    # per token: (forward + backward) / (batch 8 × 1024 tokens)
+    per_token = re.search(r"(\S+) per token", flops).group(1)
+    assert si(per_token) == pytest.approx((t["forward_flops"] + t["backward_flops"]) / (8 * 1024), rel=5e-4)
+    assert f"({t['params']:,})" in params, params
+    assert f"({t['peak_train_bytes']:,} B)" in peak, peak
+    top = max(doc["memory"]["peak_train"]["by_category"].items(), key=lambda kv: kv[1])[0]
+    assert top.replace("_", " ") in peak, (top, peak)
+    assert fit_line.startswith("fit         fits,") and f"largest batch {fit['max_batch']}" in fit_line, fit_line
+    # step time: 3 significant digits of the roofline's figure; tokens/s = 8 · 1024 / step
+    m = re.search(r"time\s+([\d.]+) ms predicted.*; (\S+) tokens/s", step)
+    assert float(m.group(1)) == pytest.approx(t["predicted_step_ms"], rel=5e-3), step
+    assert si(m.group(2)) == pytest.approx(8 * 1024 / (t["predicted_step_ms"] / 1e3), rel=5e-4), step
+
+
+def test_summary_flag_prints_only_the_summary_and_it_opens_the_full_report():
+    short = run(*TINY_GPT, "--gpu", "h100", "--no-max-batch", "--summary")
+    full = run(*TINY_GPT, "--gpu", "h100", "--no-max-batch")
+    assert 5 <= len(short.splitlines()) <= 15, short
+    assert full.startswith(short), (short, full)
+    assert "uncosted    nothing: every op has a cost formula" in short, short
+    assert "top 10 nodes" not in short and "top 10 nodes" in full
+
+
+def test_tables_fit_the_width_and_wide_shows_everything():
+    narrow = run(*TINY_GPT, "--depth", "4", columns=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80, narrow
+    wide = run(*TINY_GPT, "--depth", "4", "--wide", columns=80)
+    assert any(len(line) > 80 for line in wide.splitlines()), wide
+    assert "h.0.attn.c_attn" in wide and "…" not in wide
+    # numbers are never cut: every FLOPs figure of the wide node table is in the narrow one
+    def node_numbers(text):
+        lines = text.split("top 10 nodes")[1].split("\n\n")[0].splitlines()
+        i = lines[1].split().index("forward")  # the text columns before it hold no spaces
+        return [r.split()[i:i + 2] for r in lines[3:]]
+    assert [r for r in node_numbers(narrow)] == [r for r in node_numbers(wide)], (narrow, wide)
+
+
+def test_no_columns_and_no_terminal_means_no_limit():
+    out = run(*TINY_GPT, "--depth", "4")  # CliRunner's stdout is not a terminal
+    assert "…" not in out and any(len(line) > 100 for line in out.splitlines())
+
+
+def test_fit_table_shortens_text_in_the_middle_and_never_cuts_numbers():
+    path = "model.transformer.layers.11.self_attention.query_key_value"
+    rows = [[path, "1,234,567,890,123", "98.76 MiB"], ["(root)", "2,469,135,780,246", "1.50 GiB"]]
+    text = fit_table(["module", "FLOPs", "activations"], rows, 50, text_columns=(0,))
+    assert max(len(line) for line in text.splitlines()) <= 50, text
+    assert "1,234,567,890,123" in text and "2,469,135,780,246" in text and "98.76 MiB" in text, text
+    short = text.splitlines()[2].split()[0]
+    assert "…" in short and short.startswith("model.tr") and short.endswith("y_value"), short
+    assert short == "model.tr…y_value"  # 50 - 2·2 spaces - 17 - 11 (numbers) = 16 characters left
+    assert len(shorten_middle(path, 16)) == 16 and shorten_middle("short", 16) == "short"
+    # too narrow for the text alone: the optional column goes before the path drops under 20
+    dropped = fit_table(["module", "FLOPs", "activations"], rows, 42, text_columns=(0,), optional=(2,))
+    assert "activations" not in dropped and "1,234,567,890,123" in dropped, dropped
+    assert max(len(line) for line in dropped.splitlines()) <= 42, dropped
+
+
+@pytest.mark.parametrize("ms, text", [
+    (0.00481e-3, "4.81 ns"),  # 4.81e-9 s: was "0.00481 µs"
+    (0.5e-3, "500 ns"), (0.0123, "12.3 µs"), (1.0, "1 ms"), (12.74, "12.7 ms"), (999, "999 ms"),
+    (44_100, "44.1 s"), (0, "0 s"), (None, "-"),
+])
+def test_durations_pick_the_unit_that_keeps_the_number_at_least_1(ms, text):
+    assert format_ms(ms) == text
+
+
+@pytest.mark.parametrize("args, flag", [(("--summary", "--format", "json"), "--summary"),
+                                        (("--summary", "--format", "csv"), "--summary"),
+                                        (("--wide", "--format", "markdown"), "--wide")])
+def test_layout_flags_elsewhere_are_refused_not_ignored(args, flag):
+    result = CliRunner().invoke(cli, ["profile", target("examples/two_layer.py:TwoLayer"), *args],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: ") and flag in line and f"drop {flag}" in line, line
+
+
+def test_runtime_tables_fit_the_width_too():
+    out = run(*TINY_GPT, "--runtime", "--device", "cpu", "--steps", "1", "--warmup", "0", columns=80)
+    assert "runtime on cpu" in out and "measured/predicted" in out, out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
