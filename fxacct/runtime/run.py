@@ -317,7 +317,6 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    total = warmup + steps
     with _model_errors(device, config.batch):
         model, file_module = build_model(config, device)
         args, kwargs = make_inputs(config, model, file_module, device)
@@ -328,22 +327,24 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     times: list[StepTime] = []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = None
+    progress = progress or (lambda phase, done, total: None)
+    tp.quiet_kineto()  # before the profiler's first start in this process
     try:
         with _model_errors(device, config.batch):
+            progress("warm-up", 0, warmup)
             for i in range(warmup):
                 step()
-                if progress:
-                    progress("warm-up", i + 1, total)
+                progress("warm-up", i + 1, warmup)
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             baseline = StorageTracker().track(model, step.optimizer, args, kwargs).live_bytes
+            progress("timed", 0, steps)
             with profile(activities=activities, profile_memory=True) as prof, module_ranges(model):
                 for i in range(steps):
                     with record_function(STEP):
                         times.append(step(clock))
-                    if progress:
-                        progress("step", warmup + i + 1, total)
+                    progress("timed", i + 1, steps)
     except KeyboardInterrupt:
         interrupted = True
     peak, source = None, "none"
@@ -360,7 +361,9 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     if not interrupted:
         try:
             with _model_errors(device, config.batch):
+                progress("op-level peak", 0, 1)
                 op_peak = _op_level_peak(step)
+                progress("op-level peak", 1, 1)
         except KeyboardInterrupt:
             interrupted = True
     name = torch.cuda.get_device_name(device) if cuda else _cpu_name()
