@@ -294,7 +294,8 @@ def _chrome_trace(prof) -> tuple:
         os.unlink(path)
 
 
-def _op_level_peak(step: _Step) -> int:
+def _op_level_peak(step: _Step, progress) -> int:
+    progress("op-level peak", 0, 1)
     was = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -305,6 +306,7 @@ def _op_level_peak(step: _Step) -> int:
     finally:
         if was:
             gc.enable()
+    progress("op-level peak", 1, 1)
     return tracker.peak_bytes
 
 
@@ -361,9 +363,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     if not interrupted:
         try:
             with _model_errors(device, config.batch):
-                progress("op-level peak", 0, 1)
-                op_peak = _op_level_peak(step)
-                progress("op-level peak", 1, 1)
+                op_peak = _op_level_peak(step, progress)
         except KeyboardInterrupt:
             interrupted = True
     name = torch.cuda.get_device_name(device) if cuda else _cpu_name()
