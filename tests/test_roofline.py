@@ -158,9 +158,12 @@ def test_one_linear_on_an_h100_by_hand(m, bound):
     #   m = 1:    33,554,432 / 67e12 = 0.50 µs < 67,141,632 B / 3.35e12 = 20.04 µs: memory
     # backward: dW = dyᵀ @ x, the same product and bytes (x needs no grad: no dX); transposes free
     # loss: sum over y, m·4096 FLOPs at 67e12 vs (m·4096·4 + 4) B: memory; ones_like writes 4 B
+    # (the per-op overhead is off here: test_the_per_op_overhead_is_ops_times_overhead adds it)
+    import dataclasses
+
     k = n = 4096
     p = profile_meta(on_meta(nn.Linear, k, n, bias=False), (meta_input(m, k),), optimizer="none")
-    pr = predict_profile(p, from_gpu(get_device("h100")))
+    pr = predict_profile(p, dataclasses.replace(from_gpu(get_device("h100")), op_overhead_s=0.0))
     mm = max(2 * m * k * n / 67e12, (m * k + k * n + m * n) * 4 / 3.35e12)
     loss = max(m * n / 67e12, (m * n * 4 + 4) / 3.35e12) + 4 / 3.35e12
     assert [o.bound for o in pr.ops if o.op == "aten.mm.default"] == [bound, bound]
@@ -205,3 +208,32 @@ def test_runtime_flags_without_runtime_are_a_usage_error():
     result = invoke("profile", TWO_LAYER, "--steps", "3")
     assert result.exit_code == 2
     assert "--runtime" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_per_op_overhead_is_ops_times_overhead():
+    # closed form: the step with an overhead of h seconds per op is the step without it plus
+    # (number of ops) × h, the ops counted from the graph itself (every call_function node; no
+    # optimizer here, so no state init and no repeat); the report prints it as its own line
+    import dataclasses
+
+    from fxacct.predict.devices import LAUNCH_S
+    from fxacct.report.runtime_text import predicted_section
+
+    p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")
+    gpu = from_gpu(get_device("h100"))
+    assert gpu.op_overhead_s == LAUNCH_S == 4e-6  # the table's kernel launch latency (sourced there)
+    ops = sum(1 for n in p.capture.graph.nodes if n.op == "call_function")
+    h = 1e-3
+    bare = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=0.0))
+    paid = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=h, overhead_source="test"))
+    assert ops > 3 and paid.overhead_ops == ops
+    assert paid.overhead_s == pytest.approx(ops * h)
+    assert paid.step_s == pytest.approx(bare.step_s + ops * h)
+    for phase in PHASES:  # each phase pays for its own ops
+        n_phase = sum(1 for n in p.capture.graph.nodes
+                      if n.op == "call_function" and n.meta["fxacct"].phase == phase)
+        assert paid.by_phase[phase] == pytest.approx(bare.by_phase[phase] + n_phase * h)
+    line = [x for x in predicted_section(paid).splitlines() if "per-op overhead" in x]
+    assert line == [f"  per-op overhead: {ops} ops × 1 ms = {ops:.3g} ms "
+                    f"({100 * ops * h / paid.step_s:.1f}% of the time; test)"]
+    assert "none counted" in predicted_section(bare)
