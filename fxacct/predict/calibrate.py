@@ -29,7 +29,8 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
 - convolution FLOP/s (float32) by channel count: 3×3 convolutions C → C for C in 8, 32, 128
   (microbench.CONV_SHAPES); a convolution with few channels runs far below the matmul rate on a CPU.
 - per-op overhead in seconds: a loop of tiny ops (``a + a`` on one element): the dispatch,
-  allocation and (CUDA) launch every op pays besides its FLOPs and bytes. A small model's step is
+  allocation and (CUDA) launch every op pays besides its FLOPs and bytes; and the same loop under
+  torch.profiler, which `--runtime` runs the model under (it records every op: about 2 µs more). A small model's step is
   mostly this (issue 10: a small CNN was 4.7× slower than a roofline without it).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
@@ -93,6 +94,7 @@ class Calibration:
     dispatch_s_per_op: float | None = None  # seconds each op costs besides its FLOPs and bytes
     spread: dict = field(default_factory=dict)  # measurement -> relative spread of its rounds
     warnings: list = field(default_factory=list)  # figures rejected, measurements that stayed unstable
+    profiled_dispatch_s_per_op: float | None = None  # the same under torch.profiler (runtime mode)
 
 
 def cache_dir() -> Path:
@@ -244,13 +246,15 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
         say("per-op dispatch overhead")
         dispatch_s, t = microbench.dispatch(kind, budget_s / 3)
         spread["per-op overhead"] = t.spread
+        profiled_s, t = microbench.dispatch(kind, budget_s / 3, profiled=True)
+        spread["per-op overhead under torch.profiler"] = t.spread
         say("memory bandwidth")
         curve, spread["memory bandwidth"] = measure_bandwidth(kind, budget_s, warnings)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
                        curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
                        time.perf_counter() - t0, {"float32": conv}, dispatch_s, spread,
-                       warnings + _unstable(spread))
+                       warnings + _unstable(spread), profiled_s)
 
 
 def save(cal: Calibration) -> Path:
@@ -319,8 +323,9 @@ def parse(data) -> Calibration:
     _rates("bandwidth_by_bytes", cal.bandwidth_by_bytes, keys_are_ints=True)
     for key, by_channels in cal.convolution_by_channels.items():
         _rates(f"convolution_by_channels[{key!r}]", by_channels, keys_are_ints=True)
-    if cal.dispatch_s_per_op is not None:
-        _positive("dispatch_s_per_op", cal.dispatch_s_per_op)
+    for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op"):
+        if getattr(cal, name) is not None:
+            _positive(name, getattr(cal, name))
     return cal
 
 

@@ -122,18 +122,23 @@ def from_gpu(device: Device) -> DeviceModel:
                        overhead_source=f"kernel launch, {LAUNCH_SOURCE}")
 
 
-def from_calibration(cal) -> DeviceModel:
-    """A device model from a fxacct.predict.calibrate.Calibration (measured, not datasheet, rates)."""
+def from_calibration(cal, profiled: bool = False) -> DeviceModel:
+    """A device model from a fxacct.predict.calibrate.Calibration (measured, not datasheet, rates);
+    ``profiled``: with the per-op overhead measured under torch.profiler, for a runtime run's
+    comparison (the run is timed under the profiler)."""
+    overhead = cal.dispatch_s_per_op
+    what = "dispatch" if cal.kind == "cpu" else "dispatch and launch"
+    if profiled and cal.profiled_dispatch_s_per_op:
+        overhead, what = cal.profiled_dispatch_s_per_op, what + " under torch.profiler"
     rates = dict(cal.matmul_flops_per_s)
     curve = tuple(sorted((int(k), v) for k, v in cal.bandwidth_by_bytes.items()))
     matmul = {key: tuple(sorted((int(d), r) for d, r in by.items())) for key, by in cal.matmul_by_min_dim.items()}
     conv = {key: tuple(sorted((int(c), r) for c, r in by.items())) for key, by in cal.convolution_by_channels.items()}
-    what = "dispatch" if cal.kind == "cpu" else "dispatch and launch"
     return DeviceModel(cal.name, rates, rates["float32"], cal.bandwidth_bytes_per_s,
                        f"calibrated {cal.measured_at} ({cal.threads} threads, torch {cal.torch_version})",
                        tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve, matmul_curves=matmul,
-                       overlap=cal.kind != "cpu", op_overhead_s=cal.dispatch_s_per_op or 0.0,
-                       overhead_source=(f"{what}, calibrated {cal.measured_at}" if cal.dispatch_s_per_op
+                       overlap=cal.kind != "cpu", op_overhead_s=overhead or 0.0,
+                       overhead_source=(f"{what}, calibrated {cal.measured_at}" if overhead
                                         else "not calibrated (a profile from before fxacct measured it)"),
                        conv_curves=conv)
 
@@ -160,14 +165,14 @@ def gpu_key(name: str) -> str | None:
     return None
 
 
-def for_local(kind: str, gpu: str | None = None) -> DeviceModel | None:
-    """The device a runtime run executes on: its calibration if stored, else (CUDA) the datasheet
-    entry of ``gpu`` (a DEVICES key), else None."""
+def for_local(kind: str, gpu: str | None = None, profiled: bool = False) -> DeviceModel | None:
+    """The device a runtime run executes on: its calibration if stored (``profiled``: its per-op
+    overhead under torch.profiler), else (CUDA) the datasheet entry of ``gpu`` (a DEVICES key), else None."""
     from fxacct.predict import calibrate
 
     cal = calibrate.load(kind)
     if cal is not None:
-        return from_calibration(cal)
+        return from_calibration(cal, profiled)
     if kind == "cuda" and gpu in DEVICES:
         return from_gpu(DEVICES[gpu])
     return None

@@ -29,6 +29,9 @@ def _rows(cal) -> list[list[str]]:
     if cal.dispatch_s_per_op is not None:
         rows.append(["per-op overhead", format_ms(1e3 * cal.dispatch_s_per_op), "a loop of tiny ops",
                      _spread(cal, "per-op overhead")])
+    if getattr(cal, "profiled_dispatch_s_per_op", None) is not None:
+        rows.append(["per-op overhead, profiled", format_ms(1e3 * cal.profiled_dispatch_s_per_op),
+                     "the same under torch.profiler (--runtime)", _spread(cal, "per-op overhead under torch.profiler")])
     for moved, bandwidth in cal.bandwidth_by_bytes.items():
         rows.append(["memory bandwidth", f"{bandwidth / 1e9:.2f} GB/s",
                      f"{format_bytes(int(moved))} footprint (copy, add, mul_)", _spread(cal, "memory bandwidth")])

@@ -56,7 +56,7 @@ def run(config: Config, options: RuntimeOptions = RuntimeOptions(),
     profile = fxacct.profile(config)
     if progress:
         progress("tracing", 1, 1)
-    model = for_local(device.type, config.gpu)
+    model = for_local(device.type, config.gpu, profiled=True)  # the run is timed under torch.profiler
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory
     peak = memory.peak_inference if options.inference else memory.rank_peak
