@@ -237,3 +237,34 @@ def test_the_per_op_overhead_is_ops_times_overhead():
     assert line == [f"  per-op overhead: {ops} ops × 1 ms = {ops:.3g} ms "
                     f"({100 * ops * h / paid.step_s:.1f}% of the time; test)"]
     assert "none counted" in predicted_section(bare)
+
+
+def test_a_convolution_runs_at_the_calibrated_rate_of_its_channels():
+    # Conv2d(8 -> 8, 3×3, padding 1, no bias) on (1, 8, 4, 4), no optimizer; calibrated convolution
+    # rates 1e6 FLOP/s at 8 channels, 4e6 at 32; memory free (1e18 B/s), no per-op overhead.
+    # forward: 2·1·8·8·9·4·4 = 18,432 FLOPs at the 8-channel rate = 18.432 ms (not the 1e12 matmul rate)
+    import dataclasses
+
+    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.roofline import from_calibration, min_dim
+
+    cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
+                      convolution_by_channels={"float32": {"8": 1e6, "32": 4e6}})
+    p = profile_meta(on_meta(nn.Conv2d, 8, 8, 3, padding=1, bias=False), (meta_input(1, 8, 4, 4),), optimizer="none")
+    device = from_calibration(cal)
+    assert device.op_overhead_s == 0.0 and "not calibrated" in device.overhead_source
+    pr = predict_profile(p, device)
+    (conv,) = [o for o in pr.ops if o.op == "aten.convolution.default"]
+    assert conv.flops == 18432 and conv.seconds == pytest.approx(18.432e-3)
+    convs = [n for n in p.capture.graph.nodes if "convolution" in str(n.target)]
+    assert {min_dim(n) for n in convs} == {8}  # forward and backward: the weight's 8 → 8 channels
+    # between calibrated channel counts: log-linear, 16 channels halfway (in log) from 1e6 to 4e6
+    assert dataclasses.replace(device).matmul_peak(torch.float32, True, 16) == pytest.approx(2.5e6)
+
+
+def test_the_cnn_example_is_costed_in_full():
+    # examples/cnn.py: Conv + BatchNorm + ReLU + MaxPool ×3, dropout, fc; parameters by hand
+    # (docstring): 3·16·9 + 16·32·9 + 32·64·9 + 2·(16 + 32 + 64) + 64·4·4·10 + 10 = 33,946
+    p = fxacct.profile(fxacct.Config(target=str(ROOT / "examples/cnn.py") + ":CNN", batch=2))
+    assert p.accounting.totals.params == 33946
+    assert not p.accounting.unsupported_ops
