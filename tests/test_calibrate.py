@@ -104,7 +104,11 @@ def test_matmul_classes_never_collide_whatever_the_speed(monkeypatch, seconds, n
     # 3×3 convolutions C -> C, batch 8, side×side: 2·8·C²·9·side² FLOPs
     assert cal.convolution_by_channels == {"float32": {str(c): 2 * 8 * c * c * 9 * side * side / seconds
                                                        for c, side in microbench.CONV_SHAPES}}
-    assert cal.dispatch_s_per_op == seconds / microbench.DISPATCH_LOOP  # a loop of 200 tiny ops
+    # a tiny training step "takes" `seconds`: per op, over the aten ops it dispatches (counted apart)
+    tiny = microbench._Tiny("cpu")
+    tiny()  # the first step creates AdamW's state; a steady-state step is counted
+    ops = microbench.count_ops(tiny)
+    assert ops > 8 * 2 * 3 and cal.dispatch_s_per_op == pytest.approx(seconds / ops)
     for key in ("float32", "bfloat16", "float16"):
         assert cal.sizes[key] == n
         assert cal.matmul_flops_per_s[key] == pytest.approx(2 * n**3 / seconds)

@@ -28,10 +28,12 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   beside 161 GFLOP/s for a skinny product, and every prediction used it).
 - convolution FLOP/s (float32) by channel count: 3×3 convolutions C → C for C in 8, 32, 128
   (microbench.CONV_SHAPES); a convolution with few channels runs far below the matmul rate on a CPU.
-- per-op overhead in seconds: a loop of tiny ops (``a + a`` on one element): the dispatch,
-  allocation and (CUDA) launch every op pays besides its FLOPs and bytes; and the same loop under
-  torch.profiler, which `--runtime` runs the model under (it records every op: about 2 µs more). A small model's step is
-  mostly this (issue 10: a small CNN was 4.7× slower than a roofline without it).
+- per-op overhead in seconds: a loop of training steps of a tiny model (8 × Linear(4, 4) + ReLU,
+  AdamW; microbench._Tiny), each op on a few elements, over the aten ops a step dispatches: what
+  every op pays besides its FLOPs and bytes (Python, dispatch, autograd, allocation, a CUDA
+  launch), paid as a real step pays it; and the same under torch.profiler, which `--runtime` runs
+  the model under (it records every op: about 2 µs more). A small model's step is mostly this
+  (issue 10: a small CNN was 4.7× slower than a roofline without it).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,

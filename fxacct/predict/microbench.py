@@ -20,7 +20,7 @@ import torch
 STABLE_REL = 0.05  # two rounds within 5% of each other: stable
 MAX_ROUNDS = 4
 MAX_REPS = 200
-DISPATCH_LOOP = 200  # tiny ops per timed repetition of the dispatch loop
+TINY_LAYERS = 8  # Linear + ReLU pairs of the tiny model whose training step times the per-op overhead
 # convolution: 3×3, stride 1, padding 1, batch 8, on (channels, image side): the channel counts of
 # small CNNs (8-32) up to a ResNet stage (128); the image shrinks as channels grow, as in a CNN
 CONV_SHAPES = ((8, 32), (32, 32), (128, 16))
@@ -126,11 +126,47 @@ def convolution(kind: str, channels: int, side: int, budget_s: float, timer=None
     return 2 * 8 * channels * channels * 9 * side * side / t.seconds, t
 
 
+class _Tiny:
+    """One training step of a tiny model (TINY_LAYERS × (Linear(4, 4), ReLU), batch 2, the float sum
+    as loss, AdamW): every op works on a few elements, so its time is all per-op overhead, paid the
+    way a real step pays it (module calls, autograd recording, the backward engine, the optimizer's
+    Python loop)."""
+
+    def __init__(self, kind: str):
+        torch.manual_seed(0)
+        layers = [m for _ in range(TINY_LAYERS) for m in (torch.nn.Linear(4, 4), torch.nn.ReLU())]
+        self.model = torch.nn.Sequential(*layers).to(kind)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.x = torch.randn(2, 4, device=kind)
+
+    def __call__(self) -> None:
+        with torch.enable_grad():
+            self.model(self.x).float().sum().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def count_ops(fn) -> int:
+    """The aten ops fn() dispatches (what fxacct's graph has a node for)."""
+    from fxacct.trace import torch_private as tp
+
+    class Count(tp.TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
 def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing]:
-    """(seconds per op, timing) of a loop of tiny ops (``a + a`` on one element): what every op
-    costs besides its arithmetic and memory traffic (dispatch, allocation, a kernel launch).
-    ``profiled``: the same loop under torch.profiler as `--runtime` runs it (CPU activity and
-    memory events), which records every op: measured here, 1.3 µs plain, 3.5 µs profiled."""
+    """(seconds per op, timing): the time of a tiny training step (_Tiny) over the aten ops it
+    dispatches: what every op costs besides its arithmetic and memory traffic (Python, dispatch,
+    autograd, allocation, a kernel launch). ``profiled``: the same under torch.profiler as
+    `--runtime` runs it (CPU activity and memory events), which records every op."""
     import contextlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -138,17 +174,14 @@ def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> 
     from fxacct.trace import torch_private as tp
 
     timer = timer or Timer(kind)
-    a = torch.ones(1, device=kind)
-
-    def loop():
-        for _ in range(DISPATCH_LOOP):
-            a + a
-
+    step = _Tiny(kind)
+    step()  # the optimizer state: a steady-state step follows
+    ops = count_ops(step)
     tp.quiet_kineto()
     context = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else contextlib.nullcontext()
     with context:
-        t = stable(timer, loop, budget_s)
-    return t.seconds / DISPATCH_LOOP, t
+        t = stable(timer, step, budget_s)
+    return t.seconds / ops, t
 
 
 def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[float, Timing]:
@@ -167,4 +200,4 @@ def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[floa
 
 
 __all__ = ["Timer", "Timing", "best_of", "stable", "square", "skinny", "convolution", "dispatch", "bandwidth",
-           "CONV_SHAPES", "STABLE_REL", "MAX_ROUNDS"]
+           "count_ops", "CONV_SHAPES", "STABLE_REL", "MAX_ROUNDS"]
