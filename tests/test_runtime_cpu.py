@@ -191,7 +191,7 @@ def test_a_runtime_run_writes_only_fxacct_lines_to_stderr(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     # not a terminal: one line per phase, each saying what it counts
-    assert lines == ["fxacct runtime: tracing 1 step", "fxacct runtime: warm-up 1 step",
+    assert lines == ["fxacct runtime: warm-up 1 step",
                      "fxacct runtime: timed 2 steps", "fxacct runtime: op-level peak 1 step"], done.stderr
     assert "runtime on cpu" in done.stdout
 

@@ -51,11 +51,7 @@ def run(config: Config, options: RuntimeOptions = RuntimeOptions(),
     validate(config, options)
     device = resolve_device(options.device)
     config = prediction_config(config, device)
-    if progress:
-        progress("tracing", 0, 1)
     profile = fxacct.profile(config)
-    if progress:
-        progress("tracing", 1, 1)
     model = for_local(device.type, config.gpu, profiled=True)  # the run is timed under torch.profiler
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory
