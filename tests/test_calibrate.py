@@ -109,6 +109,10 @@ def test_matmul_classes_never_collide_whatever_the_speed(monkeypatch, seconds, n
     tiny()  # the first step creates AdamW's state; a steady-state step is counted
     ops = microbench.count_ops(tiny)
     assert ops > 8 * 2 * 3 and cal.dispatch_s_per_op == pytest.approx(seconds / ops)
+    # max-pool 2×2 of (8, 32, 32, 32) float32: reads 8·32·32·32·4 = 1,048,576 B, writes the values
+    # 262,144 B and int64 indices 524,288 B: 1,835,008 B per call
+    assert cal.kernel_bytes_per_s["aten.max_pool2d_with_indices.default"] == pytest.approx(1835008 / seconds)
+    assert "aten.native_batch_norm_backward.default" in cal.kernel_bytes_per_s
     for key in ("float32", "bfloat16", "float16"):
         assert cal.sizes[key] == n
         assert cal.matmul_flops_per_s[key] == pytest.approx(2 * n**3 / seconds)

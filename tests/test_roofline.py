@@ -268,3 +268,19 @@ def test_the_cnn_example_is_costed_in_full():
     p = fxacct.profile(fxacct.Config(target=str(ROOT / "examples/cnn.py") + ":CNN", batch=2))
     assert p.accounting.totals.params == 33946
     assert not p.accounting.unsupported_ops
+
+
+def test_a_calibrated_kernel_runs_at_its_measured_rate():
+    # MaxPool2d(2) after a 1×1 conv on (1, 8, 4, 4); the calibration says max_pool2d_with_indices
+    # moves 1e6 B/s. Its bytes: reads 1·8·4·4·4 = 512 B, writes values 8·2·2·4 = 128 B and int64
+    # indices 8·2·2·8 = 256 B: 896 B / 1e6 B/s = 896 µs, whatever the streaming bandwidth (1e18)
+    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.roofline import from_calibration
+
+    cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
+                      kernel_bytes_per_s={"aten.max_pool2d_with_indices.default": 1e6})
+    model = on_meta(lambda: nn.Sequential(nn.Conv2d(8, 8, 1), nn.MaxPool2d(2)))
+    p = profile_meta(model, (meta_input(1, 8, 4, 4),), optimizer="none")
+    pr = predict_profile(p, from_calibration(cal))
+    (pool,) = [o for o in pr.ops if o.op == "aten.max_pool2d_with_indices.default"]
+    assert pool.bytes == 896 and pool.seconds == pytest.approx(896e-6) and pool.bound == MEMORY

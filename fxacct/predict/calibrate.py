@@ -34,6 +34,9 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   launch), paid as a real step pays it; and the same under torch.profiler, which `--runtime` runs
   the model under (it records every op: about 2 µs more). A small model's step is mostly this
   (issue 10: a small CNN was 4.7× slower than a roofline without it).
+- training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
+  (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward) on 1 MiB
+  activations, each as the bytes the roofline counts for it over its time (microbench.kernels).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,
@@ -97,6 +100,7 @@ class Calibration:
     spread: dict = field(default_factory=dict)  # measurement -> relative spread of its rounds
     warnings: list = field(default_factory=list)  # figures rejected, measurements that stayed unstable
     profiled_dispatch_s_per_op: float | None = None  # the same under torch.profiler (runtime mode)
+    kernel_bytes_per_s: dict = field(default_factory=dict)  # str(aten op) -> bytes/s it moves
 
 
 def cache_dir() -> Path:
@@ -250,13 +254,15 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
         spread["per-op overhead"] = t.spread
         profiled_s, t = microbench.dispatch(kind, budget_s / 3, profiled=True)
         spread["per-op overhead under torch.profiler"] = t.spread
+        say("training kernels")
+        kernel_rates, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
         say("memory bandwidth")
         curve, spread["memory bandwidth"] = measure_bandwidth(kind, budget_s, warnings)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
                        curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
                        time.perf_counter() - t0, {"float32": conv}, dispatch_s, spread,
-                       warnings + _unstable(spread), profiled_s)
+                       warnings + _unstable(spread), profiled_s, kernel_rates)
 
 
 def save(cal: Calibration) -> Path:
@@ -325,6 +331,7 @@ def parse(data) -> Calibration:
     _rates("bandwidth_by_bytes", cal.bandwidth_by_bytes, keys_are_ints=True)
     for key, by_channels in cal.convolution_by_channels.items():
         _rates(f"convolution_by_channels[{key!r}]", by_channels, keys_are_ints=True)
+    _rates("kernel_bytes_per_s", cal.kernel_bytes_per_s)
     for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op"):
         if getattr(cal, name) is not None:
             _positive(name, getattr(cal, name))

@@ -184,6 +184,54 @@ def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> 
     return t.seconds / ops, t
 
 
+def _moved(args, out) -> int:
+    """Bytes an op moves as the roofline counts them: every distinct tensor input read once, every
+    output written once (fxacct.predict.roofline.op_bytes)."""
+    flat = [t for t in (list(args) + list(out if isinstance(out, tuple) else (out,)))
+            if isinstance(t, torch.Tensor)]
+    return sum(t.nbytes for t in {id(t): t for t in flat}.values())
+
+
+def _kernel_cases(kind: str) -> dict:
+    """{aten op: (args)} of the non-matmul training kernels a CPU runs far below its streaming
+    rate (issue 10: in the small CNN, max-pool and batch norm took most of the forward), on 1 MiB
+    float32 activations: (8, 32, 32, 32) images, (2048, 128) rows."""
+    aten = torch.ops.aten
+    x = torch.randn(8, 32, 32, 32, device=kind)
+    c = torch.ones(32, device=kind)
+    rows, w = torch.randn(2048, 128, device=kind), torch.ones(128, device=kind)
+    y, mean, invstd = aten.native_batch_norm.default(x, c, c, c.clone(), c.clone(), True, 0.1, 1e-5)
+    pooled, idx = aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    _, rmean, rstd = aten.native_layer_norm.default(rows, [128], w, w, 1e-5)
+    soft = aten._softmax.default(rows, -1, False)
+    return {
+        aten.native_batch_norm.default: (x, c, c, c.clone(), c.clone(), True, 0.1, 1e-5),
+        aten.native_batch_norm_backward.default: (y, x, c, c, c, mean, invstd, True, 1e-5, [True] * 3),
+        aten.max_pool2d_with_indices.default: (x, [2, 2], [2, 2]),
+        aten.max_pool2d_with_indices_backward.default: (pooled, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx),
+        aten.threshold_backward.default: (y, x, 0.0),
+        aten.native_layer_norm.default: (rows, [128], w, w, 1e-5),
+        aten.native_layer_norm_backward.default: (rows, rows, [128], rmean, rstd, w, w, [True] * 3),
+        aten._softmax.default: (rows, -1, False),
+        aten._softmax_backward_data.default: (rows, soft, -1, torch.float32),
+        aten.gelu.default: (rows,),
+        aten.gelu_backward.default: (rows, rows),
+    }
+
+
+def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
+    """({str(aten op): bytes/s}, largest spread): the rate at which each kernel of _kernel_cases
+    moves the bytes the roofline counts for it (its arithmetic included)."""
+    timer = timer or Timer(kind)
+    out, spreads = {}, []
+    for op, args in _kernel_cases(kind).items():
+        nbytes = _moved(args, op(*args))
+        t = stable(timer, lambda op=op, args=args: op(*args), budget_s)
+        out[str(op)] = nbytes / t.seconds
+        spreads.append(t.spread)
+    return out, max(spreads)
+
+
 def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[float, Timing]:
     """(bytes/s, timing) streaming buffers of nbytes: the median rate of ``dst.copy_(src)`` (2 × the
     bytes moved: read and write), ``torch.add(a, b, out=c)`` (3 ×) and ``a.mul_(s)`` (2 ×); the timing
@@ -200,4 +248,4 @@ def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[floa
 
 
 __all__ = ["Timer", "Timing", "best_of", "stable", "square", "skinny", "convolution", "dispatch", "bandwidth",
-           "count_ops", "CONV_SHAPES", "STABLE_REL", "MAX_ROUNDS"]
+           "count_ops", "kernels", "CONV_SHAPES", "STABLE_REL", "MAX_ROUNDS"]

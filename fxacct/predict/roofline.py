@@ -41,6 +41,10 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
   table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
   device the measured cost of a tiny op (fxacct.predict.calibrate). A small model's step is mostly
   this (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
+- A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
+  their backward: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
+  a CPU these run far below the streaming rate (measured here: max-pool 0.7 GB/s, batch norm
+  3.3 GB/s, against ~20 GB/s for a copy of the same size).
 - Convolutions on a calibrated device run at the rate measured for their channel count (the
   smaller of in and out channels, log-linear between the calibrated ones), else at P_mm.
 - No overlap between ops.
@@ -85,6 +89,7 @@ class DeviceModel:
     op_overhead_s: float = 0.0  # seconds every op costs besides its FLOPs and bytes
     overhead_source: str = ""
     conv_curves: dict = dataclasses.field(default_factory=dict)  # dtype key -> ((channels, FLOP/s), ...)
+    kernel_rates: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> bytes/s (calibrated)
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes/s when streaming over a footprint of ``nbytes``."""
@@ -140,7 +145,7 @@ def from_calibration(cal, profiled: bool = False) -> DeviceModel:
                        overlap=cal.kind != "cpu", op_overhead_s=overhead or 0.0,
                        overhead_source=(f"{what}, calibrated {cal.measured_at}" if overhead
                                         else "not calibrated (a profile from before fxacct measured it)"),
-                       conv_curves=conv)
+                       conv_curves=conv, kernel_rates=dict(cal.kernel_bytes_per_s))
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -279,8 +284,12 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
     else:
         nbytes = op_bytes(node, cost.kind == "creation")
         smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
-        seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
-                                    "convolution" in str(node.target), bandwidth, smallest)
+        kernel = device.kernel_rates.get(str(node.target)) if smallest is None else None
+        if kernel:  # a calibrated kernel: its own measured rate, arithmetic included
+            seconds, bound = nbytes / kernel, MEMORY
+        else:
+            seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
+                                        "convolution" in str(node.target), bandwidth, smallest)
     owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
     return OpTime(node.name, str(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
                   nbytes * cost.repeat, (seconds + overhead) * cost.repeat, bound, overhead * cost.repeat,

@@ -32,6 +32,9 @@ def _rows(cal) -> list[list[str]]:
     if getattr(cal, "profiled_dispatch_s_per_op", None) is not None:
         rows.append(["per-op overhead, profiled", format_ms(1e3 * cal.profiled_dispatch_s_per_op),
                      "the same under torch.profiler (--runtime)", _spread(cal, "per-op overhead under torch.profiler")])
+    for op, rate in getattr(cal, "kernel_bytes_per_s", {}).items():
+        rows.append([f"kernel {op.removeprefix('aten.').removesuffix('.default')}", f"{rate / 1e9:.2f} GB/s",
+                     "1 MiB float32 activations", _spread(cal, "training kernels")])
     for moved, bandwidth in cal.bandwidth_by_bytes.items():
         rows.append(["memory bandwidth", f"{bandwidth / 1e9:.2f} GB/s",
                      f"{format_bytes(int(moved))} footprint (copy, add, mul_)", _spread(cal, "memory bandwidth")])
