@@ -43,6 +43,9 @@ EXAMPLES = {
                       dict(vocab_size=100, d_model=64, n_layers=2, n_heads=4, d_ff=96, context_length=16), 8),
 }
 PHASES = ("step", "forward", "backward", "optimizer")
+# "fastest": the fastest timed step against the predicted step, the statistic the calibration uses
+# (its fastest round): on a busy machine the least disturbed figure
+COLUMNS = PHASES + ("fastest",)
 LOW, HIGH = 0.75, 1.33
 
 
@@ -54,6 +57,7 @@ def one_example(name: str, steps: int, warmup: int) -> dict:
     m, c = r.measured, r.comparison
     measured = {"step": m.step_s, "forward": m.forward_s, "backward": m.backward_s, "optimizer": m.optimizer_s}
     out = {k: (c.predicted[k], measured[k]) for k in PHASES}
+    out["fastest"] = (c.predicted["step"], min(s.step_s for s in m.step_times))
     out["overhead share"] = r.prediction.overhead_s / r.prediction.step_s
     return out
 
@@ -70,7 +74,7 @@ def _print_round(i: int, seconds: float, cal, results: dict, ratios: dict) -> No
           + (f"; {len(cal.warnings)} warnings" if cal.warnings else "") + ")")
     for name, res in results.items():
         parts = []
-        for k in PHASES:
+        for k in COLUMNS:
             pred, meas = res[k]
             ratios[name][k].append(meas / pred)
             parts.append(f"{k} {1e3 * pred:.2f} → {1e3 * meas:.2f} ms ({meas / pred:.2f})")
@@ -90,7 +94,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     print(f"{', '.join(args.only)} on {calibrate.cpu_name()} with {torch.get_num_threads()} threads "
           f"(torch {torch.__version__}); fp32, AdamW; ratio = measured / predicted step time")
-    ratios = {name: {k: [] for k in PHASES} for name in args.only}
+    ratios = {name: {k: [] for k in COLUMNS} for name in args.only}
     with tempfile.TemporaryDirectory(prefix="fxacct-cache-") as cache:
         os.environ["FXACCT_CACHE_DIR"] = cache
         for i in range(args.rounds):
@@ -98,13 +102,14 @@ def main() -> int:
             results, cal = one_round(args.only, args.steps, args.warmup)
             _print_round(i, time.perf_counter() - t0, cal, results, ratios)
     print(f"median measured/predicted over {args.rounds} rounds (target {LOW}–{HIGH}):")
-    inside = 0
+    inside = fastest = 0
     for name, by in ratios.items():
-        step = statistics.median(by["step"])
+        step, best = statistics.median(by["step"]), statistics.median(by["fastest"])
         inside += LOW <= step <= HIGH
+        fastest += LOW <= best <= HIGH
         print(f"  {name:<14} step {step:.2f} " + ("ok " if LOW <= step <= HIGH else "OUT")
               + " (" + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in by.items() if k != "step") + ")")
-    print(f"{inside} of {len(ratios)} within {LOW}–{HIGH}")
+    print(f"{inside} of {len(ratios)} within {LOW}–{HIGH} (median step); {fastest} of {len(ratios)} by the fastest step")
     return 0
 
 
