@@ -2,8 +2,9 @@
 
 The run reports ``(phase, done, total)``: ``done == 0`` when a phase begins, then after each of its
 ``total`` units. On a terminal the line is redrawn in place (``\\r``) and ended when the run is over; in
-a log or a pipe, each phase prints one line when it begins (``fxacct runtime: timed 10 steps``), so
-every line says what it counts. Third-party lines are silenced where they start
+a log or a pipe, each phase prints one line once its first unit is done (``fxacct runtime: timed 10
+steps``), so every line says what it counts, and a model that fails in its first step leaves only
+the one-line error on stderr. Third-party lines are silenced where they start
 (fxacct.trace.torch_private.quiet_kineto), not here.
 """
 
@@ -30,9 +31,11 @@ class Progress:
         self.drawn = False  # a bar line is on screen, not yet ended
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        if total <= 0:
+            return
         if self.tty:
             self._draw(phase, done, total)
-        elif done == 0:
+        elif done == 1:
             self.stream.write(f"{PREFIX}: {phase} {_units(total, self.unit)}\n")
             self.stream.flush()
 
