@@ -14,9 +14,11 @@ from fxacct_cli.options import DEBUG
 @click.option("--device", default="cpu", show_default=True, help="cpu, or cuda for the local GPU.")
 @DEBUG
 def calibrate_command(device, debug):
-    """Measure the local device's achievable matmul FLOP/s per dtype and its memory bandwidth
-    (a few seconds) and store them in the user cache dir ($FXACCT_CACHE_DIR, else
-    $XDG_CACHE_HOME/fxacct, else ~/.cache/fxacct).
+    """Measure what predictions use on the local device: matmul FLOP/s per dtype by shape class,
+    convolution FLOP/s by channels, the per-op overhead and memory bandwidth by footprint (~30 s
+    on 2 CPU cores). Each figure is repeated until stable (its spread is printed); implausible
+    figures are re-measured, then rejected with a warning. Stored in the user cache dir
+    ($FXACCT_CACHE_DIR, else $XDG_CACHE_HOME/fxacct, else ~/.cache/fxacct).
 
     \b
     Exit codes: 0 success; 2 usage error (e.g. --device cuda without CUDA); 4 an internal error

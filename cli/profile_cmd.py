@@ -152,21 +152,9 @@ def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace
 
 
 def _run_runtime(config, options: RuntimeOptions):
-    """fxacct.runtime.run with a progress bar over warm-up and timed steps on stderr."""
+    """fxacct.runtime.run with its progress on stderr (a bar on a terminal, a line per phase otherwise)."""
     from fxacct.runtime import run
+    from fxacct.runtime.progress import Progress
 
-    bar = None
-
-    def progress(stage: str, done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = click.progressbar(length=total, label="runtime", file=sys.stderr)
-            bar.__enter__()
-        bar.label = stage
-        bar.update(done - bar.pos)
-
-    try:
+    with Progress() as progress:
         return run(config, options, progress)
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)

@@ -95,14 +95,29 @@ def test_calibrate_cpu_measures_and_stores_a_profile(cache):
 ])
 def test_matmul_classes_never_collide_whatever_the_speed(monkeypatch, seconds, n):
     # every repetition "takes" `seconds`: rate = FLOPs / seconds, by hand per product
-    monkeypatch.setattr(calibrate, "_repeat", lambda timer, fn, budget: seconds)
-    monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s: {2000: 1e9})
+    from fxacct.predict import microbench
+
+    monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: seconds)
+    monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.0))
     cal = calibrate.calibrate("cpu")
+    assert cal.warnings == [] and set(cal.spread.values()) == {0.0}  # every round the same: stable
+    # 3×3 convolutions C -> C, batch 8, side×side: 2·8·C²·9·side² FLOPs
+    assert cal.convolution_by_channels == {"float32": {str(c): 2 * 8 * c * c * 9 * side * side / seconds
+                                                       for c, side in microbench.CONV_SHAPES}}
+    # a tiny training step "takes" `seconds`: per op, over the aten ops it dispatches (counted apart)
+    tiny = microbench._Tiny("cpu")
+    tiny()  # the first step creates AdamW's state; a steady-state step is counted
+    ops = microbench.count_ops(tiny)
+    assert ops > 8 * 2 * 3 and cal.dispatch_s_per_op == pytest.approx(seconds / ops)
+    # max-pool 2×2 of (8, 32, 32, 32) float32: reads 8·32·32·32·4 = 1,048,576 B, writes the values
+    # 262,144 B and int64 indices 524,288 B: 1,835,008 B per call
+    assert cal.kernel_bytes_per_s["aten.max_pool2d_with_indices.default"] == pytest.approx(1835008 / seconds)
+    assert "aten.native_batch_norm_backward.default" in cal.kernel_bytes_per_s
     for key in ("float32", "bfloat16", "float16"):
         assert cal.sizes[key] == n
-        assert cal.matmul_flops_per_s[key] == 2 * n**3 / seconds
+        assert cal.matmul_flops_per_s[key] == pytest.approx(2 * n**3 / seconds)
         # (d×n) @ (n×n): 2·d·n² FLOPs for d = 16, 64, 256, and the square (n×n) @ (n×n)
-        assert cal.matmul_by_min_dim[key] == {str(d): 2 * d * n * n / seconds for d in (16, 64, 256, n)}
+        assert cal.matmul_by_min_dim[key] == pytest.approx({str(d): 2 * d * n * n / seconds for d in (16, 64, 256, n)})
     with pytest.raises(ValueError, match="must exceed"):
         calibrate.measure_skinny("cpu", "float32", 256)  # a 256² square would be the 256 class
 
@@ -191,3 +206,104 @@ def test_a_calibrated_cpu_adds_compute_and_memory_time():
     assert seconds == pytest.approx(1e-3 + 2e-6) and bound == "compute"
     gpu = from_calibration(fake_calibration(kind="cuda"))
     assert op_seconds(Flops(matmul=1000), 2000, torch.float32, gpu)[0] == pytest.approx(1e-3)
+
+
+class ScriptedTimer:
+    """A fake timer: each call "takes" the next of ``times`` seconds (no machine speed involved)."""
+
+    def __init__(self, times):
+        self.times, self.calls = list(times), 0
+
+    def __call__(self, fn):
+        self.calls += 1
+        return self.times.pop(0)
+
+
+def test_a_measurement_repeats_until_two_rounds_agree():
+    from fxacct.predict import microbench
+
+    budget = 6.0  # each round fills budget / 2 = 3 s, at least 3 repetitions (after one warm-up)
+    # round 1: 3 × 1.0 s -> best 1.0; round 2: 3 × 2.0 -> 2.0 (100% apart: again); round 3: 1.02
+    # (within 5% of 1.0: stable). Fastest 1.0; spread (2.0 - 1.0) / 1.0 = 1.0
+    timer = ScriptedTimer([1.0] * 3 + [2.0] * 3 + [1.02] * 3)
+    t = microbench.stable(timer, lambda: None, budget)
+    assert (t.seconds, t.spread, t.rounds, t.stable) == (1.0, 1.0, 3, True) and timer.calls == 9
+    # never agreeing: stops after MAX_ROUNDS and says so; the fastest is kept
+    timer = ScriptedTimer([4.0] * 3 + [2.0] * 3 + [1.0] * 3 + [0.5] * 6)  # 6 × 0.5 s fill the 3 s
+    t = microbench.stable(timer, lambda: None, budget)
+    assert (t.seconds, t.rounds, t.stable) == (0.5, microbench.MAX_ROUNDS, False) and t.spread == 7.0
+
+
+def test_an_unstable_measurement_is_reported(monkeypatch):
+    from fxacct.predict import microbench
+
+    monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: 1.0)
+    monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.5))
+    cal = calibrate.calibrate("cpu")
+    assert cal.spread["memory bandwidth"] == 0.5
+    assert cal.warnings == ["memory bandwidth: rounds 50% apart (a busy machine; the fastest kept)"]
+
+
+def test_a_square_slower_than_a_skinny_product_is_remeasured_then_rejected(monkeypatch):
+    # square rates scripted per call; skinny products at 100 GFLOP/s (d=256), 50, 10; the square is
+    # implausible below 0.8 × 100 = 80 GFLOP/s
+    from fxacct.predict import microbench
+
+    squares = []
+
+    def square(kind, key, n, budget_s, timer=None):
+        return squares.pop(0), microbench.Timing(1.0, 0.0, 2, True)
+
+    def skinny(kind, key, d, n, budget_s, timer=None):
+        return {16: 10e9, 64: 50e9, 256: 100e9}[d], microbench.Timing(1.0, 0.0, 2, True)
+
+    monkeypatch.setattr(microbench, "square", square)
+    monkeypatch.setattr(microbench, "skinny", skinny)
+    # a disturbed first square (2 GFLOP/s, the issue's case), a plausible re-measurement: kept
+    squares[:] = [2e9, 150e9]
+    warnings = []
+    rate, n, by_dim, _ = calibrate._matmul("cpu", "float32", 0.3, warnings)
+    assert rate == 150e9 and by_dim == {"16": 10e9, "64": 50e9, "256": 100e9, str(n): 150e9} and not warnings
+    # implausible twice: rejected, the skinny product's rate kept for it, and a warning says so
+    squares[:] = [2e9, 3e9]
+    rate, n, by_dim, _ = calibrate._matmul("cpu", "float32", 0.3, warnings)
+    assert rate == 100e9 and by_dim[str(n)] == 100e9
+    assert len(warnings) == 1 and "rejected" in warnings[0] and "256-row" in warnings[0], warnings
+    # a square within the noise of the skinny rate (0.9 × 100) is plausible: measured once
+    squares[:] = [90e9]
+    assert calibrate._matmul("cpu", "float32", 0.3, [])[0] == 90e9 and squares == []
+
+
+def test_implausible_picks_the_fastest_skinny_product():
+    assert calibrate.implausible(100.0, {16: 10.0, 64: 50.0}) is None
+    assert calibrate.implausible(39.0, {16: 10.0, 64: 50.0}) == 64  # 39 < 0.8 × 50 = 40
+    assert calibrate.implausible(40.0, {16: 10.0, 64: 50.0}) is None
+
+
+def test_a_slower_small_footprint_is_remeasured_then_rejected(monkeypatch):
+    # 2 MiB buffers scripted at 0.1 GB/s, then 0.2 (both below 0.8 × the 8 MiB rate): the larger
+    # footprint's rate is kept; the other sizes stream plausibly (faster when smaller)
+    from fxacct.predict import microbench
+
+    monkeypatch.setitem(calibrate.COPY_SIZES, "cpu", (2**20, 4 * 2**20))
+    rates = {2**20: [0.1e9, 0.2e9], 4 * 2**20: [40e9]}
+    monkeypatch.setattr(microbench, "bandwidth",
+                        lambda kind, nbytes, budget_s, timer=None: (rates[nbytes].pop(0),
+                                                                    microbench.Timing(1.0, 0.1, 2, True)))
+    warnings = []
+    curve, spread = calibrate.measure_bandwidth("cpu", 0.3, warnings)
+    assert curve == {2 * 2**20: 40e9, 8 * 2**20: 40e9} and spread == 0.1
+    assert len(warnings) == 1 and "rejected" in warnings[0]
+
+
+def test_the_report_says_what_was_stored(cache):
+    cal = fake_calibration(convolution_by_channels={"float32": {"8": 1e9}}, dispatch_s_per_op=2e-6,
+                           spread={"matmul float32": 0.03}, warnings=["matmul float32: rejected"])
+    path = calibrate.save(cal)
+    assert calibrate.load("cpu") == cal
+    from fxacct.report.calibrate_text import render_calibration
+
+    text = render_calibration(cal, path)
+    assert "convolution float32" in text and "8 channels" in text
+    assert "per-op overhead" in text and "2 µs" in text and "3.0%" in text
+    assert "warning: matmul float32: rejected" in text and str(path) in text

@@ -158,9 +158,12 @@ def test_one_linear_on_an_h100_by_hand(m, bound):
     #   m = 1:    33,554,432 / 67e12 = 0.50 µs < 67,141,632 B / 3.35e12 = 20.04 µs: memory
     # backward: dW = dyᵀ @ x, the same product and bytes (x needs no grad: no dX); transposes free
     # loss: sum over y, m·4096 FLOPs at 67e12 vs (m·4096·4 + 4) B: memory; ones_like writes 4 B
+    # (the per-op overhead is off here: test_the_per_op_overhead_is_ops_times_overhead adds it)
+    import dataclasses
+
     k = n = 4096
     p = profile_meta(on_meta(nn.Linear, k, n, bias=False), (meta_input(m, k),), optimizer="none")
-    pr = predict_profile(p, from_gpu(get_device("h100")))
+    pr = predict_profile(p, dataclasses.replace(from_gpu(get_device("h100")), op_overhead_s=0.0))
     mm = max(2 * m * k * n / 67e12, (m * k + k * n + m * n) * 4 / 3.35e12)
     loss = max(m * n / 67e12, (m * n * 4 + 4) / 3.35e12) + 4 / 3.35e12
     assert [o.bound for o in pr.ops if o.op == "aten.mm.default"] == [bound, bound]
@@ -205,3 +208,79 @@ def test_runtime_flags_without_runtime_are_a_usage_error():
     result = invoke("profile", TWO_LAYER, "--steps", "3")
     assert result.exit_code == 2
     assert "--runtime" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_per_op_overhead_is_ops_times_overhead():
+    # closed form: the step with an overhead of h seconds per op is the step without it plus
+    # (number of ops) × h, the ops counted from the graph itself (every call_function node; no
+    # optimizer here, so no state init and no repeat); the report prints it as its own line
+    import dataclasses
+
+    from fxacct.predict.devices import LAUNCH_S
+    from fxacct.report.runtime_text import predicted_section
+
+    p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")
+    gpu = from_gpu(get_device("h100"))
+    assert gpu.op_overhead_s == LAUNCH_S == 4e-6  # the table's kernel launch latency (sourced there)
+    ops = sum(1 for n in p.capture.graph.nodes if n.op == "call_function")
+    h = 1e-3
+    bare = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=0.0))
+    paid = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=h, overhead_source="test"))
+    assert ops > 3 and paid.overhead_ops == ops
+    assert paid.overhead_s == pytest.approx(ops * h)
+    assert paid.step_s == pytest.approx(bare.step_s + ops * h)
+    for phase in PHASES:  # each phase pays for its own ops
+        n_phase = sum(1 for n in p.capture.graph.nodes
+                      if n.op == "call_function" and n.meta["fxacct"].phase == phase)
+        assert paid.by_phase[phase] == pytest.approx(bare.by_phase[phase] + n_phase * h)
+    line = [x for x in predicted_section(paid).splitlines() if "per-op overhead" in x]
+    assert line == [f"  per-op overhead: {ops} ops × 1 ms = {ops:.3g} ms "
+                    f"({100 * ops * h / paid.step_s:.1f}% of the time; test)"]
+    assert "none counted" in predicted_section(bare)
+
+
+def test_a_convolution_runs_at_the_calibrated_rate_of_its_channels():
+    # Conv2d(8 -> 8, 3×3, padding 1, no bias) on (1, 8, 4, 4), no optimizer; calibrated convolution
+    # rates 1e6 FLOP/s at 8 channels, 4e6 at 32; memory free (1e18 B/s), no per-op overhead.
+    # forward: 2·1·8·8·9·4·4 = 18,432 FLOPs at the 8-channel rate = 18.432 ms (not the 1e12 matmul rate)
+    import dataclasses
+
+    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.roofline import from_calibration, min_dim
+
+    cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
+                      convolution_by_channels={"float32": {"8": 1e6, "32": 4e6}})
+    p = profile_meta(on_meta(nn.Conv2d, 8, 8, 3, padding=1, bias=False), (meta_input(1, 8, 4, 4),), optimizer="none")
+    device = from_calibration(cal)
+    assert device.op_overhead_s == 0.0 and "not calibrated" in device.overhead_source
+    pr = predict_profile(p, device)
+    (conv,) = [o for o in pr.ops if o.op == "aten.convolution.default"]
+    assert conv.flops == 18432 and conv.seconds == pytest.approx(18.432e-3)
+    convs = [n for n in p.capture.graph.nodes if "convolution" in str(n.target)]
+    assert {min_dim(n) for n in convs} == {8}  # forward and backward: the weight's 8 → 8 channels
+    # between calibrated channel counts: log-linear, 16 channels halfway (in log) from 1e6 to 4e6
+    assert dataclasses.replace(device).matmul_peak(torch.float32, True, 16) == pytest.approx(2.5e6)
+
+
+def test_the_cnn_example_is_costed_in_full():
+    # examples/cnn.py: Conv + BatchNorm + ReLU + MaxPool ×3, dropout, fc; parameters by hand
+    # (docstring): 3·16·9 + 16·32·9 + 32·64·9 + 2·(16 + 32 + 64) + 64·4·4·10 + 10 = 33,946
+    p = fxacct.profile(fxacct.Config(target=str(ROOT / "examples/cnn.py") + ":CNN", batch=2))
+    assert p.accounting.totals.params == 33946
+    assert not p.accounting.unsupported_ops
+
+
+def test_a_calibrated_kernel_runs_at_its_measured_rate():
+    # MaxPool2d(2) after a 1×1 conv on (1, 8, 4, 4); the calibration says max_pool2d_with_indices
+    # moves 1e6 B/s. Its bytes: reads 1·8·4·4·4 = 512 B, writes values 8·2·2·4 = 128 B and int64
+    # indices 8·2·2·8 = 256 B: 896 B / 1e6 B/s = 896 µs, whatever the streaming bandwidth (1e18)
+    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.roofline import from_calibration
+
+    cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
+                      kernel_bytes_per_s={"aten.max_pool2d_with_indices.default": 1e6})
+    model = on_meta(lambda: nn.Sequential(nn.Conv2d(8, 8, 1), nn.MaxPool2d(2)))
+    p = profile_meta(model, (meta_input(1, 8, 4, 4),), optimizer="none")
+    pr = predict_profile(p, from_calibration(cal))
+    (pool,) = [o for o in pr.ops if o.op == "aten.max_pool2d_with_indices.default"]
+    assert pool.bytes == 896 and pool.seconds == pytest.approx(896e-6) and pool.bound == MEMORY

@@ -112,7 +112,7 @@ def test_text_report_shows_both_sides(tmp_path):
 def test_ctrl_c_stops_and_keeps_what_was_measured():
     # a KeyboardInterrupt right after the second timed step (raised from the progress callback)
     def progress(stage, done, total):
-        if stage == "step" and done == 3:
+        if stage == "timed" and done == 2:
             raise KeyboardInterrupt
 
     config = fxacct.Config(target=MLP[0], batch=4, kwargs=dict(d_model=128, d_hidden=256, n_blocks=2))
@@ -175,3 +175,43 @@ def test_a_model_too_big_for_free_memory_is_refused():
     assert result.exit_code == 3, result.output
     assert "exceeds the free memory" in result.stderr and "--force" in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_a_runtime_run_writes_only_fxacct_lines_to_stderr(tmp_path):
+    # acceptance (issue 10, item 5): a real process, as a user runs it; kineto's "USDT: ...
+    # profiler_start" lines are silenced at their source (fxacct.trace.torch_private.quiet_kineto)
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    cmd = [sys.executable, "-m", "fxacct_cli", "profile", str(ROOT / "examples/two_layer.py") + ":TwoLayer",
+           "--runtime", "--device", "cpu", "--steps", "2", "--warmup", "1"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    # not a terminal: one line per phase, each saying what it counts
+    assert lines == ["fxacct runtime: warm-up 1 step",
+                     "fxacct runtime: timed 2 steps", "fxacct runtime: op-level peak 1 step"], done.stderr
+    assert "runtime on cpu" in done.stdout
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_lines_otherwise():
+    import io
+
+    from fxacct.runtime.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    log, tty = io.StringIO(), Tty()
+    for stream in (log, tty):
+        with Progress(stream) as p:
+            for phase, total in (("warm-up", 3), ("timed", 10)):
+                for done in range(total + 1):
+                    p(phase, done, total)
+    assert log.getvalue() == "fxacct runtime: warm-up 3 steps\nfxacct runtime: timed 10 steps\n"
+    frames = tty.getvalue().split("\r")[1:]
+    assert len(frames) == 4 + 11 and tty.getvalue().endswith("\n")  # one redraw per call, the line ended
+    assert "[" + "#" * 24 + "] 10/10 steps" in frames[-1] and "[" + "-" * 24 + "] 0/3 steps" in frames[0]

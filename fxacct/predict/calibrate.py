@@ -5,8 +5,10 @@ Predictions (fxacct.predict.roofline) use the profile for this CPU when no ``--g
 local GPU in runtime mode. Without one, the CPU has no device model and predicted times are null
 ("not calibrated"), never a made-up number.
 
-What is measured (each the best of repetitions that fill a small time budget: on a shared machine
-other work only ever slows a repetition down, so the fastest is the device's own rate):
+What is measured (fxacct.predict.microbench: each the fastest of repetitions that fill a small time
+budget, in rounds repeated until two agree within 5%; on a shared machine other work only ever
+slows a repetition down, so the fastest is the device's own rate; each measurement's ``spread``,
+(slowest − fastest) / fastest over its rounds, is stored and a spread over 25% is reported):
 
 - matmul FLOP/s per dtype: ``a @ b`` on square n×n operands, 2·n³ FLOPs each (1 FMA = 2 FLOPs,
   fxacct.units). n grows from ``MIN_N`` by doubling until one product takes ``MIN_OP_S`` or n
@@ -20,10 +22,25 @@ other work only ever slows a repetition down, so the fastest is the device's own
   matmul with one small dimension (a batch of 64 rows through a 1024→4096 layer, and the weight
   gradient that contracts over those 64) runs well below the square rate on a CPU (measured here:
   ~half); predictions look the rate up by each matmul's smallest dimension (fxacct.predict.roofline).
+- plausibility: a square is the fastest shape of its dtype; a square below 0.8 × a skinny
+  product's rate is measured again, and if it still is, rejected: the skinny rate is stored for it
+  and a warning says so (issue 10: a busy machine once stored 0.002 TFLOP/s for the fp32 square
+  beside 161 GFLOP/s for a skinny product, and every prediction used it).
+- convolution FLOP/s (float32) by channel count: 3×3 convolutions C → C for C in 8, 32, 128
+  (microbench.CONV_SHAPES); a convolution with few channels runs far below the matmul rate on a CPU.
+- per-op overhead in seconds: a loop of training steps of a tiny model (8 × Linear(4, 4) + ReLU,
+  AdamW; microbench._Tiny), each op on a few elements, over the aten ops a step dispatches: what
+  every op pays besides its FLOPs and bytes (Python, dispatch, autograd, allocation, a CUDA
+  launch), paid as a real step pays it; and the same under torch.profiler, which `--runtime` runs
+  the model under (it records every op: about 2 µs more). A small model's step is mostly this
+  (issue 10: a small CNN was 4.7× slower than a roofline without it).
+- training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
+  (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward) on 1 MiB
+  activations, each as the bytes the roofline counts for it over its time (microbench.kernels).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,
-  keyed by the footprint of a copy (2 × the buffer). Two sweeps; per size the faster is kept. On a
+  keyed by the footprint of a copy (2 × the buffer). On a
   CPU a footprint that fits in the last-level cache streams several times faster than DRAM, and
   predictions look the rate up by the step's working set (fxacct.predict.roofline).
   ``bandwidth_bytes_per_s`` is the rate at the largest size (DRAM).
@@ -39,19 +56,21 @@ import json
 import os
 import platform
 import re
-import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from fxacct.errors import UsageError
+from fxacct.predict import microbench
 
 SCHEMA = "fxacct.device/1"
 MIN_OP_S = 0.01  # s: a product this long is timed reliably and runs at a sustained rate
 BUDGET_S = 0.3  # s per measurement: repetitions stop once their total passes it
+PLAUSIBLE = 0.8  # a square below 0.8 × a skinny product's rate of its dtype is implausible (noise: ±20%)
+UNSTABLE = 0.25  # a measurement whose rounds stay more than 25% apart is reported
 MAX_N = {"cpu": 2048, "cuda": 8192}  # largest square operand tried (2048² fp32 = 16 MiB each)
 # buffer sizes of the bandwidth ops: from L2-resident (1 MiB) to past the last-level cache of current
 # server CPUs (hundreds of MiB); on a GPU one size far past its L2 (50 MiB on H100)
@@ -75,6 +94,13 @@ class Calibration:
     measured_at: str  # ISO 8601, UTC
     sizes: dict  # dtype name -> n of the matmul rate
     seconds: float  # wall time of the whole calibration
+    # added later; a profile stored before them loads with the defaults (no convolution curve, no overhead)
+    convolution_by_channels: dict = field(default_factory=dict)  # dtype -> {str(channels): FLOP/s}
+    dispatch_s_per_op: float | None = None  # seconds each op costs besides its FLOPs and bytes
+    spread: dict = field(default_factory=dict)  # measurement -> relative spread of its rounds
+    warnings: list = field(default_factory=list)  # figures rejected, measurements that stayed unstable
+    profiled_dispatch_s_per_op: float | None = None  # the same under torch.profiler (runtime mode)
+    kernel_bytes_per_s: dict = field(default_factory=dict)  # str(aten op) -> bytes/s it moves
 
 
 def cache_dir() -> Path:
@@ -120,114 +146,123 @@ def check_device(device: str) -> str:
     return kind
 
 
-class _Timer:
-    """Seconds of fn(), synchronized on CUDA."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        if self.kind == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+def implausible(square_rate: float, skinny_rates: dict) -> int | None:
+    """The smallest dimension d of a skinny product that ran faster than the square of the same dtype
+    by more than the noise (PLAUSIBLE), or None. A square is the fastest shape of its dtype (it reuses
+    each operand most); one below a skinny product was disturbed (the issue's 0.002 TFLOP/s square
+    beside a 161 GFLOP/s skinny one)."""
+    fastest = max(skinny_rates, key=skinny_rates.get, default=None)
+    if fastest is not None and square_rate < PLAUSIBLE * skinny_rates[fastest]:
+        return fastest
+    return None
 
 
-def _repeat(timer: _Timer, fn, budget_s: float) -> float:
-    """The fastest seconds of fn() over repetitions that fill budget_s (at least 3), after one warm-up."""
-    fn()
-    times, spent = [], 0.0
-    while len(times) < 3 or spent < budget_s:
-        t = timer(fn)
-        times.append(t)
-        spent += t
-        if len(times) >= 200:
-            break
-    return min(times)
-
-
-def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tuple[float, int]:
-    """(FLOP/s, n) of n×n @ n×n products in dtype_key, at the first n whose product takes MIN_OP_S."""
-    timer = _Timer(kind)
-    dtype = torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
+def measure_matmul(kind: str, dtype_key: str, budget_s: float = BUDGET_S) -> tuple[float, int, float]:
+    """(FLOP/s, n, spread) of n×n @ n×n products in dtype_key, at the first n whose product takes MIN_OP_S."""
     n = MIN_N
-    try:
-        while True:
-            a = torch.randn(n, n, device=kind).to(dtype)
-            b = torch.randn(n, n, device=kind).to(dtype)
-            seconds = _repeat(timer, lambda: torch.mm(a, b), budget_s / 3)
-            if seconds >= MIN_OP_S or n >= MAX_N[kind]:
-                return 2 * n**3 / seconds, n  # 2·n³ FLOPs: n³ multiply-adds
-            n *= 2
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    while True:
+        rate, t = microbench.square(kind, dtype_key, n, budget_s / 3)
+        if t.seconds >= MIN_OP_S or n >= MAX_N[kind]:
+            return rate, n, t.spread
+        n *= 2
 
 
-def measure_skinny(kind: str, dtype_key: str, n: int, budget_s: float = BUDGET_S) -> dict[int, float]:
-    """{d: FLOP/s} of (d×n) @ (n×n) products for d in SKINNY_DIMS; n must lie above them all, so
-    that no d is the square's own class."""
+def measure_skinny(kind: str, dtype_key: str, n: int, budget_s: float = BUDGET_S) -> dict[int, tuple]:
+    """{d: (FLOP/s, spread)} of (d×n) @ (n×n) products for d in SKINNY_DIMS; n must lie above them
+    all, so that no d is the square's own class."""
     if n <= max(SKINNY_DIMS):
         raise ValueError(f"square n={n} must exceed every skinny dimension {SKINNY_DIMS}")
-    timer = _Timer(kind)
-    dtype = torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
     out = {}
-    try:
-        b = torch.randn(n, n, device=kind).to(dtype)
-        for d in SKINNY_DIMS:
-            a = torch.randn(d, n, device=kind).to(dtype)
-            out[d] = 2 * d * n * n / _repeat(timer, lambda: torch.mm(a, b), budget_s / 3)  # 2·d·n·n FLOPs
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    for d in SKINNY_DIMS:
+        rate, t = microbench.skinny(kind, dtype_key, d, n, budget_s / 3)
+        out[d] = (rate, t.spread)
     return out
 
 
-def measure_bandwidth(kind: str, budget_s: float = BUDGET_S, sweeps: int = 2) -> dict[int, float]:
-    """{footprint bytes: bytes/s} over COPY_SIZES (module docstring)."""
-    timer = _Timer(kind)
-    out: dict[int, float] = {}
-    share = budget_s / 3
-    for _ in range(sweeps):
-        for nbytes in COPY_SIZES[kind]:
-            a = torch.ones(nbytes // 4, dtype=torch.float32, device=kind)
-            b, c = torch.ones_like(a), torch.ones_like(a)
-            rates = [2 * nbytes / _repeat(timer, lambda a=a, c=c: c.copy_(a), share),  # read a, write c
-                     3 * nbytes / _repeat(timer, lambda a=a, b=b, c=c: torch.add(a, b, out=c), share),  # a, b -> c
-                     2 * nbytes / _repeat(timer, lambda a=a: a.mul_(1.0), share)]  # read and write a
-            out[2 * nbytes] = max(out.get(2 * nbytes, 0.0), statistics.median(rates))
-            del a, b, c
-    return out
+def _matmul(kind: str, key: str, budget_s: float, warnings: list) -> tuple[float, int, dict, float]:
+    """(square FLOP/s, n, {d: FLOP/s} with the square's n, spread) of one dtype; a square slower
+    than a skinny product is measured again, and if it still is, rejected (the skinny rate is kept
+    for it) with a warning."""
+    rate, n, spread = measure_matmul(kind, key, budget_s)
+    skinny = measure_skinny(kind, key, n, budget_s)
+    if implausible(rate, {d: r for d, (r, _) in skinny.items()}) is not None:
+        again, t = microbench.square(kind, key, n, budget_s / 3)
+        rate, spread = max(rate, again), max(spread, t.spread)
+        skinny = measure_skinny(kind, key, n, budget_s)
+        d = implausible(rate, {d: r for d, (r, _) in skinny.items()})
+        if d is not None:
+            warnings.append(f"matmul {key}: the {n}² square measured {rate / 1e9:.3g} GFLOP/s twice, below "
+                            f"the {d}-row product's {skinny[d][0] / 1e9:.3g}; rejected, kept "
+                            f"{skinny[d][0] / 1e9:.3g} GFLOP/s for it (the machine was busy: recalibrate)")
+            rate = skinny[d][0]
+    by_dim = {str(d): r for d, r in sorted({**{d: r for d, (r, _) in skinny.items()}, n: rate}.items())}
+    return rate, n, by_dim, max([spread] + [s for _, s in skinny.values()])
+
+
+def measure_bandwidth(kind: str, budget_s: float = BUDGET_S, warnings: list | None = None
+                      ) -> tuple[dict[int, float], float]:
+    """({footprint bytes: bytes/s} over COPY_SIZES, the largest spread) (module docstring). A
+    footprint that streams slower than a larger one (from further out in the memory hierarchy)
+    beyond the noise is measured again, and if it still is, given the larger one's rate."""
+    out, spreads = {}, []
+    for nbytes in COPY_SIZES[kind]:
+        rate, t = microbench.bandwidth(kind, nbytes, budget_s)
+        out[2 * nbytes] = rate
+        spreads.append(t.spread)
+    sizes = sorted(out)
+    for small, large in reversed(list(zip(sizes, sizes[1:]))):
+        if out[small] < PLAUSIBLE * out[large]:
+            out[small] = max(out[small], microbench.bandwidth(kind, small // 2, budget_s)[0])
+            if out[small] < PLAUSIBLE * out[large] and warnings is not None:
+                warnings.append(f"memory bandwidth: {small} B streamed at {out[small] / 1e9:.3g} GB/s twice, "
+                                f"below {large} B's {out[large] / 1e9:.3g}; rejected, kept the latter")
+            if out[small] < PLAUSIBLE * out[large]:
+                out[small] = out[large]
+    return out, max(spreads)
+
+
+def measure_convolutions(kind: str, budget_s: float = BUDGET_S) -> tuple[dict[str, float], float]:
+    """({str(channels): FLOP/s} of float32 3×3 convolutions, the largest spread)."""
+    out, spreads = {}, []
+    for channels, side in microbench.CONV_SHAPES:
+        rate, t = microbench.convolution(kind, channels, side, budget_s / 3)
+        out[str(channels)] = rate
+        spreads.append(t.spread)
+    return out, max(spreads)
+
+
+def _unstable(spread: dict) -> list[str]:
+    return [f"{what}: rounds {100 * s:.0f}% apart (a busy machine; the fastest kept)"
+            for what, s in spread.items() if s > UNSTABLE]
 
 
 def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
               progress: Callable[[str], None] | None = None) -> Calibration:
-    """Measure the local CPU or GPU (a few seconds; < 20 s on 2 CPU cores)."""
+    """Measure the local CPU or GPU (< 30 s on 2 CPU cores)."""
     kind = check_device(device)
+    say = progress or (lambda what: None)
     t0 = time.perf_counter()
-    rates, sizes, by_dim = {}, {}, {}
+    rates, sizes, by_dim, spread, warnings = {}, {}, {}, {}, []
     with torch.no_grad():
         for key in DTYPES[kind]:
-            if progress:
-                progress(f"matmul {key}")
-            rates[key], sizes[key] = measure_matmul(kind, key, budget_s)
-            skinny = measure_skinny(kind, key, sizes[key], budget_s)
-            by_dim[key] = {str(d): r for d, r in sorted({**skinny, sizes[key]: rates[key]}.items())}
-        if progress:
-            progress("memory bandwidth")
-        curve = measure_bandwidth(kind, budget_s)
+            say(f"matmul {key}")
+            rates[key], sizes[key], by_dim[key], spread[f"matmul {key}"] = _matmul(kind, key, budget_s, warnings)
+        say("convolution float32")
+        conv, spread["convolution float32"] = measure_convolutions(kind, budget_s)
+        say("per-op dispatch overhead")
+        dispatch_s, t = microbench.dispatch(kind, budget_s / 3)
+        spread["per-op overhead"] = t.spread
+        profiled_s, t = microbench.dispatch(kind, budget_s / 3, profiled=True)
+        spread["per-op overhead under torch.profiler"] = t.spread
+        say("training kernels")
+        kernel_rates, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
+        say("memory bandwidth")
+        curve, spread["memory bandwidth"] = measure_bandwidth(kind, budget_s, warnings)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
                        curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, {"float32": conv}, dispatch_s, spread,
+                       warnings + _unstable(spread), profiled_s, kernel_rates)
 
 
 def save(cal: Calibration) -> Path:
@@ -294,6 +329,12 @@ def parse(data) -> Calibration:
         _rates(f"matmul_by_min_dim[{key!r}]", by_dim, keys_are_ints=True)
     _positive("bandwidth_bytes_per_s", cal.bandwidth_bytes_per_s)
     _rates("bandwidth_by_bytes", cal.bandwidth_by_bytes, keys_are_ints=True)
+    for key, by_channels in cal.convolution_by_channels.items():
+        _rates(f"convolution_by_channels[{key!r}]", by_channels, keys_are_ints=True)
+    _rates("kernel_bytes_per_s", cal.kernel_bytes_per_s)
+    for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op"):
+        if getattr(cal, name) is not None:
+            _positive(name, getattr(cal, name))
     return cal
 
 

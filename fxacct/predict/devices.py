@@ -23,6 +23,12 @@ import torch
 from fxacct.errors import UsageError
 
 MiB = 2**20
+# Per-op overhead of eager PyTorch on a GPU, in seconds: a short kernel issued back to back in a
+# stream is bound by its launch, a few µs each (NVIDIA Technical Blog, A. Gray, "Getting Started with
+# CUDA Graphs", 2019: the motivation of CUDA Graphs); 4 µs is that order of magnitude, not a
+# per-SKU datasheet figure. `fxacct calibrate --device cuda` measures the local GPU's own.
+LAUNCH_S = 4e-6
+LAUNCH_SOURCE = "~4 µs per kernel launch (NVIDIA, Getting Started with CUDA Graphs, 2019)"
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Device:
     peak_flops: dict  # dtype name -> dense FLOP/s on tensor cores ("float32": the non-tensor rate)
     cuda: bool = True
     source: str = ""  # the datasheet (and driver report) the figures come from
+    launch_s: float = LAUNCH_S  # seconds of overhead per op (kernel launch), LAUNCH_SOURCE
 
     def matmul_peak(self, dtype: torch.dtype) -> float:
         """Tensor-core peak for a matmul in ``dtype`` (float32 matmuls: TF32, PyTorch's default for

@@ -36,8 +36,18 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
   many times. The capture steps the optimizer once from scratch, so it creates the optimizer state
   (``zeros_like``); a steady-state step does not, and those creations take no time here (INIT).
   A creation op (zeros, ones_like...) writes its output and reads nothing.
-- No launch or dispatch overhead, no overlap between ops: a small model on a GPU runs slower than
-  this (kernel launches of a few µs each dominate), a large one close to it at good efficiency.
+- Per-op overhead: every op (a view too: it is dispatched) but the state init also costs a fixed
+  ``op_overhead_s``, added to its time and reported as its own line (ops × overhead): on a GPU of the
+  table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
+  device the measured cost of a tiny op (fxacct.predict.calibrate). A small model's step is mostly
+  this (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
+- A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
+  their backward: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
+  a CPU these run far below the streaming rate (measured here: max-pool 0.7 GB/s, batch norm
+  3.3 GB/s, against ~20 GB/s for a copy of the same size).
+- Convolutions on a calibrated device run at the rate measured for their channel count (the
+  smaller of in and out channels, log-linear between the calibrated ones), else at P_mm.
+- No overlap between ops.
 
 Attribution is the annotation's (fxacct.account.annotate): each op's time goes to its owner, the
 forward node its FLOPs belong to; loss and optimizer ops belong to no node. Module times are
@@ -76,6 +86,10 @@ class DeviceModel:
     bandwidth_curve: tuple = ()  # ((footprint bytes, bytes/s), ...) ascending; () -> the flat figure
     matmul_curves: dict = dataclasses.field(default_factory=dict)  # dtype key -> ((smallest dim, FLOP/s), ...)
     overlap: bool = True  # compute and memory traffic overlap (GPU); False: they add up (CPU)
+    op_overhead_s: float = 0.0  # seconds every op costs besides its FLOPs and bytes
+    overhead_source: str = ""
+    conv_curves: dict = dataclasses.field(default_factory=dict)  # dtype key -> ((channels, FLOP/s), ...)
+    kernel_rates: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> bytes/s (calibrated)
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes/s when streaming over a footprint of ``nbytes``."""
@@ -89,7 +103,7 @@ class DeviceModel:
             key = "tf32"
         if key not in self.matmul_flops_per_s:
             key = "float32"
-        curve = self.matmul_curves.get(key)
+        curve = (self.conv_curves if convolution else self.matmul_curves).get(key)
         if min_dim and curve:
             return _log_linear(curve, min_dim)
         return self.matmul_flops_per_s[key]
@@ -106,19 +120,32 @@ def _log_linear(curve, x: float) -> float:
 
 
 def from_gpu(device: Device) -> DeviceModel:
+    from fxacct.predict.devices import LAUNCH_SOURCE
+
     return DeviceModel(device.name, dict(device.peak_flops), device.peak_flops["float32"], device.bandwidth,
-                       f"datasheet: {device.source}", tf32_convolutions=True)
+                       f"datasheet: {device.source}", tf32_convolutions=True, op_overhead_s=device.launch_s,
+                       overhead_source=f"kernel launch, {LAUNCH_SOURCE}")
 
 
-def from_calibration(cal) -> DeviceModel:
-    """A device model from a fxacct.predict.calibrate.Calibration (measured, not datasheet, rates)."""
+def from_calibration(cal, profiled: bool = False) -> DeviceModel:
+    """A device model from a fxacct.predict.calibrate.Calibration (measured, not datasheet, rates);
+    ``profiled``: with the per-op overhead measured under torch.profiler, for a runtime run's
+    comparison (the run is timed under the profiler)."""
+    overhead = cal.dispatch_s_per_op
+    what = "dispatch" if cal.kind == "cpu" else "dispatch and launch"
+    if profiled and cal.profiled_dispatch_s_per_op:
+        overhead, what = cal.profiled_dispatch_s_per_op, what + " under torch.profiler"
     rates = dict(cal.matmul_flops_per_s)
     curve = tuple(sorted((int(k), v) for k, v in cal.bandwidth_by_bytes.items()))
     matmul = {key: tuple(sorted((int(d), r) for d, r in by.items())) for key, by in cal.matmul_by_min_dim.items()}
+    conv = {key: tuple(sorted((int(c), r) for c, r in by.items())) for key, by in cal.convolution_by_channels.items()}
     return DeviceModel(cal.name, rates, rates["float32"], cal.bandwidth_bytes_per_s,
                        f"calibrated {cal.measured_at} ({cal.threads} threads, torch {cal.torch_version})",
                        tf32_convolutions=cal.kind == "cuda", bandwidth_curve=curve, matmul_curves=matmul,
-                       overlap=cal.kind != "cpu")
+                       overlap=cal.kind != "cpu", op_overhead_s=overhead or 0.0,
+                       overhead_source=(f"{what}, calibrated {cal.measured_at}" if overhead
+                                        else "not calibrated (a profile from before fxacct measured it)"),
+                       conv_curves=conv, kernel_rates=dict(cal.kernel_bytes_per_s))
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -143,14 +170,14 @@ def gpu_key(name: str) -> str | None:
     return None
 
 
-def for_local(kind: str, gpu: str | None = None) -> DeviceModel | None:
-    """The device a runtime run executes on: its calibration if stored, else (CUDA) the datasheet
-    entry of ``gpu`` (a DEVICES key), else None."""
+def for_local(kind: str, gpu: str | None = None, profiled: bool = False) -> DeviceModel | None:
+    """The device a runtime run executes on: its calibration if stored (``profiled``: its per-op
+    overhead under torch.profiler), else (CUDA) the datasheet entry of ``gpu`` (a DEVICES key), else None."""
     from fxacct.predict import calibrate
 
     cal = calibrate.load(kind)
     if cal is not None:
-        return from_calibration(cal)
+        return from_calibration(cal, profiled)
     if kind == "cuda" and gpu in DEVICES:
         return from_gpu(DEVICES[gpu])
     return None
@@ -165,8 +192,10 @@ class OpTime:
     owner: str | None  # the forward node the time is attributed to (None: loss, optimizer)
     flops: int  # all classes, times the repeat count
     bytes: int  # read + written, times the repeat count
-    seconds: float
+    seconds: float  # roofline time + overhead_s, times the repeat count
     bound: str  # COMPUTE, MEMORY or FREE
+    overhead_s: float = 0.0  # the per-op overhead in seconds, times the repeat count
+    calls: int = 1  # the repeat count: how many ops pay the overhead
 
 
 @dataclass(frozen=True)
@@ -180,6 +209,16 @@ class Prediction:
     @property
     def step_s(self) -> float:
         return sum(self.by_phase.values())
+
+    @property
+    def overhead_s(self) -> float:
+        """The per-op overhead of the step (inside the phase times)."""
+        return sum(op.overhead_s for op in self.ops)
+
+    @property
+    def overhead_ops(self) -> int:
+        """How many ops pay the per-op overhead."""
+        return sum(op.calls for op in self.ops if op.overhead_s)
 
     @property
     def step_ms(self) -> float:
@@ -209,9 +248,13 @@ def _dtype(node: fx.Node) -> torch.dtype | None:
 
 def min_dim(node: fx.Node) -> int | None:
     """The smallest of m, k, n of a matmul (the last two dims of its first two ≥2-d tensor inputs;
-    for attention q·kᵀ, the query length, key length and head dim); None for a convolution."""
+    for attention q·kᵀ, the query length, key length and head dim); for a convolution the smaller of
+    its weight's out and in channels (aten.convolution's args[1], convolution_backward's args[2])."""
     if "convolution" in str(node.target):
-        return None
+        i = 2 if "backward" in str(node.target) else 1
+        weight = node.args[i] if len(node.args) > i and isinstance(node.args[i], fx.Node) else None
+        shapes = [t.shape for t in tensor_metas(weight.meta.get("val"))] if weight is not None else []
+        return min(shapes[0][:2]) if shapes and len(shapes[0]) >= 2 else None
     mats = [t.shape for n in node.all_input_nodes for t in tensor_metas(n.meta.get("val")) if len(t.shape) >= 2][:2]
     dims = [d for shape in mats for d in shape[-2:]]
     return min(dims) if dims else None
@@ -232,19 +275,25 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
 def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset, bandwidth: float) -> OpTime:
     """One op's roofline time, attributed to the owner the annotation decided."""
     outputs = tensor_metas(node.meta.get("val"))
+    overhead = device.op_overhead_s
     if cost.kind == "view":
         seconds, bound, nbytes = 0.0, FREE, 0
     elif cost.phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
             t.storage in state_storages for t in outputs):
-        seconds, bound, nbytes = 0.0, INIT, 0
+        seconds, bound, nbytes, overhead = 0.0, INIT, 0, 0.0
     else:
         nbytes = op_bytes(node, cost.kind == "creation")
         smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
-        seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
-                                    "convolution" in str(node.target), bandwidth, smallest)
+        kernel = device.kernel_rates.get(str(node.target)) if smallest is None else None
+        if kernel:  # a calibrated kernel: its own measured rate, arithmetic included
+            seconds, bound = nbytes / kernel, MEMORY
+        else:
+            seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
+                                        "convolution" in str(node.target), bandwidth, smallest)
     owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
     return OpTime(node.name, str(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
-                  nbytes * cost.repeat, seconds * cost.repeat, bound)
+                  nbytes * cost.repeat, (seconds + overhead) * cost.repeat, bound, overhead * cost.repeat,
+                  cost.repeat)
 
 
 def predict(graph: fx.Graph, device: DeviceModel, state_storages: frozenset = frozenset(),

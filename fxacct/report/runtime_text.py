@@ -47,12 +47,24 @@ def predicted_section(prediction: Prediction | None) -> str:
             bound[op.bound][1] += op.seconds
     total = prediction.step_s or 1.0
     phases = " + ".join(f"{p} {ms(ph[p])}" for p in PHASES)
+    roofline = {b: sum(op.seconds - op.overhead_s for op in prediction.ops if op.bound == b) for b in bound}
     return "\n".join([
         f"predicted step time on {d.name} (roofline, {d.source}): {ms(prediction.step_s)}",
         f"  = {phases}",
-        f"  {bound[COMPUTE][0]} compute-bound ops ({100 * bound[COMPUTE][1] / total:.1f}% of the time), "
-        f"{bound[MEMORY][0]} memory-bound ({100 * bound[MEMORY][1] / total:.1f}%); no launch overhead counted",
+        f"  {bound[COMPUTE][0]} compute-bound ops ({100 * roofline[COMPUTE] / total:.1f}% of the time), "
+        f"{bound[MEMORY][0]} memory-bound ({100 * roofline[MEMORY] / total:.1f}%)",
+        overhead_line(prediction, total),
     ])
+
+
+def overhead_line(prediction: Prediction, total: float) -> str:
+    """'  per-op overhead: 1,234 ops × 2.16 µs = 2.67 ms (40.1% of the time; dispatch, calibrated ...)'."""
+    d = prediction.device
+    if not d.op_overhead_s:
+        return f"  per-op overhead: none counted ({d.overhead_source or 'not known for this device'})"
+    return (f"  per-op overhead: {prediction.overhead_ops:,} ops × {format_ms(1e3 * d.op_overhead_s)} = "
+            f"{ms(prediction.overhead_s)} ({100 * prediction.overhead_s / total:.1f}% of the time; "
+            f"{d.overhead_source})")
 
 
 def _totals_table(result) -> str:

@@ -52,7 +52,7 @@ def run(config: Config, options: RuntimeOptions = RuntimeOptions(),
     device = resolve_device(options.device)
     config = prediction_config(config, device)
     profile = fxacct.profile(config)
-    model = for_local(device.type, config.gpu)
+    model = for_local(device.type, config.gpu, profiled=True)  # the run is timed under torch.profiler
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory
     peak = memory.peak_inference if options.inference else memory.rank_peak

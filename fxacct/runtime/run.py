@@ -299,7 +299,8 @@ def _chrome_trace(prof) -> tuple:
         os.unlink(path)
 
 
-def _op_level_peak(step: _Step) -> int:
+def _op_level_peak(step: _Step, progress) -> int:
+    progress("op-level peak", 0, 1)
     was = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -310,6 +311,7 @@ def _op_level_peak(step: _Step) -> int:
     finally:
         if was:
             gc.enable()
+    progress("op-level peak", 1, 1)
     return tracker.peak_bytes
 
 
@@ -322,7 +324,6 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    total = warmup + steps
     with _model_errors(device, config.batch):
         model, source = build_model(config, device)
         args, kwargs = make_inputs(config, model, source, device)
@@ -333,22 +334,24 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     times: list[StepTime] = []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = None
+    progress = progress or (lambda phase, done, total: None)
+    tp.quiet_kineto()  # before the profiler's first start in this process
     try:
         with _model_errors(device, config.batch):
+            progress("warm-up", 0, warmup)
             for i in range(warmup):
                 step()
-                if progress:
-                    progress("warm-up", i + 1, total)
+                progress("warm-up", i + 1, warmup)
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             baseline = StorageTracker().track(model, step.optimizer, args, kwargs, step.target).live_bytes
+            progress("timed", 0, steps)
             with profile(activities=activities, profile_memory=True) as prof, module_ranges(model):
                 for i in range(steps):
                     with record_function(STEP):
                         times.append(step(clock))
-                    if progress:
-                        progress("step", warmup + i + 1, total)
+                    progress("timed", i + 1, steps)
     except KeyboardInterrupt:
         interrupted = True
     peak, source = None, "none"
@@ -365,7 +368,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     if not interrupted:
         try:
             with _model_errors(device, config.batch):
-                op_peak = _op_level_peak(step)
+                op_peak = _op_level_peak(step, progress)
         except KeyboardInterrupt:
             interrupted = True
     name = torch.cuda.get_device_name(device) if cuda else _cpu_name()

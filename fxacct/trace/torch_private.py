@@ -113,3 +113,21 @@ def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
 # Run real tensors past every active dispatch mode (fake tensors, the recorder): the small known
 # values of fxacct.trace.known_values are computed for real beside the traced op.
 disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "torch.utils._python_dispatch")
+
+
+# kineto (torch.profiler's backend) logs through its own logger, not Python's: at its default level it
+# writes "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" and "profiler_stop" lines to
+# stderr around every profile. It reads KINETO_LOG_LEVEL once, when the first profile in the process
+# initialises it (libkineto init.cpp), and prints messages whose level is at least that one; its
+# levels (ILoggerObserver.h) are VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5, so 6 prints
+# none. Verified on torch 2.13: set after `import torch` and before the first profile, no line.
+KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"
+
+
+def quiet_kineto() -> None:
+    """Silence kineto's log lines for this process, unless the user set KINETO_LOG_LEVEL. Call before
+    the first torch.profiler.profile starts (kineto reads the variable once, at its initialisation)."""
+    import os
+
+    os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_SILENT)

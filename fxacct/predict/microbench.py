@@ -1,0 +1,251 @@
+"""The microbenchmarks behind `fxacct calibrate` (fxacct.predict.calibrate documents what each
+measures and why). Each returns rates and the relative spread of its repeated rounds.
+
+Repetition: a round is the fastest of repetitions that fill a time budget (at least 3), after one
+warm-up: on a shared machine other work only ever slows a repetition down, so the fastest is the
+device's own rate. Rounds repeat until the two fastest agree within ``STABLE_REL`` (at most
+``MAX_ROUNDS``); the figure is the fastest round, and ``spread`` = (slowest − fastest) / fastest over
+the rounds says how much the machine disturbed it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+STABLE_REL = 0.05  # two rounds within 5% of each other: stable
+MAX_ROUNDS = 4
+MAX_REPS = 200
+TINY_LAYERS = 8  # Linear + ReLU pairs of the tiny model whose training step times the per-op overhead
+# convolution: 3×3, stride 1, padding 1, batch 8, on (channels, image side): the channel counts of
+# small CNNs (8-32) up to a ResNet stage (128); the image shrinks as channels grow, as in a CNN
+CONV_SHAPES = ((8, 32), (32, 32), (128, 16))
+
+
+class Timer:
+    """Seconds of fn(), synchronized on CUDA."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.kind == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Timing:
+    seconds: float  # the fastest round
+    spread: float  # (slowest round − fastest) / fastest
+    rounds: int
+    stable: bool  # the two fastest rounds agree within STABLE_REL
+
+
+def best_of(timer, fn, budget_s: float) -> float:
+    """The fastest seconds of fn() over repetitions that fill budget_s (at least 3), after one warm-up."""
+    fn()
+    times, spent = [], 0.0
+    while len(times) < 3 or spent < budget_s:
+        t = timer(fn)
+        times.append(t)
+        spent += t
+        if len(times) >= MAX_REPS:
+            break
+    return min(times)
+
+
+def stable(timer, fn, budget_s: float) -> Timing:
+    """Rounds of best_of until the two fastest agree within STABLE_REL, at most MAX_ROUNDS."""
+    bests = [best_of(timer, fn, budget_s / 2)]
+    ok = False
+    while len(bests) < MAX_ROUNDS and not ok:
+        bests.append(best_of(timer, fn, budget_s / 2))
+        first, second = sorted(bests)[:2]
+        ok = second <= first * (1 + STABLE_REL)
+    fastest = min(bests)
+    return Timing(fastest, (max(bests) - fastest) / fastest, len(bests), ok)
+
+
+def _dtype(dtype_key: str) -> torch.dtype:
+    return torch.float32 if dtype_key == "tf32" else getattr(torch, dtype_key)
+
+
+class _TF32:
+    """TF32 matmuls on for the "tf32" key only, restored afterwards."""
+
+    def __init__(self, dtype_key: str):
+        self.on = dtype_key == "tf32"
+
+    def __enter__(self):
+        self.was = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.on
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.was
+
+
+def square(kind: str, dtype_key: str, n: int, budget_s: float, timer=None) -> tuple[float, Timing]:
+    """(FLOP/s, timing) of an n×n @ n×n product: 2·n³ FLOPs (n³ multiply-adds)."""
+    timer = timer or Timer(kind)
+    with _TF32(dtype_key):
+        a = torch.randn(n, n, device=kind).to(_dtype(dtype_key))
+        b = torch.randn(n, n, device=kind).to(_dtype(dtype_key))
+        t = stable(timer, lambda: torch.mm(a, b), budget_s)
+    return 2 * n**3 / t.seconds, t
+
+
+def skinny(kind: str, dtype_key: str, d: int, n: int, budget_s: float, timer=None) -> tuple[float, Timing]:
+    """(FLOP/s, timing) of a (d×n) @ (n×n) product: 2·d·n·n FLOPs."""
+    timer = timer or Timer(kind)
+    with _TF32(dtype_key):
+        a = torch.randn(d, n, device=kind).to(_dtype(dtype_key))
+        b = torch.randn(n, n, device=kind).to(_dtype(dtype_key))
+        t = stable(timer, lambda: torch.mm(a, b), budget_s)
+    return 2 * d * n * n / t.seconds, t
+
+
+def convolution(kind: str, channels: int, side: int, budget_s: float, timer=None) -> tuple[float, Timing]:
+    """(FLOP/s, timing) of a float32 3×3 convolution, batch 8, channels → channels on side×side
+    images (stride 1, padding 1: the output is side×side): 2·8·C·C·9·side² FLOPs."""
+    timer = timer or Timer(kind)
+    x = torch.randn(8, channels, side, side, device=kind)
+    w = torch.randn(channels, channels, 3, 3, device=kind)
+    t = stable(timer, lambda: torch.nn.functional.conv2d(x, w, padding=1), budget_s)
+    return 2 * 8 * channels * channels * 9 * side * side / t.seconds, t
+
+
+class _Tiny:
+    """One training step of a tiny model (TINY_LAYERS × (Linear(4, 4), ReLU), batch 2, the float sum
+    as loss, AdamW): every op works on a few elements, so its time is all per-op overhead, paid the
+    way a real step pays it (module calls, autograd recording, the backward engine, the optimizer's
+    Python loop)."""
+
+    def __init__(self, kind: str):
+        torch.manual_seed(0)
+        layers = [m for _ in range(TINY_LAYERS) for m in (torch.nn.Linear(4, 4), torch.nn.ReLU())]
+        self.model = torch.nn.Sequential(*layers).to(kind)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.x = torch.randn(2, 4, device=kind)
+
+    def __call__(self) -> None:
+        with torch.enable_grad():
+            self.model(self.x).float().sum().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def count_ops(fn) -> int:
+    """The aten ops fn() dispatches (what fxacct's graph has a node for)."""
+    from fxacct.trace import torch_private as tp
+
+    class Count(tp.TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing]:
+    """(seconds per op, timing): the time of a tiny training step (_Tiny) over the aten ops it
+    dispatches: what every op costs besides its arithmetic and memory traffic (Python, dispatch,
+    autograd, allocation, a kernel launch). ``profiled``: the same under torch.profiler as
+    `--runtime` runs it (CPU activity and memory events), which records every op."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from fxacct.trace import torch_private as tp
+
+    timer = timer or Timer(kind)
+    step = _Tiny(kind)
+    step()  # the optimizer state: a steady-state step follows
+    ops = count_ops(step)
+    tp.quiet_kineto()
+    context = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else contextlib.nullcontext()
+    with context:
+        t = stable(timer, step, budget_s)
+    return t.seconds / ops, t
+
+
+def _moved(args, out) -> int:
+    """Bytes an op moves as the roofline counts them: every distinct tensor input read once, every
+    output written once (fxacct.predict.roofline.op_bytes)."""
+    flat = [t for t in (list(args) + list(out if isinstance(out, tuple) else (out,)))
+            if isinstance(t, torch.Tensor)]
+    return sum(t.nbytes for t in {id(t): t for t in flat}.values())
+
+
+def _kernel_cases(kind: str) -> dict:
+    """{aten op: (args)} of the non-matmul training kernels a CPU runs far below its streaming
+    rate (issue 10: in the small CNN, max-pool and batch norm took most of the forward), on 1 MiB
+    float32 activations: (8, 32, 32, 32) images, (2048, 128) rows."""
+    aten = torch.ops.aten
+    x = torch.randn(8, 32, 32, 32, device=kind)
+    c = torch.ones(32, device=kind)
+    rows, w = torch.randn(2048, 128, device=kind), torch.ones(128, device=kind)
+    y, mean, invstd = aten.native_batch_norm.default(x, c, c, c.clone(), c.clone(), True, 0.1, 1e-5)
+    pooled, idx = aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    _, rmean, rstd = aten.native_layer_norm.default(rows, [128], w, w, 1e-5)
+    soft = aten._softmax.default(rows, -1, False)
+    return {
+        aten.native_batch_norm.default: (x, c, c, c.clone(), c.clone(), True, 0.1, 1e-5),
+        aten.native_batch_norm_backward.default: (y, x, c, c, c, mean, invstd, True, 1e-5, [True] * 3),
+        aten.max_pool2d_with_indices.default: (x, [2, 2], [2, 2]),
+        aten.max_pool2d_with_indices_backward.default: (pooled, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx),
+        aten.threshold_backward.default: (y, x, 0.0),
+        aten.native_layer_norm.default: (rows, [128], w, w, 1e-5),
+        aten.native_layer_norm_backward.default: (rows, rows, [128], rmean, rstd, w, w, [True] * 3),
+        aten._softmax.default: (rows, -1, False),
+        aten._softmax_backward_data.default: (rows, soft, -1, torch.float32),
+        aten.gelu.default: (rows,),
+        aten.gelu_backward.default: (rows, rows),
+    }
+
+
+def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
+    """({str(aten op): bytes/s}, largest spread): the rate at which each kernel of _kernel_cases
+    moves the bytes the roofline counts for it (its arithmetic included)."""
+    timer = timer or Timer(kind)
+    out, spreads = {}, []
+    for op, args in _kernel_cases(kind).items():
+        nbytes = _moved(args, op(*args))
+        t = stable(timer, lambda op=op, args=args: op(*args), budget_s)
+        out[str(op)] = nbytes / t.seconds
+        spreads.append(t.spread)
+    return out, max(spreads)
+
+
+def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[float, Timing]:
+    """(bytes/s, timing) streaming buffers of nbytes: the median rate of ``dst.copy_(src)`` (2 × the
+    bytes moved: read and write), ``torch.add(a, b, out=c)`` (3 ×) and ``a.mul_(s)`` (2 ×); the timing
+    is the copy's."""
+    timer = timer or Timer(kind)
+    a = torch.ones(nbytes // 4, dtype=torch.float32, device=kind)
+    b, c = torch.ones_like(a), torch.ones_like(a)
+    share = budget_s / 3
+    copy = stable(timer, lambda: c.copy_(a), share)
+    rates = [2 * nbytes / copy.seconds,  # read a, write c
+             3 * nbytes / stable(timer, lambda: torch.add(a, b, out=c), share).seconds,  # a, b -> c
+             2 * nbytes / stable(timer, lambda: a.mul_(1.0), share).seconds]  # read and write a
+    return statistics.median(rates), copy
+
+
+__all__ = ["Timer", "Timing", "best_of", "stable", "square", "skinny", "convolution", "dispatch", "bandwidth",
+           "count_ops", "kernels", "CONV_SHAPES", "STABLE_REL", "MAX_ROUNDS"]
