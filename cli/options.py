@@ -107,6 +107,39 @@ MODEL_OPTIONS = (
 )
 
 
+def _mesh(ctx, param, value):
+    if value is not None:
+        from fxacct.parallel.mesh import parse_mesh
+
+        parse_mesh(value)  # a malformed mesh fails when the flags are read
+    return value
+
+
+MESH_OPTIONS = (
+    click.option("--mesh", default=None, callback=_mesh, metavar="DIM=N,...",
+                 help="Device mesh, outer to inner (dp, fsdp, tp): trace one rank of the model parallelized "
+                      "by PyTorch's own engine, e.g. fsdp=8,tp=8."),
+    click.option("--parallelize", default=None, metavar="PATH.py:fn",
+                 help="With --mesh: your function fn(model, mesh) that parallelizes the model "
+                      "(default: the model's tensor-parallel plan and FSDP2 per repeated block)."),
+    click.option("--reshard-after-forward/--no-reshard-after-forward", default=DEFAULTS.reshard_after_forward,
+                 show_default=True, help="With --mesh fsdp=N: FSDP2 frees gathered blocks after their forward."),
+)
+
+
+def mesh_options(fn):
+    for option in reversed(MESH_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True, **_) -> Config:
+    """The --mesh flags added to a Config (validated by Config)."""
+    from dataclasses import replace
+
+    return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward)
+
+
 def model_options(fn):
     for option in reversed(MODEL_OPTIONS):
         fn = option(fn)
@@ -155,4 +188,4 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "model_options", "to_config", "count_or_none", "dtype_or_none", "optim_args"]
+           "SHARD", "model_options", "mesh_options", "with_mesh", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

@@ -15,7 +15,7 @@ from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
 from fxacct.runtime import RuntimeOptions
 from fxacct_cli.main import cli, write_output
-from fxacct_cli.options import FORMATS, OUTPUT, file_option, format_option, model_options, to_config
+from fxacct_cli.options import FORMATS, OUTPUT, file_option, format_option, mesh_options, model_options, to_config, with_mesh
 
 
 def _default(fn, name: str):
@@ -48,6 +48,7 @@ def _runtime_options(runtime: bool, trace, **given) -> RuntimeOptions | None:
 
 @cli.command("profile")
 @model_options
+@mesh_options
 @format_option(*FORMATS)
 @click.option("--by", type=click.Choice(("node", "module")), default=None,
               help=f"Rows of the csv/markdown table (default {_default(render_rows, 'by')}).")
@@ -83,13 +84,15 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
     free memory); 4 an internal error of fxacct; 130 interrupted.
     """
     _check_layout_flags(fmt, by, depth, top)
-    config = to_config(**options)
+    config = with_mesh(to_config(**options), **options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
 
         require_matplotlib()
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
+    if run_options is not None and config.mesh is not None:
+        raise UsageError("--runtime with --mesh (a real multi-process run) is not implemented yet: drop --runtime")
     if run_options is not None:
         run = _run_runtime(config, run_options)
         result, prediction = run.profile, run.prediction

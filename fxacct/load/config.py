@@ -34,6 +34,9 @@ class Config:
     shard: str = "none"
     find_max_batch: bool = True  # with a gpu: search the largest batch that fits
     dedup: bool = True  # trace repeated blocks once where proven identical (fxacct.trace.replay)
+    mesh: str | None = None  # "fsdp=8,tp=8" (fxacct.parallel.mesh): trace one rank of the parallelized model
+    parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
+    reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device
@@ -59,6 +62,12 @@ class Config:
         if self.gpu is not None:
             get_device(self.gpu)
         check(self.shard, self.world_size)
+        if self.mesh is not None:
+            from fxacct.parallel.mesh import check_config
+
+            check_config(self)
+        elif self.parallelize is not None:
+            raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self.optimizer_spec().resolve()
 
     def optimizer_spec(self):

@@ -127,6 +127,10 @@ def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=No
     from fxacct.report.runtime_text import predicted_section, runtime_section
 
     parts = [render_text(p, depth=depth, top=top).rstrip("\n"), "", predicted_section(prediction)]
+    if p.parallel is not None:
+        from fxacct.report.collectives import render_collectives
+
+        parts += ["", render_collectives(p.parallel)]
     if runtime is not None:
         parts += ["", runtime_section(runtime, depth=depth, top=top)]
     return "\n".join(parts) + "\n"

@@ -1,0 +1,59 @@
+"""The account of one rank under ``--mesh``: the engine parallelizes, rank 0 is traced, the
+collectives are marked, and the single-device stages (annotate, account, memory) run unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, mark, mesh_groups, rows
+from fxacct.parallel.engine import device_mesh, fake_group
+from fxacct.parallel.mesh import MeshSpec, parse_mesh
+from fxacct.parallel.rank_capture import rank_capture
+
+
+@dataclass(frozen=True)
+class ParallelAccount:
+    mesh: MeshSpec
+    rank: int  # the representative rank traced
+    collectives: tuple[CollectiveNode, ...]  # every collective node, in issue order
+    rows: tuple[CollectiveRow, ...]  # summed by op, mesh dim, phase and module
+
+    @property
+    def comm_wire_bytes(self) -> int:
+        return sum(r.wire_bytes for r in self.rows)
+
+
+def profile_parallel(config):
+    from fxacct.account.accounting import account
+    from fxacct.account.annotate import annotate
+    from fxacct.memory import account as memory_account
+    from fxacct.memory.peak import lifetimes, walk
+    from fxacct.profile import Profile, load_model, precision_warnings, tokens_per_example
+
+    spec = parse_mesh(config.mesh)
+    with fake_group(spec.world_size):
+        mesh = device_mesh(spec)
+        model, args, kwargs, _ = load_model(config)
+        cap = rank_capture(model, args, kwargs, spec, mesh, config)
+        annotate(cap.graph, config.causal_attention)
+        found = mark(cap.graph, mesh_groups(mesh, spec))
+        model_i, args_i, kwargs_i, _ = load_model(config)
+        inference = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
+    tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
+    acct = account(cap, config.batch, tokens, config.count_recompute)
+    memory = memory_account.MemoryAccount(
+        by_dtype=memory_account.by_dtype(cap, acct),
+        param_bytes=acct.totals.param_bytes, grad_bytes=acct.totals.grad_bytes,
+        optimizer_bytes=sum(s.nbytes * s.count for s in cap.optimizer_state),
+        master_bytes=sum(b * c for _, b, c in cap.master_weights),
+        activation_bytes=acct.totals.activation_bytes,
+        peak_train=walk(lifetimes(cap)) if cap.has_backward else None,
+        peak_inference=walk(lifetimes(inference)),
+        per_rank=None, gathered_unit=None,
+        checkpoint_by_dtype=memory_account.checkpoint_payload(model, config.dtype, cap),
+        views=memory_account.view_summary(acct, cap),
+        optimizer_scalars=(sum(s.count for s in cap.optimizer_state if s.scalar),
+                           sum(s.nbytes * s.count for s in cap.optimizer_state if s.scalar)),
+    )
+    parallel = ParallelAccount(spec, 0, found, rows(found))
+    return Profile(config, acct, memory, cap, precision_warnings(cap), parallel)

@@ -1,0 +1,47 @@
+"""The mesh and the collectives of one rank (``--mesh``): a text section and the JSON keys
+``mesh``, ``collectives`` and ``totals.comm_wire_bytes``."""
+
+from __future__ import annotations
+
+from fxacct.report.tables import tabulate
+from fxacct.units import format_bytes
+
+
+def mesh_json(parallel) -> dict:
+    return {"dims": {name: size for name, size in parallel.mesh.dims}, "world_size": parallel.mesh.world_size,
+            "rank": parallel.rank}
+
+
+def collectives_json(parallel) -> list[dict]:
+    return [{"op": r.op, "mesh_dim": r.mesh_dim, "phase": r.phase, "module": r.module, "count": r.count,
+             "bytes": r.bytes, "wire_bytes": r.wire_bytes, "predicted_ms": r.predicted_ms}
+            for r in parallel.rows]
+
+
+def add_to_document(doc: dict, parallel) -> dict:
+    """The --mesh keys added to a profile document (nothing changes for a single device)."""
+    if parallel is not None:
+        doc["mesh"] = mesh_json(parallel)
+        doc["collectives"] = collectives_json(parallel)
+        doc["totals"]["comm_wire_bytes"] = parallel.comm_wire_bytes
+    return doc
+
+
+def render_collectives(parallel) -> str:
+    """op × mesh dim × phase: count, output-buffer bytes and wire bytes this rank sends."""
+    table: dict[tuple, list[int]] = {}
+    for r in parallel.rows:
+        acc = table.setdefault((r.op, r.mesh_dim, r.phase), [0, 0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+        acc[2] += r.wire_bytes
+    lines = [f"mesh {parallel.mesh} ({parallel.mesh.world_size} ranks); figures are rank {parallel.rank}'s "
+             "(parameters, gradients, optimizer state, activations and peaks above are per rank)"]
+    if not table:
+        return "\n".join(lines + ["collectives: none"])
+    rows = [[op, dim, phase, f"{n:,}", format_bytes(b), format_bytes(w)] for (op, dim, phase), (n, b, w) in table.items()]
+    total = [sum(v[i] for v in table.values()) for i in range(3)]
+    rows.append(["total", "", "", f"{total[0]:,}", format_bytes(total[1]), format_bytes(total[2])])
+    lines += ["collectives of one step (wire: what this rank sends, ring algorithms):",
+              tabulate(rows, headers=["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"])]
+    return "\n".join(lines)
