@@ -81,3 +81,51 @@ def fxacct_collectives(doc: dict) -> tuple[Counter, Counter]:
         count[c["op"]] += c["count"]
         nbytes[c["op"]] += c["bytes"]
     return count, nbytes
+
+
+def eager_peak(model_fn, parallelize, dims: dict, inputs) -> int:
+    """The op-level peak of one steady-state training step on rank 0 (fxacct.runtime's
+    StorageTracker, as fxacct.runtime.storage_tracker.measure_training_step runs it: a warm-up
+    step, zero_grad(set_to_none=True), then the tracked step), with FSDP2's storage resizes (made
+    outside the dispatcher) shown to the tracker as they happen."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    from fxacct.runtime.storage_tracker import StorageTracker, _gc_paused
+
+    world = 1
+    for size in dims.values():
+        world *= size
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+    tracker = StorageTracker()
+
+    def seen(fn):
+        def wrapped(tensor):
+            fn(tensor)
+            with tracker._lock:
+                tracker._see(tensor.untyped_storage())
+        return wrapped
+
+    try:
+        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+        torch.manual_seed(0)
+        model = parallelize(model_fn(), mesh) or model
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+        def step():
+            loss = sum(o.float().sum() for o in [model(*inputs)])
+            loss.backward()
+            opt.step()
+            return loss
+
+        step()
+        opt.zero_grad(set_to_none=True)
+        _fsdp_param.free_storage, _fsdp_param.alloc_storage = seen(free), seen(alloc)
+        _fsdp_param_group.alloc_storage = _fsdp_param.alloc_storage
+        with _gc_paused(), tracker:
+            tracker.track(model, opt, inputs)
+            step()
+        return tracker.peak_bytes
+    finally:
+        _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
+        dist.destroy_process_group()

@@ -19,7 +19,7 @@ import torch.distributed.fsdp  # noqa: F401  (defines the torch.ops.fsdp copy op
 import torch.fx as fx
 
 from fxacct.costs.registry import register_zero
-from fxacct.trace.records import tensor_metas
+from fxacct.trace.records import TensorMeta, tensor_metas
 
 COLLECTIVE = "collective"
 _c10d = torch.ops.c10d
@@ -135,10 +135,40 @@ def mark(graph: fx.Graph, groups: dict) -> tuple[CollectiveNode, ...]:
         if not is_collective(node):
             continue
         cost = node.meta["fxacct"]
-        new = 0 if node.target.namespace == "c10d" else cost.output_bytes
+        new = 0 if node.target.namespace == "c10d" or node.target is _fn.wait_tensor.default else cost.output_bytes
         node.meta["fxacct"] = replace(cost, kind=COLLECTIVE, output_bytes=new)
         found.append(describe(node, groups))
     return tuple(found)
+
+
+def alias_waits(cap) -> None:
+    """``wait_tensor`` returns its input (the functional collective's buffer, now complete); the
+    fake kernel returns a fresh tensor instead. The wait's storage (and every view of it) is
+    renamed to its input's, alive until the later of the two deaths, so the buffer counts once,
+    as in a real run."""
+    deaths = cap.deaths if cap.deaths is not None else {}
+    alias: dict[int, TensorMeta] = {}
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and node.target is _fn.wait_tensor.default and isinstance(node.args[0], fx.Node):
+            src, val = node.args[0].meta.get("val"), node.meta.get("val")
+            if isinstance(src, TensorMeta) and isinstance(val, TensorMeta) and src.storage != val.storage:
+                alias[val.storage] = src
+                if src.storage in deaths and val.storage in deaths:
+                    deaths[src.storage] = max(deaths[src.storage], deaths.pop(val.storage))
+                else:  # the wait's output lives to the end of the step
+                    deaths.pop(src.storage, None)
+        val = node.meta.get("val")
+        if alias and val is not None:
+            node.meta["val"] = _renamed(val, alias)
+
+
+def _renamed(val, alias: dict):
+    if isinstance(val, TensorMeta):
+        src = alias.get(val.storage)
+        return val if src is None else replace(val, storage=src.storage, storage_nbytes=src.storage_nbytes)
+    if isinstance(val, tuple):
+        return tuple(_renamed(v, alias) for v in val)
+    return val
 
 
 def rows(nodes: tuple[CollectiveNode, ...]) -> tuple[CollectiveRow, ...]:

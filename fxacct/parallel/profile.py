@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, mark, mesh_groups, rows
+from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, alias_waits, mark, mesh_groups, rows
 from fxacct.parallel.engine import device_mesh, fake_group
+from fxacct.parallel.fsdp_storage import with_resizes
 from fxacct.parallel.mesh import MeshSpec, parse_mesh
 from fxacct.parallel.rank_capture import rank_capture
 
@@ -34,11 +35,13 @@ def profile_parallel(config):
     with fake_group(spec.world_size):
         mesh = device_mesh(spec)
         model, args, kwargs, _ = load_model(config)
-        cap = rank_capture(model, args, kwargs, spec, mesh, config)
+        cap, resizes = rank_capture(model, args, kwargs, spec, mesh, config)
+        alias_waits(cap)
         annotate(cap.graph, config.causal_attention)
         found = mark(cap.graph, mesh_groups(mesh, spec))
         model_i, args_i, kwargs_i, _ = load_model(config)
-        inference = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
+        inference, resizes_i = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
+        alias_waits(inference)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
     acct = account(cap, config.batch, tokens, config.count_recompute)
     memory = memory_account.MemoryAccount(
@@ -47,8 +50,8 @@ def profile_parallel(config):
         optimizer_bytes=sum(s.nbytes * s.count for s in cap.optimizer_state),
         master_bytes=sum(b * c for _, b, c in cap.master_weights),
         activation_bytes=acct.totals.activation_bytes,
-        peak_train=walk(lifetimes(cap)) if cap.has_backward else None,
-        peak_inference=walk(lifetimes(inference)),
+        peak_train=walk(with_resizes(lifetimes(cap), cap.graph, resizes)) if cap.has_backward else None,
+        peak_inference=walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)),
         per_rank=None, gathered_unit=None,
         checkpoint_by_dtype=memory_account.checkpoint_payload(model, config.dtype, cap),
         views=memory_account.view_summary(acct, cap),

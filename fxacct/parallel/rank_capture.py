@@ -16,6 +16,7 @@ import torch
 
 from fxacct.errors import classify
 from fxacct.parallel.engine import parallelize
+from fxacct.parallel.fsdp_storage import StorageResizes
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.fake_model import FakeModel, fake_like
@@ -29,6 +30,7 @@ class Prepared:
     mode: object
     fake: FakeModel
     defer: tuple
+    resizes: StorageResizes  # FSDP2's frees and re-allocations of unsharded parameters
 
 
 def own_tensors(model: torch.nn.Module) -> FakeModel:
@@ -58,13 +60,15 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
             fake = own_tensors(model)
     except Exception as e:
         raise classify(e, "materializing the parallelized model") from e
-    return Prepared(mode, fake, (DTensor,))
+    return Prepared(mode, fake, (DTensor,), StorageResizes())
 
 
-def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = False) -> Capture:
+def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = False) -> tuple[Capture, list]:
+    """(the capture, FSDP2's storage resize events: fxacct.parallel.fsdp_storage)."""
     prepared = prepare(model, spec, mesh, config)
-    with tp.dtensor_meta_unrecorded():
-        return capture(model, tuple(args), kwargs, CaptureOptions(
+    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching():
+        cap = capture(model, tuple(args), kwargs, CaptureOptions(
             dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
             optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
             master_weights=config.master_weights, cuda=config.gpu is not None, dedup=False, prepared=prepared))
+    return cap, prepared.resizes.events

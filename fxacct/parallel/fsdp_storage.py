@@ -1,0 +1,89 @@
+"""FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes and gathers it again into
+the same storage resized back (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+``free_storage`` / ``alloc_storage``). Those resizes happen outside the dispatcher, so no recorded
+op shows them; this module notes each one against the recorder's op index while a capture runs,
+and cuts the storage's lifetime into the intervals it really holds memory: the unsharded
+parameters are alive from their all-gather to their resharding, not for the whole step."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import replace
+
+from fxacct.trace.records import tensor_metas
+
+
+class StorageResizes:
+    def __init__(self):
+        self.recorder = None
+        self.events: list[tuple[int, int, bool]] = []  # (storage id, op index, allocated after)
+
+    def attach(self, recorder) -> None:
+        self.recorder = recorder
+
+    def _note(self, tensor, allocated: bool) -> None:
+        rec = self.recorder
+        if rec is not None and rec.recording:
+            # a free takes effect after the last recorded op; an allocation before the next one
+            index = len(rec.records) - (0 if allocated else 1)
+            self.events.append((rec.storages.id_of(tensor), index, allocated))
+
+    @contextlib.contextmanager
+    def watching(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+        free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+
+        def free_storage(tensor):
+            free(tensor)
+            self._note(tensor, False)
+
+        def alloc_storage(tensor):
+            alloc(tensor)
+            self._note(tensor, True)
+
+        patched = [(_fsdp_param, "free_storage", free_storage), (_fsdp_param, "alloc_storage", alloc_storage),
+                   (_fsdp_param_group, "alloc_storage", alloc_storage)]
+        saved = [(m, name, getattr(m, name)) for m, name, _ in patched if hasattr(m, name)]
+        for m, name, fn in patched:
+            if hasattr(m, name):
+                setattr(m, name, fn)
+        try:
+            yield self
+        finally:
+            for m, name, fn in saved:
+                setattr(m, name, fn)
+
+
+def with_resizes(life, graph, events):
+    """``life`` (fxacct.memory.peak.Lifetimes) with each resized storage's single (birth, death)
+    interval replaced by the intervals it held memory."""
+    if not events:
+        return life
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    first: dict[int, tuple[int, int]] = {}
+    for i, n in enumerate(ops):
+        for t in tensor_metas(n.meta.get("val")):
+            first.setdefault(t.storage, (i, t.storage_nbytes))
+    per_storage: dict[int, list[tuple[int, bool]]] = {}
+    for sid, index, allocated in events:
+        if sid in first:
+            per_storage.setdefault(sid, []).append((index, allocated))
+    born = list(life.born)
+    for sid, evs in per_storage.items():
+        birth, nbytes = first[sid]
+        entry = next((e for e in born if e[0] == birth and e[3] == nbytes), None)
+        if entry is None:
+            continue
+        born.remove(entry)
+        start = birth
+        for index, allocated in evs:
+            if allocated and start is None:
+                start = max(index, 0)
+            elif not allocated and start is not None:
+                born.append((start, max(start, index), entry[2], nbytes))
+                start = None
+        if start is not None:
+            born.append((start, max(start, entry[1]), entry[2], nbytes))
+    return replace(life, born=tuple(born))
