@@ -92,7 +92,7 @@ def profile_command(fmt, by, depth, top, output, plot, runtime, device, steps, w
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
     if run_options is not None and config.mesh is not None:
-        raise UsageError("--runtime with --mesh (a real multi-process run) is not implemented yet: drop --runtime")
+        return _mesh_runtime(config, run_options, fmt, output)
     if run_options is not None:
         run = _run_runtime(config, run_options)
         result, prediction = run.profile, run.prediction
@@ -145,3 +145,23 @@ def _run_runtime(config, options: RuntimeOptions):
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+
+
+def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output) -> None:
+    """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
+    from fxacct.parallel.gloo_run import run_mesh
+    from fxacct.report.collectives import ranks_json, render_ranks
+
+    if options.device not in ("auto", "cpu") or options.inference:
+        raise UsageError("--runtime with --mesh runs CPU processes on gloo: use --device cpu, without --inference")
+    result = fxacct.profile(config)
+    prediction = predict_profile(result)
+    ranks = run_mesh(config, steps=options.steps, warmup=options.warmup)
+    peak = result.memory.peak_train.bytes if result.memory.peak_train is not None else None
+    if fmt == "json":
+        doc = document(result, prediction)
+        doc["runtime_ranks"] = ranks_json(result.parallel, ranks, peak)
+        text = json.dumps(doc, indent=2) + "\n"
+    else:
+        text = render_profile_text(result, prediction=prediction) + "\n" + render_ranks(result.parallel, ranks, peak) + "\n"
+    write_output(text, output)

@@ -45,3 +45,41 @@ def render_collectives(parallel) -> str:
     lines += ["collectives of one step (wire: what this rank sends, ring algorithms):",
               tabulate(rows, headers=["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"])]
     return "\n".join(lines)
+
+
+def _predicted_by_op(parallel) -> dict[str, list[int]]:
+    by: dict[str, list[int]] = {}
+    for r in parallel.rows:
+        acc = by.setdefault(r.op, [0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+    return by
+
+
+def ranks_json(parallel, ranks, predicted_peak: int | None) -> list[dict]:
+    """Per rank of the real run: measured beside predicted (rank 0's account stands for every rank)."""
+    predicted = _predicted_by_op(parallel)
+    return [{"rank": m.rank, "step_ms": m.step_ms, "op_level_peak_bytes": m.op_level_peak_bytes,
+             "predicted_peak_bytes": predicted_peak,
+             "collectives": {op: {"count": c, "bytes": b, "predicted_count": predicted.get(op, [0, 0])[0],
+                                  "predicted_bytes": predicted.get(op, [0, 0])[1]}
+                             for op, (c, b) in sorted(m.collectives.items())}}
+            for m in ranks]
+
+
+def render_ranks(parallel, ranks, predicted_peak: int | None) -> str:
+    """The real gloo run, rank by rank: op-level peak and collectives, measured / predicted."""
+    predicted = _predicted_by_op(parallel)
+    ops = sorted(set(predicted) | {op for m in ranks for op in m.collectives})
+    rows = []
+    for m in ranks:
+        cells = [str(m.rank), f"{m.step_ms:.1f}", format_bytes(m.op_level_peak_bytes),
+                 f"{m.op_level_peak_bytes / predicted_peak:.3f}" if predicted_peak else "n/a"]
+        for op in ops:
+            c, b = m.collectives.get(op, [0, 0])
+            pc, pb = predicted.get(op, [0, 0])
+            cells.append(f"{c}/{pc} {format_bytes(b)}" + ("" if (c, b) == (pc, pb) else " (differs)"))
+        rows.append(cells)
+    head = ["rank", "step ms", "op-level peak", "peak measured/predicted"] + [f"{op} count/predicted, bytes" for op in ops]
+    return "\n".join([f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: rank 0's account)",
+                      tabulate(rows, headers=head)])
