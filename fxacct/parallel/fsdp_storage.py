@@ -7,10 +7,10 @@ parameters are alive from their all-gather to their resharding, not for the whol
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import replace
 
+from fxacct.trace import torch_private as tp
 from fxacct.trace.records import tensor_metas
 
 
@@ -29,31 +29,8 @@ class StorageResizes:
             index = len(rec.records) - (0 if allocated else 1)
             self.events.append((rec.storages.id_of(tensor), index, allocated))
 
-    @contextlib.contextmanager
     def watching(self):
-        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-        free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
-
-        def free_storage(tensor):
-            free(tensor)
-            self._note(tensor, False)
-
-        def alloc_storage(tensor):
-            alloc(tensor)
-            self._note(tensor, True)
-
-        patched = [(_fsdp_param, "free_storage", free_storage), (_fsdp_param, "alloc_storage", alloc_storage),
-                   (_fsdp_param_group, "alloc_storage", alloc_storage)]
-        saved = [(m, name, getattr(m, name)) for m, name, _ in patched if hasattr(m, name)]
-        for m, name, fn in patched:
-            if hasattr(m, name):
-                setattr(m, name, fn)
-        try:
-            yield self
-        finally:
-            for m, name, fn in saved:
-                setattr(m, name, fn)
+        return tp.fsdp_storage_resizes(self._note)
 
 
 def with_resizes(life, graph, events):

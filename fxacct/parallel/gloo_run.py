@@ -54,26 +54,9 @@ class CollectiveCounter(tp.TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
 def resizes_seen(tracker):
-    """FSDP2's free_storage / alloc_storage resize storages outside the dispatcher: show each
-    resized storage to the tracker right away."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
-
-    def seen(fn):
-        def wrapped(tensor):
-            fn(tensor)
-            tracker.track(tensor)  # counts the size change of a storage it knows
-        return wrapped
-
-    _fsdp_param.free_storage, _fsdp_param.alloc_storage = seen(free), seen(alloc)
-    _fsdp_param_group.alloc_storage = _fsdp_param.alloc_storage
-    try:
-        yield
-    finally:
-        _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
+    """Show each storage FSDP2 resizes (outside the dispatcher) to the tracker right away."""
+    return tp.fsdp_storage_resizes(lambda tensor, allocated: tracker.track(tensor))
 
 
 def _free_port() -> int:

@@ -137,3 +137,30 @@ def dtensor_meta_unrecorded():
         yield
     finally:
         cls._propagate_tensor_meta_non_cached = original
+
+
+@__import__("contextlib").contextmanager
+def fsdp_storage_resizes(on_resize):
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0 and gathers into it again
+    after resizing it back (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``free_storage``
+    / ``alloc_storage``), outside the dispatcher. Inside this context each such resize also calls
+    ``on_resize(tensor, allocated: bool)``."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    free = _require(_fsdp_param, "free_storage", "torch.distributed.fsdp._fully_shard._fsdp_param")
+    alloc = _require(_fsdp_param, "alloc_storage", "torch.distributed.fsdp._fully_shard._fsdp_param")
+
+    def free_storage(tensor):
+        free(tensor)
+        on_resize(tensor, False)
+
+    def alloc_storage(tensor):
+        alloc(tensor)
+        on_resize(tensor, True)
+
+    _fsdp_param.free_storage, _fsdp_param.alloc_storage = free_storage, alloc_storage
+    _fsdp_param_group.alloc_storage = alloc_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
