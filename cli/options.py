@@ -124,6 +124,8 @@ MESH_OPTIONS = (
                       "(default: the model's tensor-parallel plan and FSDP2 per repeated block)."),
     click.option("--reshard-after-forward/--no-reshard-after-forward", default=DEFAULTS.reshard_after_forward,
                  show_default=True, help="With --mesh fsdp=N: FSDP2 frees gathered blocks after their forward."),
+    click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULTS.gpus_per_node, show_default=True,
+                 help="With --mesh and --gpu: GPUs per node; inner mesh dims run over NVLink, outer ones over InfiniBand."),
 )
 
 
@@ -133,11 +135,13 @@ def mesh_options(fn):
     return fn
 
 
-def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True, **_) -> Config:
+def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
+              gpus_per_node=DEFAULTS.gpus_per_node, **_) -> Config:
     """The --mesh flags added to a Config (validated by Config)."""
     from dataclasses import replace
 
-    return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward)
+    return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
+                   gpus_per_node=gpus_per_node)
 
 
 def model_options(fn):

@@ -40,7 +40,8 @@ def test_text_table_sums_to_its_total():
     r = _invoke(LLAMA, "--batch", "2", "--mesh", "tp=2", "--parallelize", PAR)
     assert r.exit_code == 0, r.stderr
     text = r.stdout[r.stdout.index("collectives of one step"):]
-    rows = [line.split() for line in text.splitlines()[3:] if line.strip()]
+    lines = text.splitlines()[3:]
+    rows = [line.split() for line in lines[:next(i for i, x in enumerate(lines) if x.startswith("total")) + 1]]
     counts = [int(row[3]) for row in rows if row[0] != "total"]
     total = next(row for row in rows if row[0] == "total")
     assert sum(counts) == int(total[1]) == 17  # 16 all-reduces + 1 all-gather (test_parallel_collectives)

@@ -37,6 +37,7 @@ class Config:
     mesh: str | None = None  # "fsdp=8,tp=8" (fxacct.parallel.mesh): trace one rank of the parallelized model
     parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
     reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
+    gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device

@@ -171,17 +171,19 @@ def _renamed(val, alias: dict):
     return val
 
 
-def rows(nodes: tuple[CollectiveNode, ...]) -> tuple[CollectiveRow, ...]:
-    """Summed by (op, mesh dim, phase, module), in first-issue order; waits are not transfers."""
-    table: dict[tuple, list[int]] = {}
+def rows(nodes: tuple[CollectiveNode, ...], seconds: dict | None = None) -> tuple[CollectiveRow, ...]:
+    """Summed by (op, mesh dim, phase, module), in first-issue order; waits are not transfers.
+    ``seconds``: node -> predicted seconds (fxacct.parallel.timing), else predicted_ms is null."""
+    table: dict[tuple, list] = {}
     for c in nodes:
         if c.op == "wait":
             continue
-        acc = table.setdefault((c.op, c.mesh_dim, c.phase, c.module), [0, 0, 0])
+        acc = table.setdefault((c.op, c.mesh_dim, c.phase, c.module), [0, 0, 0, 0.0])
         acc[0] += 1
         acc[1] += c.bytes
         acc[2] += c.wire_bytes
-    return tuple(CollectiveRow(*key, *vals) for key, vals in table.items())
+        acc[3] += (seconds or {}).get(c.node, 0.0) * 1e3
+    return tuple(CollectiveRow(*key, *vals[:3], vals[3] if seconds else None) for key, vals in table.items())
 
 
 def mesh_groups(mesh, spec) -> dict:

@@ -10,6 +10,7 @@ from fxacct.parallel.engine import device_mesh, fake_group
 from fxacct.parallel.fsdp_storage import with_resizes
 from fxacct.parallel.mesh import MeshSpec, parse_mesh
 from fxacct.parallel.rank_capture import rank_capture
+from fxacct.parallel.timing import ParallelTime, Throughput, predict_time, throughput
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class ParallelAccount:
     rank: int  # the representative rank traced
     collectives: tuple[CollectiveNode, ...]  # every collective node, in issue order
     rows: tuple[CollectiveRow, ...]  # summed by op, mesh dim, phase and module
+    time: ParallelTime | None = None  # with --gpu: the critical path over compute and communication
+    throughput: Throughput | None = None
 
     @property
     def comm_wire_bytes(self) -> int:
@@ -58,5 +61,7 @@ def profile_parallel(config):
         optimizer_scalars=(sum(s.count for s in cap.optimizer_state if s.scalar),
                            sum(s.nbytes * s.count for s in cap.optimizer_state if s.scalar)),
     )
-    parallel = ParallelAccount(spec, 0, found, rows(found))
+    time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
+    parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
+                               throughput(time, acct.totals, spec, config))
     return Profile(config, acct, memory, cap, precision_warnings(cap), parallel)

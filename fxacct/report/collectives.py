@@ -24,6 +24,13 @@ def add_to_document(doc: dict, parallel) -> dict:
         doc["mesh"] = mesh_json(parallel)
         doc["collectives"] = collectives_json(parallel)
         doc["totals"]["comm_wire_bytes"] = parallel.comm_wire_bytes
+        t, th = parallel.time, parallel.throughput
+        if t is not None:  # the critical path over compute and communication is the step time
+            doc["totals"]["predicted_step_ms"] = 1e3 * t.step_s
+            doc["mesh"]["time"] = {
+                "step_ms": 1e3 * t.step_s, "compute_ms": 1e3 * t.compute_s, "comm_ms": 1e3 * t.comm_s,
+                "exposed_comm_ms": 1e3 * t.exposed_comm_s, "gpus_per_node": t.gpus_per_node, "links": t.links,
+                "tokens_per_s_rank": th.tokens_per_s_rank, "tokens_per_s_job": th.tokens_per_s_job, "mfu": th.mfu}
     return doc
 
 
@@ -39,12 +46,34 @@ def render_collectives(parallel) -> str:
              "(parameters, gradients, optimizer state, activations and peaks above are per rank)"]
     if not table:
         return "\n".join(lines + ["collectives: none"])
-    rows = [[op, dim, phase, f"{n:,}", format_bytes(b), format_bytes(w)] for (op, dim, phase), (n, b, w) in table.items()]
+    timed = parallel.time is not None
+    ms = {}
+    for r in parallel.rows:
+        ms[(r.op, r.mesh_dim, r.phase)] = ms.get((r.op, r.mesh_dim, r.phase), 0.0) + (r.predicted_ms or 0.0)
+    rows = [[op, dim, phase, f"{n:,}", format_bytes(b), format_bytes(w)] + ([f"{ms[(op, dim, phase)]:.3f}"] if timed else [])
+            for (op, dim, phase), (n, b, w) in table.items()]
     total = [sum(v[i] for v in table.values()) for i in range(3)]
-    rows.append(["total", "", "", f"{total[0]:,}", format_bytes(total[1]), format_bytes(total[2])])
+    rows.append(["total", "", "", f"{total[0]:,}", format_bytes(total[1]), format_bytes(total[2])]
+                + ([f"{sum(ms.values()):.3f}"] if timed else []))
     lines += ["collectives of one step (wire: what this rank sends, ring algorithms):",
-              tabulate(rows, headers=["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"])]
-    return "\n".join(lines)
+              tabulate(rows, headers=["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"]
+                       + (["predicted ms"] if timed else []))]
+    return "\n".join(lines + _time_lines(parallel))
+
+
+def _time_lines(parallel) -> list[str]:
+    t, th = parallel.time, parallel.throughput
+    if t is None:
+        return ["communication time: give --gpu NAME (links by GPU, --gpus-per-node)"]
+    lines = [f"step time with communication (critical path of compute and communication streams): "
+             f"{1e3 * t.step_s:.3f} ms; compute {1e3 * t.compute_s:.3f} ms, communication {1e3 * t.comm_s:.3f} ms, "
+             f"of it exposed {1e3 * t.exposed_comm_s:.3f} ms ({t.gpus_per_node} GPUs per node: {t.links})"]
+    if th.tokens_per_s_rank is not None:
+        lines.append(f"tokens/s: {th.tokens_per_s_rank:,.0f} per rank, {th.tokens_per_s_job:,.0f} for the job; "
+                     f"MFU {th.mfu:.1%}")
+    elif th.mfu is not None:
+        lines.append(f"MFU {th.mfu:.1%}")
+    return lines
 
 
 def _predicted_by_op(parallel) -> dict[str, list[int]]:
