@@ -18,6 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxacct.runtime.storage_tracker import default_loss
 from helpers import ROOT
 
 NAMES = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
@@ -66,7 +67,7 @@ def eager_collectives(model_fn, parallelize, dims: dict, inputs) -> tuple[Counte
         opt = torch.optim.AdamW(model.parameters())
         counter, debug = CollectiveCounter(), CommDebugMode()
         with debug, counter:
-            loss = sum(o.float().sum() for o in [model(*inputs)])
+            loss = default_loss(model(*inputs))  # DESIGN.md: the sum of t.float().sum() over floating outputs
             loss.backward()
             opt.step()
         comm = {str(k).split(".")[-1]: v for k, v in debug.get_comm_counts().items()}
@@ -113,7 +114,7 @@ def eager_peak(model_fn, parallelize, dims: dict, inputs) -> int:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
         def step():
-            loss = sum(o.float().sum() for o in [model(*inputs)])
+            loss = default_loss(model(*inputs))  # DESIGN.md: the sum of t.float().sum() over floating outputs
             loss.backward()
             opt.step()
             return loss

@@ -119,3 +119,21 @@ def test_no_reshard_after_forward_gathers_once():
     # the llama example's own plan is not used: fxacct applies FSDP2 itself (no tp)
     d = document(fxacct.profile(cfg))
     assert sum(c["count"] for c in d["collectives"] if c["op"] == "all_gather") == 3
+
+
+def test_hugging_face_plan_collectives_equal_the_engines():
+    """No --parallelize: fxacct applies the plan the model carries (transformers' base_model_tp_plan
+    and _tp_plan) on tp and FSDP2 on fsdp; the same parallelization run eagerly issues the same
+    collectives."""
+    pytest.importorskip("transformers")
+    from fxacct.parallel.engine import parallelize
+    from fxacct.parallel.mesh import parse_mesh
+
+    rel = "tests/models/hf_llama_tp.py:make"
+    cfg = fxacct.Config(target=target(rel), batch=BATCH, mesh="fsdp=2,tp=2")
+    got_count, got_bytes = fxacct_collectives(document(fxacct.profile(cfg)))
+    make = load(rel)
+    count, nbytes, _ = eager_collectives(make, lambda m, mesh: parallelize(m, parse_mesh("fsdp=2,tp=2"), mesh, cfg),
+                                         {"fsdp": 2, "tp": 2}, (torch.randint(0, 256, (BATCH, 32)),))
+    assert (got_count, got_bytes) == (count, nbytes)
+    assert got_count["all_reduce"] == 16  # 2 blocks × (2 forward + 5 backward) + embedding + lm_head

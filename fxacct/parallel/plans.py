@@ -23,6 +23,9 @@ def _style(value, key: str):
         "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # transformers 5.x names (integrations/tensor_parallel.py)
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     }
     if value not in styles:
         raise UsageError(f"the model's tensor-parallel plan gives {key!r} the style {value!r}, which fxacct "
