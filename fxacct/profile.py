@@ -190,9 +190,9 @@ def load_model(config: Config):
 def profile(config: Config) -> Profile:
     """Load config.target and profile it."""
     if config.mesh is not None:  # one rank of the model parallelized by PyTorch's own engine
-        from fxacct.parallel.profile import profile_parallel
+        from fxacct.parallel.profile import profile_mesh
 
-        return profile_parallel(config)
+        return profile_mesh(config)
     model, args, kwargs, inputs_for = load_model(config)
     return profile_module(model, args, kwargs, config, inputs_for)
 

@@ -38,6 +38,9 @@ class Config:
     parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
     reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
     gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
+    pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
+    microbatches: int | None = None  # per step, with --mesh pp=P (default P)
+    pp_schedule: str = "1f1b"  # gpipe or 1f1b (torch.distributed.pipelining's schedules)
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device

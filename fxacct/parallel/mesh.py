@@ -56,10 +56,13 @@ def parse_mesh(text: str) -> MeshSpec:
     if order != sorted(order):
         raise UsageError(f"--mesh {text!r}: give the dimensions outer to inner, in the order "
                          f"{', '.join(DIMS)} (the inner ones are placed within a node)")
-    if "pp" in dict(dims) and dict(dims)["pp"] > 1:
-        raise UsageError(f"--mesh {text!r}: pipeline parallelism (pp) is not implemented yet; "
-                         "profile one stage's layers with -k, or drop pp")
     return MeshSpec(tuple(dims))
+
+
+def without_pp(spec: MeshSpec) -> str | None:
+    """The mesh one pipeline stage runs on ("fsdp=2,tp=2"), or None when only pp is left."""
+    rest = [(n, s) for n, s in spec.dims if n != "pp"]
+    return str(MeshSpec(tuple(rest))) if rest else None
 
 
 def check_world(mesh: MeshSpec, world_size: int) -> None:
@@ -73,6 +76,13 @@ def check_config(config) -> None:
     """The --mesh flags of a Config, before any tracing."""
     spec = parse_mesh(config.mesh)
     check_world(spec, config.world_size)
+    if spec.size("pp") > 1 and not config.pp_split:
+        raise UsageError(f"--mesh {spec} has pipeline stages: give --pp-split PATH.py:fn, called as "
+                         "fn(model, stage, stages) -> the stage's module (examples/llama.py:pipeline_stage)")
+    if config.pp_schedule not in ("gpipe", "1f1b"):
+        raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe or 1f1b")
+    if config.microbatches is not None and config.microbatches < 1:
+        raise UsageError(f"--microbatches must be positive, got {config.microbatches}")
     if config.shard != "none":
         raise UsageError(f"--mesh and --shard {config.shard} both say how ranks share the model: "
                          f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")

@@ -21,13 +21,16 @@ class ParallelAccount:
     rows: tuple[CollectiveRow, ...]  # summed by op, mesh dim, phase and module
     time: ParallelTime | None = None  # with --gpu: the critical path over compute and communication
     throughput: Throughput | None = None
+    pipeline: object = None  # fxacct.parallel.pipeline.PipelineAccount under --mesh pp=P
 
     @property
     def comm_wire_bytes(self) -> int:
         return sum(r.wire_bytes for r in self.rows)
 
 
-def profile_parallel(config):
+def profile_parallel(config, loader=None):
+    """``loader(config) -> (model on meta, args, kwargs, _)``, default fxacct.profile.load_model
+    (fxacct.parallel.pipeline passes one stage's)."""
     from fxacct.account.accounting import account
     from fxacct.account.annotate import annotate
     from fxacct.memory import account as memory_account
@@ -35,6 +38,7 @@ def profile_parallel(config):
     from fxacct.profile import Profile, load_model, precision_warnings, tokens_per_example
 
     spec = parse_mesh(config.mesh)
+    load_model = loader or load_model
     with fake_group(spec.world_size):
         mesh = device_mesh(spec)
         model, args, kwargs, _ = load_model(config)
@@ -65,3 +69,19 @@ def profile_parallel(config):
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config))
     return Profile(config, acct, memory, cap, precision_warnings(cap), parallel)
+
+
+def profile_mesh(config):
+    """--mesh: one rank's account; with pp=P, stage 0's, carrying every stage's (PipelineAccount)."""
+    from dataclasses import replace
+
+    spec = parse_mesh(config.mesh)
+    if spec.size("pp") == 1:
+        return profile_parallel(config)
+    from fxacct.parallel.pipeline import profile_pipeline
+
+    pipe = profile_pipeline(config)
+    first = pipe.stages[0].profile
+    par = first.parallel
+    par = ParallelAccount(spec, 0, (), (), pipeline=pipe) if par is None else replace(par, mesh=spec, pipeline=pipe)
+    return replace(first, config=config, parallel=par)

@@ -18,8 +18,32 @@ def collectives_json(parallel) -> list[dict]:
             for r in parallel.rows]
 
 
+def pipeline_json(pipe) -> dict:
+    return {"schedule": pipe.schedule, "microbatches": pipe.microbatches, "bubble_fraction": pipe.bubble_fraction,
+            "stages": [{"stage": s.stage, "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
+                        "one_microbatch_peak_bytes": s.profile.memory.peak_train.bytes,
+                        "activation_bytes": s.profile.accounting.totals.activation_bytes,
+                        "params": s.profile.accounting.totals.params, "param_bytes": s.profile.accounting.totals.param_bytes,
+                        "forward_flops": s.profile.accounting.totals.forward.total,
+                        "backward_flops": s.profile.accounting.totals.backward.total,
+                        "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes} for s in pipe.stages]}
+
+
+def render_pipeline(pipe) -> str:
+    rows = [[str(s.stage), f"{s.profile.accounting.totals.params:,}",
+             f"{s.profile.accounting.totals.forward.total + s.profile.accounting.totals.backward.total:,}",
+             format_bytes(s.profile.memory.peak_train.bytes), str(s.in_flight), format_bytes(s.peak_bytes),
+             format_bytes(s.send_bytes), format_bytes(s.recv_bytes)] for s in pipe.stages]
+    head = ["stage", "params", "FLOPs / micro-batch", "peak, 1 micro-batch", "in flight", "peak", "send / step", "recv / step"]
+    return "\n".join([f"pipeline: {len(pipe.stages)} stages, {pipe.microbatches} micro-batches, {pipe.schedule}; "
+                      f"bubble {pipe.bubble_fraction:.1%} (the report above is stage 0's, one micro-batch)",
+                      tabulate(rows, headers=head)])
+
+
 def add_to_document(doc: dict, parallel) -> dict:
     """The --mesh keys added to a profile document (nothing changes for a single device)."""
+    if parallel is not None and parallel.pipeline is not None:
+        doc["pipeline"] = pipeline_json(parallel.pipeline)
     if parallel is not None:
         doc["mesh"] = mesh_json(parallel)
         doc["collectives"] = collectives_json(parallel)
@@ -44,6 +68,8 @@ def render_collectives(parallel) -> str:
         acc[2] += r.wire_bytes
     lines = [f"mesh {parallel.mesh} ({parallel.mesh.world_size} ranks); figures are rank {parallel.rank}'s "
              "(parameters, gradients, optimizer state, activations and peaks above are per rank)"]
+    if parallel.pipeline is not None:
+        lines.append(render_pipeline(parallel.pipeline))
     if not table:
         return "\n".join(lines + ["collectives: none"])
     timed = parallel.time is not None
