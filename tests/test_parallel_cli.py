@@ -28,6 +28,7 @@ def test_json_has_mesh_collectives_and_wire_total():
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["mesh"] == {"dims": {"fsdp": 2, "tp": 2}, "world_size": 4, "rank": 0}
+    assert d["config"]["world_size"] == 4 and d["config"]["mesh"] == "fsdp=2,tp=2"
     keys = {"op", "mesh_dim", "phase", "module", "count", "bytes", "wire_bytes", "predicted_ms"}
     assert d["collectives"] and all(set(c) == keys for c in d["collectives"])
     assert {c["mesh_dim"] for c in d["collectives"]} == {"fsdp", "tp"}

@@ -10,6 +10,7 @@ bytes are FSDP2's padded per-rank bytes.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,10 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
 def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = False) -> tuple[Capture, list]:
     """(the capture, FSDP2's storage resize events: fxacct.parallel.fsdp_storage)."""
     prepared = prepare(model, spec, mesh, config)
-    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching():
+    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching(), warnings.catch_warnings():
+        # FSDP2 warns that an in-place op on a returned view would skip its hook: the traced step
+        # makes none (the loss reads the outputs), so the warning says nothing about this account
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         cap = capture(model, tuple(args), kwargs, CaptureOptions(
             dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
             optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,

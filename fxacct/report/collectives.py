@@ -45,6 +45,8 @@ def add_to_document(doc: dict, parallel) -> dict:
     if parallel is not None and parallel.pipeline is not None:
         doc["pipeline"] = pipeline_json(parallel.pipeline)
     if parallel is not None:
+        doc["config"]["world_size"] = parallel.mesh.world_size  # the ranks (GPUs) of the job
+        doc["config"]["mesh"] = str(parallel.mesh)
         doc["mesh"] = mesh_json(parallel)
         doc["collectives"] = collectives_json(parallel)
         doc["totals"]["comm_wire_bytes"] = parallel.comm_wire_bytes
