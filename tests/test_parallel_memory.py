@@ -66,3 +66,12 @@ def test_rank_peak_matches_the_storage_tracker(dims, par):
     predicted = _profile(LLAMA, mesh, par).memory.peak_train.bytes
     measured = eager_peak(lambda: load(LLAMA)(), load(par), dims, (torch.randint(0, 512, (2, 64)),))
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
+def test_fsdp_activations_are_the_single_device_ones():
+    """FSDP2 changes where parameters live, not what autograd saves of the activations: the saved
+    unsharded weights are parameters FSDP2 frees and gathers again, so a rank's activation bytes
+    at the same per-rank batch equal the single-device account's (itself checked against
+    saved_tensors_hooks in tests/test_memory_acceptance.py)."""
+    single = _profile(LLAMA).accounting.totals.activation_bytes
+    assert _profile(LLAMA, "fsdp=4").accounting.totals.activation_bytes == single

@@ -64,3 +64,19 @@ def with_resizes(life, graph, events):
         if start is not None:
             born.append((start, max(start, entry[1]), entry[2], nbytes))
     return replace(life, born=tuple(born))
+
+
+def unsave_resized(cap, events):
+    """FSDP2's unsharded parameters are not activations, though autograd saves them (a matmul saves
+    its weight): FSDP2 frees them after the forward and gathers them again for the backward. Their
+    storages leave the saved set, so activation bytes are what they are without FSDP2; their
+    lifetimes (with_resizes) still put them in the peak while they are gathered."""
+    resized = {sid for sid, _, _ in events} & cap.saved_storages
+    if not resized:
+        return cap
+    for node in cap.graph.nodes:
+        trace = node.meta.get("trace")
+        metas = tensor_metas(node.meta.get("val"))
+        if trace is not None and trace.saved and metas and all(m.storage in resized for m in metas):
+            node.meta["trace"] = replace(trace, saved=())
+    return replace(cap, saved_storages=cap.saved_storages - resized)

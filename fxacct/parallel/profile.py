@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, alias_waits, mark, mesh_groups, rows
 from fxacct.parallel.engine import device_mesh, fake_group
-from fxacct.parallel.fsdp_storage import with_resizes
+from fxacct.parallel.fsdp_storage import unsave_resized, with_resizes
 from fxacct.parallel.mesh import MeshSpec, parse_mesh
 from fxacct.parallel.rank_capture import rank_capture
 from fxacct.parallel.timing import ParallelTime, Throughput, predict_time, throughput
@@ -44,6 +44,7 @@ def profile_parallel(config, loader=None):
         model, args, kwargs, _ = load_model(config)
         cap, resizes = rank_capture(model, args, kwargs, spec, mesh, config)
         alias_waits(cap)
+        cap = unsave_resized(cap, resizes)
         annotate(cap.graph, config.causal_attention)
         found = mark(cap.graph, mesh_groups(mesh, spec))
         model_i, args_i, kwargs_i, _ = load_model(config)
