@@ -13,7 +13,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,8 +70,8 @@ def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...
     import torch.multiprocessing as mp
 
     spec = parse_mesh(config.mesh)
-    if spec.size("pp") > 1:
-        raise UsageError("--runtime with --mesh pp=P: the real pipeline run is not built yet; drop --runtime")
+    if spec.size("pp") > 1 and spec.world_size != spec.size("pp"):
+        raise UsageError(f"--runtime with --mesh {spec}: the real pipeline run takes pp alone; drop the other dims")
     if spec.world_size > MAX_RANKS:
         raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
                          f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
@@ -109,6 +109,8 @@ def _measure(rank, config, steps, warmup) -> dict:
     from fxacct.trace.loss import training_loss
 
     spec = parse_mesh(config.mesh)
+    if spec.size("pp") > 1:
+        return _measure_pipeline(rank, spec.size("pp"), config, steps, warmup)
     mesh = device_mesh(spec)
     cpu = torch.device("cpu")
     model, file_module = build_model(config, cpu)
@@ -137,6 +139,49 @@ def _measure(rank, config, steps, warmup) -> dict:
     tracker, counter = StorageTracker(), CollectiveCounter()
     with resizes_seen(tracker), tracker, counter:
         tracker.track(model, opt, args, kwargs)
+        step()
+    times.sort()
+    return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,
+            "collectives": counter.found}
+
+
+def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
+    """One stage per process under torch.distributed.pipelining (GPipe or 1F1B over
+    --microbatches), the loss the sum of the last stage's output as fxacct's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from fxacct.parallel.pipeline import _split
+    from fxacct.runtime.run import build_model, make_inputs
+    from fxacct.runtime.storage_tracker import StorageTracker
+
+    cpu = torch.device("cpu")
+    model, file_module = build_model(config, cpu)
+    m = config.microbatches or stages
+    args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
+    part = _split(config, model, rank, stages)
+    schedule_cls = ScheduleGPipe if config.pp_schedule == "gpipe" else Schedule1F1B
+    schedule = schedule_cls(PipelineStage(part, rank, stages, cpu), n_microbatches=m,
+                            loss_fn=lambda out, target: out.float().sum())
+    opt = config.optimizer_spec().build([p for p in part.parameters() if p.requires_grad])
+
+    def step():
+        if rank == 0:
+            schedule.step(*args)
+        else:
+            schedule.step(target=torch.zeros(config.batch * m))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    tracker, counter = StorageTracker(), CollectiveCounter()
+    with tracker, counter:
+        tracker.track(part, opt, args)
         step()
     times.sort()
     return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,

@@ -113,25 +113,40 @@ def _predicted_by_op(parallel) -> dict[str, list[int]]:
     return by
 
 
+def _predicted_for(parallel, rank: int) -> dict[str, list[int]]:
+    """Collectives by op: rank 0's account for every rank; under pp the rank's stage's send/recv."""
+    pipe = parallel.pipeline
+    if pipe is None:
+        return _predicted_by_op(parallel)
+    s = pipe.stages[rank]
+    boundaries = (rank > 0) + (rank < len(pipe.stages) - 1)
+    n = pipe.microbatches * boundaries
+    return {op: [n, b] for op, b in (("send", s.send_bytes), ("recv", s.recv_bytes)) if n}
+
+
+def _peak_for(parallel, rank: int, predicted_peak: int | None) -> int | None:
+    """Rank 0's peak for every rank; under pp the rank's stage's, with its in-flight micro-batches."""
+    return parallel.pipeline.stages[rank].peak_bytes if parallel.pipeline is not None else predicted_peak
+
+
 def ranks_json(parallel, ranks, predicted_peak: int | None) -> list[dict]:
     """Per rank of the real run: measured beside predicted (rank 0's account stands for every rank)."""
-    predicted = _predicted_by_op(parallel)
     return [{"rank": m.rank, "step_ms": m.step_ms, "op_level_peak_bytes": m.op_level_peak_bytes,
-             "predicted_peak_bytes": predicted_peak,
-             "collectives": {op: {"count": c, "bytes": b, "predicted_count": predicted.get(op, [0, 0])[0],
-                                  "predicted_bytes": predicted.get(op, [0, 0])[1]}
+             "predicted_peak_bytes": _peak_for(parallel, m.rank, predicted_peak),
+             "collectives": {op: {"count": c, "bytes": b, "predicted_count": _predicted_for(parallel, m.rank).get(op, [0, 0])[0],
+                                  "predicted_bytes": _predicted_for(parallel, m.rank).get(op, [0, 0])[1]}
                              for op, (c, b) in sorted(m.collectives.items())}}
             for m in ranks]
 
 
 def render_ranks(parallel, ranks, predicted_peak: int | None) -> str:
     """The real gloo run, rank by rank: op-level peak and collectives, measured / predicted."""
-    predicted = _predicted_by_op(parallel)
-    ops = sorted(set(predicted) | {op for m in ranks for op in m.collectives})
+    ops = sorted({op for m in ranks for op in m.collectives} | {op for m in ranks for op in _predicted_for(parallel, m.rank)})
     rows = []
     for m in ranks:
+        predicted, pk = _predicted_for(parallel, m.rank), _peak_for(parallel, m.rank, predicted_peak)
         cells = [str(m.rank), f"{m.step_ms:.1f}", format_bytes(m.op_level_peak_bytes),
-                 f"{m.op_level_peak_bytes / predicted_peak:.3f}" if predicted_peak else "n/a"]
+                 f"{m.op_level_peak_bytes / pk:.3f}" if pk else "n/a"]
         for op in ops:
             c, b = m.collectives.get(op, [0, 0])
             pc, pb = predicted.get(op, [0, 0])
