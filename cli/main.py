@@ -91,6 +91,7 @@ from fxacct_cli import check_cmd  # noqa: E402,F401
 from fxacct_cli import diff_cmd  # noqa: E402,F401
 from fxacct_cli import estimate_cmd  # noqa: E402,F401
 from fxacct_cli import calibrate_cmd  # noqa: E402,F401
+from fxacct_cli import plan_cmd  # noqa: E402,F401
 
 
 def main() -> None:

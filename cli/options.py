@@ -140,6 +140,48 @@ def group(title: str, *options):
     return cloup.option_group(title, *options)
 
 
+def _mesh(ctx, param, value):
+    if value is not None:
+        from fxacct.parallel.mesh import parse_mesh
+
+        parse_mesh(value)  # a malformed mesh fails when the flags are read
+    return value
+
+
+MESH_OPTIONS = (
+    click.option("--mesh", default=None, callback=_mesh, metavar="DIM=N,...",
+                 help="Device mesh, outer to inner (dp, fsdp, tp): trace one rank of the model parallelized "
+                      "by PyTorch's own engine, e.g. fsdp=8,tp=8 (default: one device)."),
+    click.option("--parallelize", default=None, metavar="PATH.py:fn",
+                 help="With --mesh: your function fn(model, mesh) that parallelizes the model "
+                      "(default: the model's tensor-parallel plan and FSDP2 per repeated block)."),
+    click.option("--reshard-after-forward/--no-reshard-after-forward", default=DEFAULTS.reshard_after_forward,
+                 show_default=True, help="With --mesh fsdp=N: FSDP2 frees gathered blocks after their forward."),
+    click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULTS.gpus_per_node, show_default=True,
+                 help="With --mesh and --gpu: GPUs per node; inner mesh dims run over NVLink, outer ones over InfiniBand."),
+    click.option("--pp-split", default=None, metavar="PATH.py:fn",
+                 help="With --mesh pp=P: fn(model, stage, stages) returns the stage's module (default: none)."),
+    click.option("--microbatches", type=int, default=None, help="With --mesh pp=P: micro-batches per step (default P)."),
+    click.option("--pp-schedule", type=click.Choice(("gpipe", "1f1b")), default=DEFAULTS.pp_schedule, show_default=True,
+                 help="With --mesh pp=P: the pipeline schedule (torch.distributed.pipelining's)."),
+)
+
+
+def mesh_options(fn):
+    """The --mesh flags, their own section of --help."""
+    return group("Device mesh (many GPUs)", *MESH_OPTIONS)(fn)
+
+
+def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
+              gpus_per_node=DEFAULTS.gpus_per_node, pp_split=None, microbatches=None,
+              pp_schedule=DEFAULTS.pp_schedule, **_) -> Config:
+    """The --mesh flags added to a Config (validated by Config)."""
+    from dataclasses import replace
+
+    return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
+                   gpus_per_node=gpus_per_node, pp_split=pp_split, microbatches=microbatches, pp_schedule=pp_schedule)
+
+
 def model_options(fn):
     for title, options in reversed(GROUPS):
         fn = group(title, *options)(fn)
@@ -201,5 +243,5 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "model_options", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
+           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

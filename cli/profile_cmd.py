@@ -17,7 +17,7 @@ from fxacct.runtime import RuntimeOptions
 from fxacct.report.markdown import render_markdown
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (DEBUG, FORMATS, OUTPUT, OUTPUT_GROUP, RUNTIME_GROUP, file_option, format_option, group,
-                                model_options, terminal_width, to_config)
+                                mesh_options, model_options, terminal_width, to_config, with_mesh)
 
 
 def _default(fn, name: str):
@@ -89,6 +89,7 @@ PROFILE_RUNTIME = [
     "fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json",
     "fxacct profile hf:path/to/config.json --batch 4 --seq-len 512 --loss cross-entropy"))
 @model_options
+@mesh_options
 @group(OUTPUT_GROUP, *PROFILE_OUTPUT)
 @group(RUNTIME_GROUP, *PROFILE_RUNTIME)
 def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runtime, device, steps, warmup, inference,
@@ -103,13 +104,15 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
     free memory); 4 an internal error of fxacct; 130 interrupted.
     """
     _check_layout_flags(fmt, by, depth, top, summary_only, wide)
-    config = to_config(**options)
+    config = with_mesh(to_config(**options), **options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
 
         require_matplotlib()
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
+    if run_options is not None and config.mesh is not None:
+        return _mesh_runtime(config, run_options, fmt, output)
     if run_options is not None:
         run = _run_runtime(config, run_options)
         result, prediction = run.profile, run.prediction
@@ -158,3 +161,23 @@ def _run_runtime(config, options: RuntimeOptions):
 
     with Progress() as progress:
         return run(config, options, progress)
+
+
+def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output) -> None:
+    """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
+    from fxacct.parallel.gloo_run import run_mesh
+    from fxacct.report.collectives import ranks_json, render_ranks
+
+    if options.device not in ("auto", "cpu") or options.inference:
+        raise UsageError("--runtime with --mesh runs CPU processes on gloo: use --device cpu, without --inference")
+    result = fxacct.profile(config)
+    prediction = predict_profile(result)
+    ranks = run_mesh(config, steps=options.steps, warmup=options.warmup)
+    peak = result.memory.peak_train.bytes if result.memory.peak_train is not None else None
+    if fmt == "json":
+        doc = document(result, prediction)
+        doc["runtime_ranks"] = ranks_json(result.parallel, ranks, peak)
+        text = json.dumps(doc, indent=2) + "\n"
+    else:
+        text = render_profile_text(result, prediction=prediction) + "\n" + render_ranks(result.parallel, ranks, peak) + "\n"
+    write_output(text, output)

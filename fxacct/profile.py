@@ -30,6 +30,7 @@ class Profile:
     memory: memory_account.MemoryAccount
     capture: Capture
     warnings: tuple[str, ...] = ()
+    parallel: object = None  # fxacct.parallel.profile.ParallelAccount under --mesh
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -189,6 +190,10 @@ def load_model(config: Config):
 
 def profile(config: Config) -> Profile:
     """Load config.target and profile it."""
+    if config.mesh is not None:  # one rank of the model parallelized by PyTorch's own engine
+        from fxacct.parallel.profile import profile_mesh
+
+        return profile_mesh(config)
     model, args, kwargs, inputs_for = load_model(config)
     return profile_module(model, args, kwargs, config, inputs_for)
 

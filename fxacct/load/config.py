@@ -37,6 +37,13 @@ class Config:
     loss: str = "sum"  # fxacct.trace.loss.LOSSES: sum, cross-entropy, mse, model
     hf_class: str | None = None  # hf:PATH: the transformers class (default from the config)
     seq_len: int | None = None  # the default inputs' sequence length (Hugging Face models)
+    mesh: str | None = None  # "fsdp=8,tp=8" (fxacct.parallel.mesh): trace one rank of the parallelized model
+    parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
+    reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
+    gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
+    pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
+    microbatches: int | None = None  # per step, with --mesh pp=P (default P)
+    pp_schedule: str = "1f1b"  # gpipe or 1f1b (torch.distributed.pipelining's schedules)
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device
@@ -63,6 +70,12 @@ class Config:
             get_device(self.gpu)
         self._check_loading()
         check(self.shard, self.world_size)
+        if self.mesh is not None:
+            from fxacct.parallel.mesh import check_config
+
+            check_config(self)
+        elif self.parallelize is not None:
+            raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self.optimizer_spec().resolve()
 
     def _check_loading(self):

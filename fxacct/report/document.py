@@ -21,7 +21,9 @@ def _by_class(f: Flops) -> dict[str, int]:
 def document(p: Profile, prediction=None, runtime=None) -> dict:
     """``prediction``: a fxacct.predict.roofline.Prediction (fills ``totals.predicted_step_ms`` and adds
     ``predicted``); ``runtime``: a fxacct.runtime.RuntimeResult (adds ``runtime``)."""
-    doc = _document(p)
+    from fxacct.report.collectives import add_to_document
+
+    doc = add_to_document(_document(p), p.parallel)
     if prediction is not None:
         from fxacct.report.runtime_json import predicted
 

@@ -136,6 +136,10 @@ def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=No
     if not summary_only:
         parts += ["", render_text(p, depth=depth, top=top, width=width).rstrip("\n"), "",
                   predicted_section(prediction)]
+        if p.parallel is not None:
+            from fxacct.report.collectives import render_collectives
+
+            parts += ["", render_collectives(p.parallel)]
         if runtime is not None:
             parts += ["", runtime_section(runtime, depth=depth, top=top, width=width)]
     return wrap_lines("\n".join(parts), width) + "\n"

@@ -68,6 +68,9 @@ class CaptureOptions:
     dedup: bool = True
     loss: str = "sum"  # fxacct.trace.loss.LOSSES
     causal_lm: bool = False  # cross-entropy targets are the next tokens (fxacct.load.hf.is_causal_lm)
+    # the model's own tensors are already fake (fxacct.parallel: a parallelized model materialized
+    # under ``prepared``'s FakeTensorMode); its parameters may be DTensors, traced below that layer
+    prepared: object = None  # fxacct.parallel.rank_capture.Prepared
 
 
 @dataclass(frozen=True)
@@ -150,17 +153,21 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureO
 
 
 def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
-    mode = tp.FakeTensorMode(allow_non_fake_inputs=True)  # a stray CPU tensor becomes a fake one
+    prep = options.prepared
+    # a stray CPU tensor becomes a fake one
+    mode = tp.FakeTensorMode(allow_non_fake_inputs=True) if prep is None else prep.mode
     storages = Storages()
-    recorder = Recorder(storages)
+    recorder = Recorder(storages, () if prep is None else prep.defer)
+    if prep is not None:
+        prep.resizes.attach(recorder)  # FSDP2's storage resizes, noted against the recorded ops
     with mode:
-        fake = fake_model(model, options.dtype, options.inference)
+        fake = fake_model(model, options.dtype, options.inference) if prep is None else prep.fake
         fake_args = tp.tree_map(lambda t: _to_fake(t, options), args)
         fake_kwargs = tp.tree_map(lambda t: _to_fake(t, options), kwargs)
     flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))
     builder = GraphBuilder()
     input_nodes = _placeholders(builder, recorder, fake, flat_inputs)
-    saved = SavedTracker(storages, {storages.id_of(t) for t in fake.fake_of.values()})
+    saved = SavedTracker(storages, {storages.id_of(tp.local(t)) for t in fake.fake_of.values()})
     return _Session(options, model, mode, storages, recorder, builder, fake, fake_args, fake_kwargs,
                     flat_inputs, input_nodes, saved)
 
@@ -228,7 +235,11 @@ def _train_step(session: _Session, box: list) -> None:
         return
     seed = torch.ones_like(loss)
     rec.phase = BACKWARD
-    session.grads = torch.autograd.grad(loss, targets, grad_outputs=seed, allow_unused=True)
+    if o.prepared is not None:  # FSDP2 reduce-scatters into .grad of parameters it swapped out
+        loss.backward(seed)
+        session.grads = tuple(t.grad for t in targets)
+    else:
+        session.grads = torch.autograd.grad(loss, targets, grad_outputs=seed, allow_unused=True)
     del seed
     if o.optimizer is not None:
         rec.phase = OPTIMIZER
@@ -263,8 +274,9 @@ def _placeholders(builder: GraphBuilder, recorder: Recorder, fake: FakeModel, fl
     for kind, role, groups in (("param", PARAMETER, fake.param_groups), ("buffer", BUFFER, fake.buffer_groups)):
         for tid, group in groups.items():
             slot = Slot(kind, tid)
-            builder.placeholder(slot, group[0].replace(".", "_"), recorder.meta(fake.fake_of[tid]), role, group[0])
-            setattr(fake.fake_of[tid], TAG, Ref(slot))
+            t = tp.local(fake.fake_of[tid])  # a DTensor's shard on this rank
+            builder.placeholder(slot, group[0].replace(".", "_"), recorder.meta(t), role, group[0])
+            setattr(t, TAG, Ref(slot))
     return input_nodes
 
 
@@ -272,18 +284,20 @@ def _finish(session: _Session) -> Capture:
     builder, rec, storages, fake = session.builder, session.recorder, session.storages, session.fake
     builder.add_records(rec.records, rec.constants, rec.repeat_of)
     builder.attach_saved(session.saved.saved)
-    grads = session.grads
+    grads = tuple(None if g is None else tp.local(g) for g in session.grads)
     out_refs = [getattr(g, TAG) for g in grads if g is not None] + [getattr(t, TAG) for t in session.outputs]
     builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
     got_grad = {id(t): g is not None for t, g in zip(session.targets, grads)}
 
     def info(tid: int, group: list[str], trainable: bool) -> ParamInfo:
-        t = fake.fake_of[tid]
-        return ParamInfo(tuple(group), tuple(t.shape), t.dtype, trainable and t.requires_grad,
-                         trainable and got_grad.get(id(t), False))
+        d = fake.fake_of[tid]
+        t = tp.local(d)  # a DTensor's shard on this rank
+        return ParamInfo(tuple(group), tuple(t.shape), t.dtype, trainable and d.requires_grad,
+                         trainable and got_grad.get(id(d), False))
 
     opt_state: dict[int, StateTensor] = {}
     for t, count in session.state_tensors:
+        t = tp.local(t)
         sid = storages.id_of(t)
         opt_state.setdefault(sid, StateTensor(t.dtype, t.untyped_storage().nbytes(), sid, t.dim() == 0, count))
     return Capture(

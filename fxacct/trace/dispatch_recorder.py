@@ -64,8 +64,12 @@ class Recorder(tp.TorchDispatchMode):
     """Records every aten op with its phase, module, autograd sequence link, argument references
     and output metadata. Per op it does only that; the graph is built once afterwards."""
 
-    def __init__(self, storages: Storages):
+    def __init__(self, storages: Storages, defer: tuple = ()):
         super().__init__()
+        # tensor subclasses that run first and come back as plain ops (DTensor: its local shards
+        # and the collectives it issues), as torch.distributed.tensor.debug.CommDebugMode does
+        self.defer = frozenset(defer)
+        self.group: TookSequenceNumbers | None = None  # the numbers the running subclass op took
         self.records: list[OpRecord] = []
         self.constants: list[tuple[Slot, TensorMeta]] = []  # tensors no traced op produced
         self.phase = FORWARD
@@ -84,6 +88,13 @@ class Recorder(tp.TorchDispatchMode):
             yield
         finally:
             self.recording = True
+
+    def _deferred(self):
+        """A subclass-level op (DTensor) runs first; the sequence numbers it took go to its local ops."""
+        hi = tp.next_autograd_number()
+        self.group = TookSequenceNumbers(self.last_seq, hi) if hi != self.last_seq and self.phase != BACKWARD else None
+        self.last_seq = hi
+        return NotImplemented
 
     def repeat_of(self, index: int) -> int:
         for start, end, count in self.repeats:
@@ -118,6 +129,8 @@ class Recorder(tp.TorchDispatchMode):
             # the backward engine asks every gradient for its device; answer as FakeTensor
             # would (its fake_device) without a trip through the fake mode's dispatch
             return args[0].fake_device
+        if self.defer and not self.defer.isdisjoint(types):
+            return self._deferred()
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace in _NOT_RECORDED or not self.recording:
@@ -153,7 +166,10 @@ class Recorder(tp.TorchDispatchMode):
             module = None
         else:
             scope = self.scope
-            link = TookSequenceNumbers(self.last_seq, hi) if hi != self.last_seq else NO_NUMBERS
+            if hi != self.last_seq:
+                link, self.group = TookSequenceNumbers(self.last_seq, hi), None
+            else:  # a subclass op's local ops all carry its numbers: the last (its output) owns them
+                link = self.group or NO_NUMBERS
             module = self.module_stack[-1]
         self.last_seq = hi
         self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, tuple(rg), scope))

@@ -131,3 +131,64 @@ def quiet_kineto() -> None:
     import os
 
     os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_SILENT)
+
+def local(t):
+    """A DTensor's shard on this rank (its ``_local_tensor``); any other tensor itself."""
+    return getattr(t, "_local_tensor", t) if t is not None else None
+
+
+def fake_store():
+    """The in-memory store of the "fake" process group (torch.testing's fake_pg): no peers, no
+    network; every collective returns at once with outputs of the right shape."""
+    from torch.testing._internal.distributed import fake_pg
+
+    return _require(fake_pg, "FakeStore", "torch.testing._internal.distributed.fake_pg")()
+
+
+@__import__("contextlib").contextmanager
+def dtensor_meta_unrecorded():
+    """DTensor infers an op's global output shape by running the op once on fake global tensors
+    in the active FakeTensorMode (ShardingPropagator._propagate_tensor_meta_non_cached, on a cache
+    miss); a dispatch mode on the stack would see that run as if the rank computed it. Inside this
+    context that inference runs with every mode off (it makes its own FakeTensorMode then)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    cls = _require(_sharding_prop, "ShardingPropagator", "torch.distributed.tensor._sharding_prop")
+    original = _require(cls, "_propagate_tensor_meta_non_cached", "ShardingPropagator")
+
+    def outside_modes(self, *args, **kwargs):
+        with _python_dispatch._disable_current_modes():
+            return original(self, *args, **kwargs)
+
+    cls._propagate_tensor_meta_non_cached = outside_modes
+    try:
+        yield
+    finally:
+        cls._propagate_tensor_meta_non_cached = original
+
+
+@__import__("contextlib").contextmanager
+def fsdp_storage_resizes(on_resize):
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0 and gathers into it again
+    after resizing it back (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``free_storage``
+    / ``alloc_storage``), outside the dispatcher. Inside this context each such resize also calls
+    ``on_resize(tensor, allocated: bool)``."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    free = _require(_fsdp_param, "free_storage", "torch.distributed.fsdp._fully_shard._fsdp_param")
+    alloc = _require(_fsdp_param, "alloc_storage", "torch.distributed.fsdp._fully_shard._fsdp_param")
+
+    def free_storage(tensor):
+        free(tensor)
+        on_resize(tensor, False)
+
+    def alloc_storage(tensor):
+        alloc(tensor)
+        on_resize(tensor, True)
+
+    _fsdp_param.free_storage, _fsdp_param.alloc_storage = free_storage, alloc_storage
+    _fsdp_param_group.alloc_storage = alloc_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc

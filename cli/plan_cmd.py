@@ -1,0 +1,35 @@
+"""`fxacct plan`: which layout of N GPUs trains fastest and fits."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from fxacct.parallel.planner import plan
+from fxacct.report.plan_text import plan_json, render_plan
+from fxacct_cli.main import cli, write_output
+from fxacct_cli.options import OUTPUT, format_option, mesh_options, model_options, to_config, with_mesh
+
+
+@cli.command("plan")
+@model_options
+@mesh_options
+@format_option("table", "json")
+@click.option("--gpus", type=int, required=True, help="GPUs in the job.")
+@click.option("--global-batch", type=int, required=True, help="Examples per step over the whole job.")
+@OUTPUT
+def plan_command(fmt, gpus, global_batch, output, **options):
+    """Rank the fsdp × tp layouts of --gpus GPUs for PATH.py:NAME by predicted throughput.
+
+    \b
+    Example:
+      fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize
+
+    \b
+    Exit codes: 0 success; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
+    """
+    config = with_mesh(to_config(**options), **{**options, "mesh": f"fsdp={gpus}"})  # each layout replaces it
+    cands = plan(config, gpus, global_batch)
+    text = (json.dumps(plan_json(cands), indent=2) + "\n") if fmt == "json" else render_plan(cands, gpus, global_batch, config.gpu)
+    write_output(text, output)

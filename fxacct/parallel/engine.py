@@ -1,0 +1,111 @@
+"""PyTorch's own engine, in-process: a fake process group of the mesh's world size, the device
+mesh, and the model parallelized on it (the user's ``parallelize(model, mesh)``, else the
+tensor-parallel plan the model carries plus FSDP2 per repeated block and at the root).
+
+DESIGN.md: build the mesh and parallelize outside FakeTensorMode (inside it the mesh fails on
+aten.nonzero); the parameters are materialized afterwards, inside the capture's FakeTensorMode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fxacct.errors import UsageError, classify
+from fxacct.parallel.mesh import MeshSpec
+from fxacct.trace import torch_private as tp
+
+HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int):
+    """The "fake" process group on rank 0 of ``world_size``: collectives return at once."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise UsageError("a torch.distributed process group is already initialized in this process; "
+                         "fxacct --mesh runs its own fake one: call it outside your process group")
+    dist.init_process_group("fake", store=tp.fake_store(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def device_mesh(spec: MeshSpec):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(s for _, s in spec.dims), mesh_dim_names=spec.names)
+
+
+def check_heads(model: torch.nn.Module, spec: MeshSpec) -> None:
+    """Tensor parallelism splits attention heads: tp must divide every head count the model (or
+    its Hugging Face config) declares."""
+    tp_size = spec.size("tp")
+    if tp_size == 1:
+        return
+    for owner in (model, getattr(model, "config", None)):
+        for attr in HEAD_ATTRIBUTES:
+            heads = getattr(owner, attr, None)
+            if isinstance(heads, int) and heads % tp_size:
+                raise UsageError(f"--mesh tp={tp_size} does not divide the model's {attr}={heads}: "
+                                 "tensor parallelism splits heads; use a tp that divides it")
+
+
+def parallelize(model: torch.nn.Module, spec: MeshSpec, mesh, options) -> torch.nn.Module:
+    """``options``: the Config (parallelize, reshard_after_forward, amp)."""
+    check_heads(model, spec)
+    if options.parallelize:
+        return _user_parallelize(model, mesh, options.parallelize)
+    if spec.size("tp") > 1:
+        from fxacct.parallel.plans import apply_model_plan
+
+        apply_model_plan(model, mesh["tp"])
+    if spec.size("fsdp") > 1 or spec.size("dp") > 1:
+        _fully_shard(model, spec, mesh, options)
+    return model
+
+
+def _user_parallelize(model, mesh, target: str):
+    from fxacct.load.model_spec import call_user, resolve
+
+    fn, _ = resolve(target)
+    if not callable(fn):
+        raise UsageError(f"--parallelize {target}: not a function; give PATH.py:fn with fn(model, mesh)")
+    try:
+        out = call_user(fn, model, mesh)
+    except UsageError:
+        raise
+    except Exception as e:  # the user's function raised: a model error (exit 3)
+        raise classify(e, f"--parallelize {target}") from e
+    return out if isinstance(out, torch.nn.Module) else model
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of ModuleList / ModuleDict / Sequential containers whose class repeats: the
+    units FSDP2 shards one at a time (torchtitan wraps each transformer block)."""
+    blocks = []
+    for container in model.modules():
+        if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+            items = list(container.values() if isinstance(container, torch.nn.ModuleDict) else container)
+            classes = [type(m) for m in items]
+            blocks += [m for m in items if classes.count(type(m)) > 1]
+    return blocks
+
+
+def _fully_shard(model, spec: MeshSpec, mesh, options) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if spec.size("fsdp") == 1:
+        raise UsageError(f"--mesh {spec}: plain data parallelism (dp without fsdp) is not built in; "
+                         "use fsdp=N (FSDP2), dp=R,fsdp=S (HSDP), or your own --parallelize")
+    dims = tuple(d for d in ("dp", "fsdp") if spec.size(d) > 1 or d == "fsdp")
+    fsdp_mesh = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    mp = MixedPrecisionPolicy()
+    if options.amp is not None:  # the usual FSDP2 recipe: compute in the autocast dtype, reduce in fp32
+        mp = MixedPrecisionPolicy(param_dtype=options.amp, reduce_dtype=torch.float32)
+    for block in repeated_blocks(model):
+        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=False, mp_policy=mp)  # the root: as torchtitan

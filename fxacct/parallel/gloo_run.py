@@ -1,0 +1,188 @@
+"""The real multi-process check of ``--mesh ... --runtime --device cpu``: world-size CPU processes
+on the gloo backend (``torch.multiprocessing``, at most 8 ranks), the model built with random
+weights and parallelized exactly as the account was, one warm-up step, timed steps, then one
+step under fxacct's storage tracker (the op-level peak; FSDP2's storage resizes shown to it as
+they happen) and a dispatch counter of the collectives the engine issues below DTensor (as
+``torch.distributed.tensor.debug.CommDebugMode`` sees them)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from fxacct.errors import UsageError
+from fxacct.parallel.collectives import _OPS
+from fxacct.parallel.mesh import parse_mesh
+from fxacct.trace import torch_private as tp
+
+MAX_RANKS = 8
+
+
+@dataclass(frozen=True)
+class RankMeasured:
+    rank: int
+    step_ms: float  # median of the timed steps
+    op_level_peak_bytes: int
+    collectives: dict  # op -> [count, output-buffer bytes]
+
+
+class CollectiveCounter(tp.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.found: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor desugars into local ops and collectives first
+        out = func(*args, **(kwargs or {}))
+        entry = _OPS.get(func)
+        if entry is not None and entry[0] != "wait":
+            buf = args[entry[1]] if entry[1] is not None else out
+            buf = buf[0] if isinstance(buf, (list, tuple)) else buf
+            acc = self.found.setdefault(entry[0], [0, 0])
+            acc[0] += 1
+            acc[1] += buf.numel() * buf.element_size()
+        return out
+
+
+def resizes_seen(tracker):
+    """Show each storage FSDP2 resizes (outside the dispatcher) to the tracker right away."""
+    return tp.fsdp_storage_resizes(lambda tensor, allocated: tracker.track(tensor))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...]:
+    """Run the parallelized model for real in world-size CPU processes; one RankMeasured each."""
+    import torch.multiprocessing as mp
+
+    spec = parse_mesh(config.mesh)
+    if spec.size("pp") > 1 and spec.world_size != spec.size("pp"):
+        raise UsageError(f"--runtime with --mesh {spec}: the real pipeline run takes pp alone; drop the other dims")
+    if spec.world_size > MAX_RANKS:
+        raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
+                         f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank_main, args=(spec.world_size, port, config, out, steps, warmup),
+                           nprocs=spec.world_size, start_method="spawn", join=True)
+        results = []
+        for rank in range(spec.world_size):
+            with open(os.path.join(out, f"rank{rank}.json")) as f:
+                results.append(RankMeasured(**json.load(f)))
+    return tuple(results)
+
+
+def _rank_main(rank, world, port, config, out, steps, warmup):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        measured = _measure(rank, config, steps, warmup)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(measured, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank, config, steps, warmup) -> dict:
+    import torch.distributed as dist
+
+    from fxacct.parallel.engine import device_mesh, parallelize
+    from fxacct.runtime.run import build_model, make_inputs
+    from fxacct.runtime.storage_tracker import StorageTracker
+    from fxacct.trace.loss import training_loss
+
+    spec = parse_mesh(config.mesh)
+    if spec.size("pp") > 1:
+        return _measure_pipeline(rank, spec.size("pp"), config, steps, warmup)
+    mesh = device_mesh(spec)
+    cpu = torch.device("cpu")
+    model, file_module = build_model(config, cpu)
+    parallelize(model, spec, mesh, config)
+    args, kwargs = make_inputs(config, model, file_module, cpu)  # one seed: every rank the same batch
+    opt = config.optimizer_spec().build([p for p in model.parameters() if p.requires_grad])
+
+    def step():
+        with torch.autocast("cpu", dtype=config.amp) if config.amp else contextlib.nullcontext():
+            loss = training_loss(model(*args, **kwargs), config.loss_output)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss
+
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    tracker, counter = StorageTracker(), CollectiveCounter()
+    with resizes_seen(tracker), tracker, counter:
+        tracker.track(model, opt, args, kwargs)
+        step()
+    times.sort()
+    return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,
+            "collectives": counter.found}
+
+
+def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
+    """One stage per process under torch.distributed.pipelining (GPipe or 1F1B over
+    --microbatches), the loss the sum of the last stage's output as fxacct's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from fxacct.parallel.pipeline import _split
+    from fxacct.runtime.run import build_model, make_inputs
+    from fxacct.runtime.storage_tracker import StorageTracker
+
+    cpu = torch.device("cpu")
+    model, file_module = build_model(config, cpu)
+    m = config.microbatches or stages
+    args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
+    part = _split(config, model, rank, stages)
+    schedule_cls = ScheduleGPipe if config.pp_schedule == "gpipe" else Schedule1F1B
+    schedule = schedule_cls(PipelineStage(part, rank, stages, cpu), n_microbatches=m,
+                            loss_fn=lambda out, target: out.float().sum())
+    opt = config.optimizer_spec().build([p for p in part.parameters() if p.requires_grad])
+
+    def step():
+        if rank == 0:
+            schedule.step(*args)
+        else:
+            schedule.step(target=torch.zeros(config.batch * m))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    tracker, counter = StorageTracker(), CollectiveCounter()
+    with tracker, counter:
+        tracker.track(part, opt, args)
+        step()
+    times.sort()
+    return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,
+            "collectives": counter.found}

@@ -1,0 +1,88 @@
+"""The device mesh of ``--mesh dp=2,fsdp=4,tp=8``: named dimensions, outer to inner.
+
+``dp`` replicates (DDP, or the replicate dimension of HSDP), ``fsdp`` shards parameters,
+gradients and optimizer state (FSDP2), ``tp`` is tensor parallel, ``pp`` pipeline stages. The
+world size is the product of the sizes. The canonical order (dp, fsdp, tp outermost to innermost)
+is required, as torchtitan lays it out: the inner dimensions are the ones placed within a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxacct.errors import UsageError
+
+DIMS = ("pp", "dp", "fsdp", "tp")  # outer to inner
+EXAMPLE = "--mesh fsdp=8,tp=8"
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    dims: tuple[tuple[str, int], ...]  # (name, size), outer to inner
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, size in self.dims:
+            n *= size
+        return n
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    def size(self, name: str) -> int:
+        return dict(self.dims).get(name, 1)
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={size}" for name, size in self.dims)
+
+
+def parse_mesh(text: str) -> MeshSpec:
+    """'fsdp=8,tp=8' -> MeshSpec((('fsdp', 8), ('tp', 8))). One-line usage errors otherwise."""
+    dims: list[tuple[str, int]] = []
+    for part in (p.strip() for p in text.split(",")):
+        name, eq, size = part.partition("=")
+        name = name.strip().lower()
+        if not eq or name not in DIMS:
+            raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE with NAME one of "
+                             f"{', '.join(DIMS)} (e.g. {EXAMPLE})")
+        if not size.strip().isdigit() or int(size) < 1:
+            raise UsageError(f"--mesh {text!r}: the size of {name} must be a positive integer")
+        if name in dict(dims):
+            raise UsageError(f"--mesh {text!r}: {name} is given twice")
+        dims.append((name, int(size)))
+    order = [DIMS.index(n) for n, _ in dims]
+    if order != sorted(order):
+        raise UsageError(f"--mesh {text!r}: give the dimensions outer to inner, in the order "
+                         f"{', '.join(DIMS)} (the inner ones are placed within a node)")
+    return MeshSpec(tuple(dims))
+
+
+def without_pp(spec: MeshSpec) -> str | None:
+    """The mesh one pipeline stage runs on ("fsdp=2,tp=2"), or None when only pp is left."""
+    rest = [(n, s) for n, s in spec.dims if n != "pp"]
+    return str(MeshSpec(tuple(rest))) if rest else None
+
+
+def check_world(mesh: MeshSpec, world_size: int) -> None:
+    """--world-size, when given with --mesh, must be the mesh's product."""
+    if world_size not in (1, mesh.world_size):
+        raise UsageError(f"--mesh {mesh} has {mesh.world_size} ranks but --world-size is {world_size}: "
+                         "drop --world-size (the mesh gives it) or make the product match")
+
+
+def check_config(config) -> None:
+    """The --mesh flags of a Config, before any tracing."""
+    spec = parse_mesh(config.mesh)
+    check_world(spec, config.world_size)
+    if spec.size("pp") > 1 and not config.pp_split:
+        raise UsageError(f"--mesh {spec} has pipeline stages: give --pp-split PATH.py:fn, called as "
+                         "fn(model, stage, stages) -> the stage's module (examples/llama.py:pipeline_stage)")
+    if config.pp_schedule not in ("gpipe", "1f1b"):
+        raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe or 1f1b")
+    if config.microbatches is not None and config.microbatches < 1:
+        raise UsageError(f"--microbatches must be positive, got {config.microbatches}")
+    if config.shard != "none":
+        raise UsageError(f"--mesh and --shard {config.shard} both say how ranks share the model: "
+                         f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")

@@ -1,0 +1,136 @@
+"""Pipeline parallelism (``--mesh pp=P,...``): the model is split into P stages by the user's
+``--pp-split PATH.py:fn`` (``fn(model, stage, stages)`` returns the stage's module, as
+torchtitan's pipeline split does), each stage is accounted as a rank of its own (on the rest of
+the mesh, if any; stages after the first take the previous stage's output and compute the
+gradient of it, which they send back), and the schedule says how many micro-batches each stage
+holds activations for at once (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B):
+
+- GPipe runs every forward before any backward: each stage holds all M micro-batches.
+- 1F1B starts stage s (0-based) with P − s forwards, then alternates one forward and one
+  backward: stage s holds at most min(P − s, M) micro-batches (the first stage P).
+- Both idle (P − 1) of (M + P − 1) slots per stage: the bubble fraction (Huang et al. 2019,
+  GPipe; Narayanan et al. 2021, PipeDream-Flush / 1F1B).
+
+A stage's peak is its one-micro-batch peak plus the saved activations of the other micro-batches
+it holds; send/recv volume per step is M × the boundary tensor each way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from fxacct.errors import UsageError, classify
+from fxacct.parallel.mesh import parse_mesh, without_pp
+
+
+@dataclass(frozen=True)
+class StageAccount:
+    stage: int
+    profile: object  # fxacct.Profile of one micro-batch on this stage
+    in_flight: int  # micro-batches whose activations the stage holds at once
+    peak_bytes: int  # one-micro-batch peak + (in_flight − 1) × its saved activations
+    send_bytes: int  # per step: activations forward + input gradients backward
+    recv_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelineAccount:
+    stages: tuple[StageAccount, ...]
+    schedule: str
+    microbatches: int
+
+    @property
+    def bubble_fraction(self) -> float:
+        p, m = len(self.stages), self.microbatches
+        return (p - 1) / (m + p - 1)
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)
+
+
+def _split(config, model, stage: int, stages: int):
+    from fxacct.load.model_spec import call_user, resolve
+
+    fn, _ = resolve(config.pp_split)
+    try:
+        part = call_user(fn, model, stage, stages)
+    except Exception as e:
+        raise classify(e, f"--pp-split {config.pp_split}") from e
+    if not isinstance(part, torch.nn.Module):
+        raise UsageError(f"--pp-split {config.pp_split} returned {type(part).__name__}, not the stage's nn.Module")
+    return part
+
+
+def _stage_inputs(config, stages: int):
+    """(stage module, args) per stage on meta: each stage's input is the previous one's output."""
+    from fxacct.profile import load_model
+
+    parts, x = [], None
+    for s in range(stages):
+        model, args, kwargs, _ = load_model(config)
+        if config.dtype is not None:
+            model.to(config.dtype)
+        part = _split(config, model, s, stages)
+        inputs = args if s == 0 else (x,)
+        with torch.no_grad():
+            out = part(*inputs, **(kwargs if s == 0 else {}))
+        if not isinstance(out, torch.Tensor):
+            raise UsageError(f"pipeline stage {s} returned {type(out).__name__}; a stage must return one tensor")
+        parts.append((inputs, kwargs if s == 0 else {}))
+        x = torch.empty(out.shape, dtype=out.dtype, device="meta")
+    return parts
+
+
+def profile_pipeline(config):
+    """(stage 0's Profile with ``pipeline`` set on its parallel account, or a plain Profile)."""
+    from fxacct.profile import load_model, profile_module
+
+    from fxacct.parallel.engine import repeated_blocks
+
+    spec = parse_mesh(config.mesh)
+    stages, m = spec.size("pp"), config.microbatches or spec.size("pp")
+    blocks = len(repeated_blocks(load_model(config)[0]))
+    if stages > blocks:
+        raise UsageError(f"--mesh pp={stages} asks for more pipeline stages than the model has repeated blocks "
+                         f"({blocks}): use pp <= {blocks}")
+    inner = without_pp(spec)
+    accounts = []
+    for s, (args, kwargs) in enumerate(_stage_inputs(config, stages)):
+        cfg = replace(config, mesh=inner, input_requires_grad=config.input_requires_grad or s > 0)
+
+        def loader(c, s=s, args=args, kwargs=kwargs):
+            model, _, _, _ = load_model(c)
+            return _split(c, model, s, stages), args, kwargs, None
+
+        if inner is not None:
+            from fxacct.parallel.profile import profile_parallel
+
+            prof = profile_parallel(cfg, loader)
+        else:
+            model, _, _, _ = loader(cfg)
+            prof = profile_module(model, args, kwargs, replace(cfg, mesh=None))
+        accounts.append(_stage_account(prof, s, stages, m, config.pp_schedule, args))
+    return PipelineAccount(tuple(accounts), config.pp_schedule, m)
+
+
+def _stage_account(prof, s: int, stages: int, m: int, schedule: str, args) -> StageAccount:
+    k = in_flight(schedule, s, stages, m)
+    one = prof.memory.peak_train.bytes
+    acts = prof.accounting.totals.activation_bytes
+    boundary_in = args[0].numel() * args[0].element_size() if s > 0 else 0
+    boundary_out = _output_bytes(prof) if s < stages - 1 else 0
+    return StageAccount(s, prof, k, one + (k - 1) * acts, m * (boundary_out + boundary_in),
+                        m * (boundary_in + boundary_out))
+
+
+def _output_bytes(prof) -> int:
+    """Bytes of the stage's output: the loss phase's first op reads it (fxacct.trace.loss)."""
+    for n in prof.capture.graph.nodes:
+        cost = n.meta.get("fxacct")
+        if cost is not None and cost.phase == "loss" and n.all_input_nodes:
+            val = n.all_input_nodes[0].meta.get("val")
+            return val.nbytes if hasattr(val, "nbytes") else 0
+    return 0

@@ -1,0 +1,88 @@
+"""The account of one rank under ``--mesh``: the engine parallelizes, rank 0 is traced, the
+collectives are marked, and the single-device stages (annotate, account, memory) run unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, alias_waits, mark, mesh_groups, rows
+from fxacct.parallel.engine import device_mesh, fake_group
+from fxacct.parallel.fsdp_storage import unsave_resized, with_resizes
+from fxacct.parallel.mesh import MeshSpec, parse_mesh
+from fxacct.parallel.rank_capture import rank_capture
+from fxacct.parallel.timing import ParallelTime, Throughput, predict_time, throughput
+
+
+@dataclass(frozen=True)
+class ParallelAccount:
+    mesh: MeshSpec
+    rank: int  # the representative rank traced
+    collectives: tuple[CollectiveNode, ...]  # every collective node, in issue order
+    rows: tuple[CollectiveRow, ...]  # summed by op, mesh dim, phase and module
+    time: ParallelTime | None = None  # with --gpu: the critical path over compute and communication
+    throughput: Throughput | None = None
+    pipeline: object = None  # fxacct.parallel.pipeline.PipelineAccount under --mesh pp=P
+
+    @property
+    def comm_wire_bytes(self) -> int:
+        return sum(r.wire_bytes for r in self.rows)
+
+
+def profile_parallel(config, loader=None):
+    """``loader(config) -> (model on meta, args, kwargs, _)``, default fxacct.profile.load_model
+    (fxacct.parallel.pipeline passes one stage's)."""
+    from fxacct.account.accounting import account
+    from fxacct.account.annotate import annotate
+    from fxacct.memory import account as memory_account
+    from fxacct.memory.peak import lifetimes, walk
+    from fxacct.profile import Profile, load_model, precision_warnings, tokens_per_example
+
+    spec = parse_mesh(config.mesh)
+    load_model = loader or load_model
+    with fake_group(spec.world_size):
+        mesh = device_mesh(spec)
+        model, args, kwargs, _ = load_model(config)
+        cap, resizes = rank_capture(model, args, kwargs, spec, mesh, config)
+        alias_waits(cap)
+        cap = unsave_resized(cap, resizes)
+        annotate(cap.graph, config.causal_attention)
+        found = mark(cap.graph, mesh_groups(mesh, spec))
+        model_i, args_i, kwargs_i, _ = load_model(config)
+        inference, resizes_i = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
+        alias_waits(inference)
+    tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
+    acct = account(cap, config.batch, tokens, config.count_recompute)
+    memory = memory_account.MemoryAccount(
+        by_dtype=memory_account.by_dtype(cap, acct),
+        param_bytes=acct.totals.param_bytes, grad_bytes=acct.totals.grad_bytes,
+        optimizer_bytes=sum(s.nbytes * s.count for s in cap.optimizer_state),
+        master_bytes=sum(b * c for _, b, c in cap.master_weights),
+        activation_bytes=acct.totals.activation_bytes,
+        peak_train=walk(with_resizes(lifetimes(cap), cap.graph, resizes)) if cap.has_backward else None,
+        peak_inference=walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)),
+        per_rank=None, gathered_unit=None,
+        checkpoint_by_dtype=memory_account.checkpoint_payload(model, config.dtype, cap),
+        views=memory_account.view_summary(acct, cap),
+        optimizer_scalars=(sum(s.count for s in cap.optimizer_state if s.scalar),
+                           sum(s.nbytes * s.count for s in cap.optimizer_state if s.scalar)),
+    )
+    time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
+    parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
+                               throughput(time, acct.totals, spec, config))
+    return Profile(config, acct, memory, cap, precision_warnings(cap), parallel)
+
+
+def profile_mesh(config):
+    """--mesh: one rank's account; with pp=P, stage 0's, carrying every stage's (PipelineAccount)."""
+    from dataclasses import replace
+
+    spec = parse_mesh(config.mesh)
+    if spec.size("pp") == 1:
+        return profile_parallel(config)
+    from fxacct.parallel.pipeline import profile_pipeline
+
+    pipe = profile_pipeline(config)
+    first = pipe.stages[0].profile
+    par = first.parallel
+    par = ParallelAccount(spec, 0, (), (), pipeline=pipe) if par is None else replace(par, mesh=spec, pipeline=pipe)
+    return replace(first, config=config, parallel=par)

@@ -1,0 +1,78 @@
+"""One representative rank (rank 0) of the parallelized model, captured below the DTensor layer.
+
+The model is parallelized on meta outside any FakeTensorMode, then materialized with
+``to_empty`` inside the FakeTensorMode the capture then runs in (DESIGN.md: what works with
+torch 2.13); its parameters are then fake DTensors whose local shards are this rank's, so the
+capture takes them as they are (no swap) and records the local ops and the collectives DTensor
+and FSDP2 issue. Rank 0 holds the largest shard of every dim-0 split (torch.chunk order), so its
+bytes are FSDP2's padded per-rank bytes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fxacct.errors import classify
+from fxacct.parallel.engine import parallelize
+from fxacct.parallel.fsdp_storage import StorageResizes
+from fxacct.trace import torch_private as tp
+from fxacct.trace.capture import Capture, CaptureOptions, capture
+from fxacct.trace.fake_model import FakeModel, fake_like
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What CaptureOptions.prepared carries: the mode the model's tensors were made in, the model's
+    own tensors as the capture's FakeModel, and the tensor subclasses the recorder defers to."""
+
+    mode: object
+    fake: FakeModel
+    defer: tuple
+    resizes: StorageResizes  # FSDP2's frees and re-allocations of unsharded parameters
+
+
+def own_tensors(model: torch.nn.Module) -> FakeModel:
+    """The model's own (already fake) parameters and buffers; tied names share one entry. Call
+    inside the mode: tensors kept as plain attributes get fake stand-ins."""
+    fake = FakeModel({}, {}, {}, {}, [])
+    for kind, named, groups in (("p", model.named_parameters, fake.param_groups),
+                                ("b", model.named_buffers, fake.buffer_groups)):
+        for name, t in named(remove_duplicate=False):
+            fake.fake_of.setdefault(id(t), t)
+            groups.setdefault(id(t), []).append(name)
+    fake.attributes = [(m, k, v, fake_like(v, None)) for m in model.modules() for k, v in vars(m).items()
+                       if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+    return fake
+
+
+def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
+    from torch.distributed.tensor import DTensor
+
+    if config.dtype is not None:
+        model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
+    parallelize(model, spec, mesh, config)
+    mode = tp.FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            model.to_empty(device="cpu")
+            fake = own_tensors(model)
+    except Exception as e:
+        raise classify(e, "materializing the parallelized model") from e
+    return Prepared(mode, fake, (DTensor,), StorageResizes())
+
+
+def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = False) -> tuple[Capture, list]:
+    """(the capture, FSDP2's storage resize events: fxacct.parallel.fsdp_storage)."""
+    prepared = prepare(model, spec, mesh, config)
+    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching(), warnings.catch_warnings():
+        # FSDP2 warns that an in-place op on a returned view would skip its hook: the traced step
+        # makes none (the loss reads the outputs), so the warning says nothing about this account
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        cap = capture(model, tuple(args), kwargs, CaptureOptions(
+            dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
+            optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
+            master_weights=config.master_weights, cuda=config.gpu is not None, dedup=False, prepared=prepared))
+    return cap, prepared.resizes.events

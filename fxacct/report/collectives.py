@@ -1,0 +1,157 @@
+"""The mesh and the collectives of one rank (``--mesh``): a text section and the JSON keys
+``mesh``, ``collectives`` and ``totals.comm_wire_bytes``."""
+
+from __future__ import annotations
+
+from fxacct.report.tables import tabulate
+from fxacct.units import format_bytes
+
+
+def mesh_json(parallel) -> dict:
+    return {"dims": {name: size for name, size in parallel.mesh.dims}, "world_size": parallel.mesh.world_size,
+            "rank": parallel.rank}
+
+
+def collectives_json(parallel) -> list[dict]:
+    return [{"op": r.op, "mesh_dim": r.mesh_dim, "phase": r.phase, "module": r.module, "count": r.count,
+             "bytes": r.bytes, "wire_bytes": r.wire_bytes, "predicted_ms": r.predicted_ms}
+            for r in parallel.rows]
+
+
+def pipeline_json(pipe) -> dict:
+    return {"schedule": pipe.schedule, "microbatches": pipe.microbatches, "bubble_fraction": pipe.bubble_fraction,
+            "stages": [{"stage": s.stage, "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
+                        "one_microbatch_peak_bytes": s.profile.memory.peak_train.bytes,
+                        "activation_bytes": s.profile.accounting.totals.activation_bytes,
+                        "params": s.profile.accounting.totals.params, "param_bytes": s.profile.accounting.totals.param_bytes,
+                        "forward_flops": s.profile.accounting.totals.forward.total,
+                        "backward_flops": s.profile.accounting.totals.backward.total,
+                        "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes} for s in pipe.stages]}
+
+
+def render_pipeline(pipe) -> str:
+    rows = [[str(s.stage), f"{s.profile.accounting.totals.params:,}",
+             f"{s.profile.accounting.totals.forward.total + s.profile.accounting.totals.backward.total:,}",
+             format_bytes(s.profile.memory.peak_train.bytes), str(s.in_flight), format_bytes(s.peak_bytes),
+             format_bytes(s.send_bytes), format_bytes(s.recv_bytes)] for s in pipe.stages]
+    head = ["stage", "params", "FLOPs / micro-batch", "peak, 1 micro-batch", "in flight", "peak", "send / step", "recv / step"]
+    return "\n".join([f"pipeline: {len(pipe.stages)} stages, {pipe.microbatches} micro-batches, {pipe.schedule}; "
+                      f"bubble {pipe.bubble_fraction:.1%} (the report above is stage 0's, one micro-batch)",
+                      tabulate(rows, headers=head)])
+
+
+def add_to_document(doc: dict, parallel) -> dict:
+    """The --mesh keys added to a profile document (nothing changes for a single device)."""
+    if parallel is not None and parallel.pipeline is not None:
+        doc["pipeline"] = pipeline_json(parallel.pipeline)
+    if parallel is not None:
+        doc["config"]["world_size"] = parallel.mesh.world_size  # the ranks (GPUs) of the job
+        doc["config"]["mesh"] = str(parallel.mesh)
+        doc["mesh"] = mesh_json(parallel)
+        doc["collectives"] = collectives_json(parallel)
+        doc["totals"]["comm_wire_bytes"] = parallel.comm_wire_bytes
+        t, th = parallel.time, parallel.throughput
+        if t is not None:  # the critical path over compute and communication is the step time
+            doc["totals"]["predicted_step_ms"] = 1e3 * t.step_s
+            doc["mesh"]["time"] = {
+                "step_ms": 1e3 * t.step_s, "compute_ms": 1e3 * t.compute_s, "comm_ms": 1e3 * t.comm_s,
+                "exposed_comm_ms": 1e3 * t.exposed_comm_s, "gpus_per_node": t.gpus_per_node, "links": t.links,
+                "tokens_per_s_rank": th.tokens_per_s_rank, "tokens_per_s_job": th.tokens_per_s_job, "mfu": th.mfu}
+    return doc
+
+
+def render_collectives(parallel) -> str:
+    """op × mesh dim × phase: count, output-buffer bytes and wire bytes this rank sends."""
+    table: dict[tuple, list[int]] = {}
+    for r in parallel.rows:
+        acc = table.setdefault((r.op, r.mesh_dim, r.phase), [0, 0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+        acc[2] += r.wire_bytes
+    lines = [f"mesh {parallel.mesh} ({parallel.mesh.world_size} ranks); figures are rank {parallel.rank}'s "
+             "(parameters, gradients, optimizer state, activations and peaks above are per rank)"]
+    if parallel.pipeline is not None:
+        lines.append(render_pipeline(parallel.pipeline))
+    if not table:
+        return "\n".join(lines + ["collectives: none"])
+    timed = parallel.time is not None
+    ms = {}
+    for r in parallel.rows:
+        ms[(r.op, r.mesh_dim, r.phase)] = ms.get((r.op, r.mesh_dim, r.phase), 0.0) + (r.predicted_ms or 0.0)
+    rows = [[op, dim, phase, f"{n:,}", format_bytes(b), format_bytes(w)] + ([f"{ms[(op, dim, phase)]:.3f}"] if timed else [])
+            for (op, dim, phase), (n, b, w) in table.items()]
+    total = [sum(v[i] for v in table.values()) for i in range(3)]
+    rows.append(["total", "", "", f"{total[0]:,}", format_bytes(total[1]), format_bytes(total[2])]
+                + ([f"{sum(ms.values()):.3f}"] if timed else []))
+    lines += ["collectives of one step (wire: what this rank sends, ring algorithms):",
+              tabulate(rows, headers=["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"]
+                       + (["predicted ms"] if timed else []))]
+    return "\n".join(lines + _time_lines(parallel))
+
+
+def _time_lines(parallel) -> list[str]:
+    t, th = parallel.time, parallel.throughput
+    if t is None:
+        return ["communication time: give --gpu NAME (links by GPU, --gpus-per-node)"]
+    lines = [f"step time with communication (critical path of compute and communication streams): "
+             f"{1e3 * t.step_s:.3f} ms; compute {1e3 * t.compute_s:.3f} ms, communication {1e3 * t.comm_s:.3f} ms, "
+             f"of it exposed {1e3 * t.exposed_comm_s:.3f} ms ({t.gpus_per_node} GPUs per node: {t.links})"]
+    if th.tokens_per_s_rank is not None:
+        lines.append(f"tokens/s: {th.tokens_per_s_rank:,.0f} per rank, {th.tokens_per_s_job:,.0f} for the job; "
+                     f"MFU {th.mfu:.1%}")
+    elif th.mfu is not None:
+        lines.append(f"MFU {th.mfu:.1%}")
+    return lines
+
+
+def _predicted_by_op(parallel) -> dict[str, list[int]]:
+    by: dict[str, list[int]] = {}
+    for r in parallel.rows:
+        acc = by.setdefault(r.op, [0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+    return by
+
+
+def _predicted_for(parallel, rank: int) -> dict[str, list[int]]:
+    """Collectives by op: rank 0's account for every rank; under pp the rank's stage's send/recv."""
+    pipe = parallel.pipeline
+    if pipe is None:
+        return _predicted_by_op(parallel)
+    s = pipe.stages[rank]
+    boundaries = (rank > 0) + (rank < len(pipe.stages) - 1)
+    n = pipe.microbatches * boundaries
+    return {op: [n, b] for op, b in (("send", s.send_bytes), ("recv", s.recv_bytes)) if n}
+
+
+def _peak_for(parallel, rank: int, predicted_peak: int | None) -> int | None:
+    """Rank 0's peak for every rank; under pp the rank's stage's, with its in-flight micro-batches."""
+    return parallel.pipeline.stages[rank].peak_bytes if parallel.pipeline is not None else predicted_peak
+
+
+def ranks_json(parallel, ranks, predicted_peak: int | None) -> list[dict]:
+    """Per rank of the real run: measured beside predicted (rank 0's account stands for every rank)."""
+    return [{"rank": m.rank, "step_ms": m.step_ms, "op_level_peak_bytes": m.op_level_peak_bytes,
+             "predicted_peak_bytes": _peak_for(parallel, m.rank, predicted_peak),
+             "collectives": {op: {"count": c, "bytes": b, "predicted_count": _predicted_for(parallel, m.rank).get(op, [0, 0])[0],
+                                  "predicted_bytes": _predicted_for(parallel, m.rank).get(op, [0, 0])[1]}
+                             for op, (c, b) in sorted(m.collectives.items())}}
+            for m in ranks]
+
+
+def render_ranks(parallel, ranks, predicted_peak: int | None) -> str:
+    """The real gloo run, rank by rank: op-level peak and collectives, measured / predicted."""
+    ops = sorted({op for m in ranks for op in m.collectives} | {op for m in ranks for op in _predicted_for(parallel, m.rank)})
+    rows = []
+    for m in ranks:
+        predicted, pk = _predicted_for(parallel, m.rank), _peak_for(parallel, m.rank, predicted_peak)
+        cells = [str(m.rank), f"{m.step_ms:.1f}", format_bytes(m.op_level_peak_bytes),
+                 f"{m.op_level_peak_bytes / pk:.3f}" if pk else "n/a"]
+        for op in ops:
+            c, b = m.collectives.get(op, [0, 0])
+            pc, pb = predicted.get(op, [0, 0])
+            cells.append(f"{c}/{pc} {format_bytes(b)}" + ("" if (c, b) == (pc, pb) else " (differs)"))
+        rows.append(cells)
+    head = ["rank", "step ms", "op-level peak", "peak measured/predicted"] + [f"{op} count/predicted, bytes" for op in ops]
+    return "\n".join([f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: rank 0's account)",
+                      tabulate(rows, headers=head)])

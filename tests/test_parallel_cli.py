@@ -1,0 +1,87 @@
+"""--mesh on the command line: the JSON keys and the text table, and the one-line errors (exit 2
+for a layout the model cannot take, exit 3 when the user's parallelize raises)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fxacct_cli.main import cli
+from helpers import ROOT
+
+LLAMA = str(ROOT / "examples/llama.py") + ":Llama"
+PAR = str(ROOT / "examples/llama.py") + ":parallelize"
+
+
+def _invoke(*args):
+    try:
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+
+
+def test_json_has_mesh_collectives_and_wire_total():
+    r = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2,tp=2", "--parallelize", PAR, "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["mesh"] == {"dims": {"fsdp": 2, "tp": 2}, "world_size": 4, "rank": 0}
+    assert d["config"]["world_size"] == 4 and d["config"]["mesh"] == "fsdp=2,tp=2"
+    keys = {"op", "mesh_dim", "phase", "module", "count", "bytes", "wire_bytes", "predicted_ms"}
+    assert d["collectives"] and all(set(c) == keys for c in d["collectives"])
+    assert {c["mesh_dim"] for c in d["collectives"]} == {"fsdp", "tp"}
+    assert d["totals"]["comm_wire_bytes"] == sum(c["wire_bytes"] for c in d["collectives"])
+    assert d["unsupported_ops"] == {"aten.__or__.Tensor": 1}  # the row-wise embedding's mask, shown
+    assert {n["kind"] for n in d["nodes"]} <= {"input", "view", "copy", "compute", "inplace", "creation", "collective"}
+
+
+def test_text_table_sums_to_its_total():
+    r = _invoke(LLAMA, "--batch", "2", "--mesh", "tp=2", "--parallelize", PAR)
+    assert r.exit_code == 0, r.stderr
+    text = r.stdout[r.stdout.index("collectives of one step"):]
+    lines = text.splitlines()[3:]
+    rows = [line.split() for line in lines[:next(i for i, x in enumerate(lines) if x.startswith("total")) + 1]]
+    counts = [int(row[3]) for row in rows if row[0] != "total"]
+    total = next(row for row in rows if row[0] == "total")
+    assert sum(counts) == int(total[1]) == 17  # 16 all-reduces + 1 all-gather (test_parallel_collectives)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--mesh", "tp=3", "--parallelize", PAR], "tp=3 does not divide the model's n_heads=4"),
+    (["--mesh", "fsdp=2,tp=2", "--world-size", "8"], "has 4 ranks but --world-size is 8"),
+    (["--mesh", "tp=2,fsdp=2"], "outer to inner"),
+    (["--mesh", "xp=2"], "is not NAME=SIZE"),
+    (["--mesh", "tp=2"], "carries no tensor-parallel plan"),
+    (["--parallelize", PAR], "--parallelize needs --mesh"),
+    (["--mesh", "fsdp=2", "--world-size", "2", "--shard", "zero3"], "--mesh and --shard zero3"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    r = _invoke(LLAMA, *args)
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_plan_naming_a_missing_module(tmp_path):
+    f = tmp_path / "planned.py"
+    f.write_text("import torch\n"
+                 "class M(torch.nn.Module):\n"
+                 "    _tp_plan = {'proj': 'colwise', 'missing.*': 'rowwise'}\n"
+                 "    def __init__(self):\n"
+                 "        super().__init__(); self.proj = torch.nn.Linear(8, 8)\n"
+                 "    def forward(self, x):\n"
+                 "        return self.proj(x)\n"
+                 "    @staticmethod\n"
+                 "    def example_inputs(batch):\n"
+                 "        return (torch.randn(batch, 8),)\n")
+    r = _invoke(f"{f}:M", "--mesh", "tp=2")
+    assert r.exit_code == 2 and "names 'missing.*', which is not a module of M" in r.stderr, r.stderr
+
+
+def test_user_parallelize_raising_is_a_model_error(tmp_path):
+    f = tmp_path / "par.py"
+    f.write_text("def parallelize(model, mesh):\n    raise ValueError('my plan is broken')\n")
+    r = _invoke(LLAMA, "--mesh", "fsdp=2", "--parallelize", f"{f}:parallelize")
+    assert r.exit_code == 3 and "my plan is broken" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
