@@ -8,23 +8,23 @@ import click
 
 from fxacct.parallel.planner import plan
 from fxacct.report.plan_text import plan_json, render_plan
-from fxacct_cli.main import cli, write_output
-from fxacct_cli.options import OUTPUT, format_option, mesh_options, model_options, to_config, with_mesh
+from fxacct_cli.main import cli, examples, write_output
+from fxacct_cli.options import (DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group, mesh_options, model_options,
+                                to_config, with_mesh)
 
 
-@cli.command("plan")
+@cli.command("plan", epilog=examples(
+    "fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize",
+    "fxacct plan examples/gpt2.py:GPT --gpus 4 --gpu h100 --global-batch 32 --format json -o plan.json"))
 @model_options
 @mesh_options
-@format_option("table", "json")
-@click.option("--gpus", type=int, required=True, help="GPUs in the job.")
-@click.option("--global-batch", type=int, required=True, help="Examples per step over the whole job.")
-@OUTPUT
+@group("Plan", click.option("--gpus", type=int, required=True, help="GPUs in the job (required)."),
+       click.option("--global-batch", type=int, required=True,
+                    help="Examples per step over the whole job (required)."))
+@group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
 def plan_command(fmt, gpus, global_batch, output, **options):
-    """Rank the fsdp × tp layouts of --gpus GPUs for PATH.py:NAME by predicted throughput.
-
-    \b
-    Example:
-      fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize
+    """Rank the fsdp × tp layouts of --gpus GPUs for MODEL by predicted throughput, among those that
+    fit, and say why the others were rejected.
 
     \b
     Exit codes: 0 success; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
