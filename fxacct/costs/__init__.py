@@ -2,4 +2,4 @@
 shapes. Importing this package fills the registry from every family module."""
 
 from fxacct.costs.registry import CostContext, Flops, OpInfo, lookup  # noqa: F401
-from fxacct.costs import matmul, attention, pointwise, movement, rnn  # noqa: F401  (they register)
+from fxacct.costs import matmul, attention, pointwise, norms, losses, movement, rnn  # noqa: F401  (they register)

@@ -11,6 +11,7 @@ halves every causal kernel's count.
 import torch
 
 from fxacct.costs.registry import CostContext, Flops, argument, register
+from fxacct.trace.torch_private import schema_arguments
 from fxacct.units import FLOPS_PER_FMA
 
 aten = torch.ops.aten
@@ -56,23 +57,20 @@ def _causal_scale(flops: int, is_causal: bool, ctx: CostContext) -> int:
 
 
 def _is_causal(ctx: CostContext, args, kwargs) -> bool:
-    """`is_causal` by name; the xformers-style kernels say it as custom_mask_type (1, 2 = causal)."""
-    # args here exclude q, k, v (and grad_out for backward); put placeholders back for the schema
+    """`is_causal` by name; the xformers-style kernels say it as custom_mask_type (1 = causal from
+    the top left, 2 = from the bottom right; 0 = none). args: every positional argument."""
     if ctx.op is None:
         return False
-    names = [a.name for a in ctx.op._schema.arguments]
-    lead = names.index("query") + 3 if "query" in names else 3
-    full = (None,) * lead + tuple(args)
-    if "is_causal" in names:
-        return bool(argument(ctx.op, full, kwargs, "is_causal", False))
-    return argument(ctx.op, full, kwargs, "custom_mask_type", 0) in (1, 2)
+    if "is_causal" in dict(schema_arguments(ctx.op)):
+        return bool(argument(ctx.op, args, kwargs, "is_causal", False))
+    return argument(ctx.op, args, kwargs, "custom_mask_type", 0) in (1, 2)
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
           aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
           aten._scaled_dot_product_fused_attention_overrideable)
 def sdpa_forward(q, k, v, *args, out_shape, ctx, **kwargs) -> Flops:
-    causal = _is_causal(ctx, args, kwargs)
+    causal = _is_causal(ctx, (q, k, v) + args, kwargs)
     flops = attention_forward_flops(*_dims_bhtd(q, k, v))
     return Flops(attention=_causal_scale(flops, causal, ctx))
 
@@ -83,19 +81,19 @@ def sdpa_forward(q, k, v, *args, out_shape, ctx, **kwargs) -> Flops:
           aten._scaled_dot_product_cudnn_attention_backward,
           aten._scaled_dot_product_fused_attention_overrideable_backward, wants_grad_mask=True)
 def sdpa_backward(grad_out, q, k, v, *args, out_shape, ctx, **kwargs) -> Flops:
-    causal = _is_causal(ctx, args, kwargs)
+    causal = _is_causal(ctx, (grad_out, q, k, v) + args, kwargs)
     flops = attention_backward_flops(*_dims_bhtd(q, k, v), ctx.grad_mask)
     return Flops(attention=_causal_scale(flops, causal, ctx))
 
 
 @register(aten._flash_attention_forward, aten._efficient_attention_forward)
 def flash_forward(q, k, v, *args, out_shape, ctx, **kwargs) -> Flops:
-    causal = _is_causal(ctx, args, kwargs)
+    causal = _is_causal(ctx, (q, k, v) + args, kwargs)
     return Flops(attention=_causal_scale(attention_forward_flops(*_dims_bthd(q, k, v)), causal, ctx))
 
 
 @register(aten._flash_attention_backward, aten._efficient_attention_backward, wants_grad_mask=True)
 def flash_backward(grad_out, q, k, v, *args, out_shape, ctx, **kwargs) -> Flops:
-    causal = _is_causal(ctx, args, kwargs)
+    causal = _is_causal(ctx, (grad_out, q, k, v) + args, kwargs)
     flops = attention_backward_flops(*_dims_bthd(q, k, v), ctx.grad_mask)
     return Flops(attention=_causal_scale(flops, causal, ctx))

@@ -1,4 +1,5 @@
-"""Elementwise ops, reductions, normalizations, softmax, losses, pooling: the `other` class.
+"""Elementwise ops, reductions, scatters, pooling, scans and multi-tensor ops: the `other` class
+(softmax and norms are in norms.py, losses and dropout in losses.py).
 
 Conventions (guesses, stated once; none of them affects `matmul` or `attention`):
 - an op torch tags `pointwise` costs 1 FLOP per output element (transcendentals such as exp or
@@ -38,91 +39,58 @@ def per_input_element(k: int):
 register(torch.Tag.pointwise)(per_output_element(1))
 register(torch.Tag.reduction)(per_input_element(1))
 
-# softmax(x) = exp(x - max) / sum(exp(x - max)): max, sub, exp, sum, div = 5 passes
-register(aten._softmax, aten._log_softmax, aten._safe_softmax)(per_input_element(5))
-# softmax backward: dx = y * (dy - sum(dy * y)): mul, sum, sub, mul = 4 passes
-# log_softmax backward: dx = dy - exp(y) * sum(dy): sum, exp, mul, sub = 4 passes
-register(aten._softmax_backward_data, aten._log_softmax_backward_data)(per_output_element(4))
-
-
-@register(aten.native_layer_norm)
-def layer_norm(x_shape, normalized_shape, weight, bias, *args, out_shape, ctx, **kwargs) -> Flops:
-    # mean (1), x - mean (1), square and sum for var (2), * rstd (1) = 5 passes; affine mul/add +1 each
-    n = numel(x_shape)
-    return Flops(other=5 * n + (n if weight is not None else 0) + (n if bias is not None else 0))
-
-
-@register(aten.native_layer_norm_backward)
-def layer_norm_backward(grad_shape, x_shape, normalized_shape, mean, rstd, weight, bias,
-                        output_mask, *args, out_shape, ctx, **kwargs) -> Flops:
-    # dx = rstd · (g - mean(g) - x̂ · mean(g · x̂)) with g = dy·w: about 8 passes over x;
-    # dw = sum(dy · x̂) (2 passes), db = sum(dy) (1 pass)
-    n = numel(x_shape)
-    return Flops(other=(8 * n if output_mask[0] else 0) + (2 * n if output_mask[1] else 0)
-                 + (n if output_mask[2] else 0))
-
-
-@register(aten._fused_rms_norm)
-def rms_norm(x_shape, normalized_shape, weight, *args, out_shape, ctx, **kwargs) -> Flops:
-    # square, mean, * rstd = 3 passes; weight mul +1
-    n = numel(x_shape)
-    return Flops(other=3 * n + (n if weight is not None else 0))
-
-
-@register(aten._fused_rms_norm_backward)
-def rms_norm_backward(grad_shape, x_shape, normalized_shape, rstd, weight, output_mask, *args,
-                      out_shape, ctx, **kwargs) -> Flops:
-    n = numel(x_shape)
-    return Flops(other=(6 * n if output_mask[0] else 0) + (2 * n if output_mask[1] else 0))
-
-
-# batch norm (training): mean, var (3), normalize (2), affine (2) ≈ 7 passes; eval: normalize+affine
-register(aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
-         aten._native_batch_norm_legit_no_training, aten.native_group_norm)(per_input_element(7))
-register(aten.native_batch_norm_backward, aten.native_group_norm_backward)(per_input_element(8))
-
-
-@register(aten.cudnn_batch_norm, aten.miopen_batch_norm)
-def gpu_batch_norm(x_shape, *args, out_shape, ctx, **kwargs) -> Flops:
-    return Flops(other=7 * numel(x_shape))
-
-
-# dropout: a random draw and compare (1) and the scaled mask multiply (1)
-register(aten.native_dropout)(per_input_element(2))
-
-# embedding backward scatters one add per gradient element into the table
-register(aten.embedding_dense_backward)(per_input_element(1))
-register(aten.index_add, aten.scatter_add, aten.index_put, aten.index_put_, aten.scatter_reduce,
-         aten._index_put_impl_)(lambda *a, out_shape, ctx, **k: Flops(other=numel(_src_shape(a))))
+register(aten.index_add, aten.scatter_add, aten.scatter_reduce)(
+    lambda *a, out_shape, ctx, **k: Flops(other=numel(_src_shape(a))))
 
 
 def _src_shape(args):
-    # the updates tensor: last tensor-shaped argument (values / src)
+    # the updates tensor: last tensor-shaped argument (source / src)
     shapes = [a for a in args if isinstance(a, tuple)]
     return shapes[-1] if shapes else ()
 
 
-# losses: nll picks one value per target (1 add each); mse: sub, square, sum = 3 per element
-register(aten.nll_loss_forward, aten.nll_loss2d_forward)(lambda x, t, *a, out_shape, ctx, **k: Flops(other=numel(t)))
-register(aten.nll_loss_backward, aten.nll_loss2d_backward)(lambda g, x, t, *a, out_shape, ctx, **k: Flops(other=numel(t)))
-register(aten.mse_loss)(per_input_element(3))
-register(aten.mse_loss_backward)(per_output_element(3))
-register(aten.binary_cross_entropy_with_logits)(per_input_element(6))
+@register(aten.index_put, aten.index_put_, aten._index_put_impl_)
+def index_put(x_shape, indices, values_shape, accumulate=False, *args, out_shape, ctx,
+              **kwargs) -> Flops:
+    # accumulate=True adds each value into its slot (1 per value); otherwise a scatter copy
+    return Flops(other=numel(values_shape) if accumulate else 0)
 
 
-@register(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices, aten.avg_pool2d, aten.avg_pool3d)
-def pool(x_shape, kernel_size, *args, out_shape, ctx, **kwargs) -> Flops:
-    # one compare (max) or add (avg) per kernel element per output element
-    return Flops(other=numel(_first(out_shape)) * numel(kernel_size))
+def _window(kernel_size, dims: int) -> int:
+    # kernel_size is int[dims]; a single value stands for every spatial dimension
+    k = [int(v) for v in kernel_size]
+    return k[0] ** dims if len(k) == 1 else numel(k)
 
 
-# pooling backward: one scatter/add per grad element (max) or per kernel element (avg)
+def pool(dims: int):
+    """Pooling convention: one compare (max) or add (avg) per window element per output element
+    (out · window; an average's single divide per output is folded in, as a reduction's is). The
+    max-pool decomposition's only floating-point work is exactly that amax over the windows."""
+
+    def formula(x_shape, kernel_size, *args, out_shape, ctx, **kwargs) -> Flops:
+        return Flops(other=numel(_first(out_shape)) * _window(kernel_size, dims))
+
+    return formula
+
+
+register(aten.max_pool2d_with_indices, aten.avg_pool2d)(pool(2))
+register(aten.max_pool3d_with_indices, aten.avg_pool3d)(pool(3))
+
+# max-pool backward: each gradient element is added once into its argmax position (grad numel)
 register(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward)(per_input_element(1))
 
 
-@register(aten.avg_pool2d_backward, aten.avg_pool3d_backward)
-def avg_pool_backward(grad_shape, x_shape, kernel_size, *args, out_shape, ctx, **kwargs) -> Flops:
-    return Flops(other=numel(grad_shape) * numel(kernel_size))
+def avg_pool_backward(dims: int):
+    """Average-pool backward: every gradient element is spread over its window (grad · window)."""
+
+    def formula(grad_shape, x_shape, kernel_size, *args, out_shape, ctx, **kwargs) -> Flops:
+        return Flops(other=numel(grad_shape) * _window(kernel_size, dims))
+
+    return formula
+
+
+register(aten.avg_pool2d_backward)(avg_pool_backward(2))
+register(aten.avg_pool3d_backward)(avg_pool_backward(3))
 
 
 # adaptive average pooling: every input element is added once (+ a divide per output, ignored)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from fxacct.trace.torch_private import schema_arguments
+
 MATMUL, ATTENTION, OTHER = "matmul", "attention", "other"
 FLOP_CLASSES = (MATMUL, ATTENTION, OTHER)
 
@@ -111,9 +113,9 @@ def argument(op, args, kwargs, name: str, default=None):
     """An op argument by its schema name, whether it was passed by position or keyword."""
     if name in kwargs:
         return kwargs[name]
-    for i, a in enumerate(op._schema.arguments):
-        if a.name == name:
-            return args[i] if i < len(args) and not a.kwarg_only else default
+    for i, (arg_name, kwarg_only) in enumerate(schema_arguments(op)):
+        if arg_name == name:
+            return args[i] if i < len(args) and not kwarg_only else default
     return default
 
 

@@ -2,12 +2,12 @@
 
 `mkldnn_rnn_layer` (CPU LSTM, one layer and direction): with G gates (LSTM 4, GRU 3, plain RNN 1),
 hidden size H, input size I, T steps and batch B, each step computes x_t W_ihᵀ (B×I @ I×GH) and
-h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per step: two bias adds (2·GH),
-the gate activations (GH) and, with more than one gate, the cell update c = f·c + i·g and
-h = o·tanh(c) (5·H). The backward, like any matmul backward, takes one product per required
-gradient: dX (2·T·B·GH·I, if the input needs it), dW_ih (same size), the recurrent dh through W_hh
-(2·(T-1)·B·GH·H to go back in time, 2·T·B·GH·H when hx needs a gradient too) and dW_hh
-(2·T·B·GH·H).
+h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per step: what torch's own
+cell does besides the products (rnn_elementwise, rnn_backward_elementwise). The backward, like
+any matmul backward, takes one product per required gradient: dX (2·T·B·GH·I, if the input
+needs it), dW_ih (same size), the recurrent dh through W_hh (2·(T-1)·B·GH·H to go back in time,
+2·T·B·GH·H when hx needs a gradient too) and dW_hh (2·T·B·GH·H). Its elementwise work does not
+depend on the mask: the fused kernel computes every gradient.
 """
 
 import torch
@@ -26,8 +26,33 @@ def _steps_batch(x_shape, batch_first: bool):
 
 
 def rnn_elementwise(t, b, gh, h, has_biases) -> int:
-    cell = 5 * h if gh > h else 0
-    return t * b * ((2 * gh if has_biases else 0) + gh + cell)
+    """Per step and batch row, what torch's own cells (lstm_cell, gru_cell, rnn_tanh_cell, lowered
+    to core ATen) do besides the products: the two bias adds (2·GH, with biases), then
+    LSTM (G = 4): x·W_ih + h·W_hh (GH), σ, σ, tanh, σ (GH), c = f·c + i·g (3H), h = o·tanh(c) (2H);
+    GRU (G = 3): r, z pre-activation adds (2H), r·h_n and i_n + that (2H), σ, σ, tanh (3H),
+      h' = n + z·(h - n) (3H);
+    RNN (G = 1): the pre-activation add and tanh/relu (2H)."""
+    if gh == 4 * h:
+        cell = 2 * gh + 5 * h
+    elif gh == 3 * h:
+        cell = 10 * h
+    else:
+        cell = 2 * gh
+    return t * b * ((2 * gh if has_biases else 0) + cell)
+
+
+def rnn_backward_elementwise(t, b, gh, h, has_biases) -> int:
+    """Per step and batch row: autograd through torch's own cell, lowered to core ATen, with every
+    gradient computed (as the fused kernel does): LSTM 21H, GRU 16H, RNN 3H besides the products;
+    the bias gradients, sums over the batch (2·GH, with biases); and the add that joins the
+    output's gradient with the recurrent one from the next step (H)."""
+    if gh == 4 * h:
+        cell = 21 * h
+    elif gh == 3 * h:
+        cell = 16 * h
+    else:
+        cell = 3 * h
+    return t * b * ((2 * gh if has_biases else 0) + cell + h)
 
 
 @register(aten.mkldnn_rnn_layer)
@@ -49,15 +74,15 @@ def mkldnn_rnn_layer_backward(x_shape, w_ih, w_hh, b_ih, b_hh, hx, cx_tmp, outpu
     t, b = _steps_batch(x_shape, batch_first)
     gh, i = w_ih
     h = w_hh[1]
-    # grad_mask follows the forward op's tensor inputs: (input, w_ih, w_hh, b_ih, b_hh, hx, cx)
-    mask = ctx.grad_mask or (True,) * 7
+    # grad_mask follows the forward op's tensor inputs: (input, w_ih, w_hh, b_ih, b_hh, hx, cx);
+    # None: all of them
+    mask = ctx.grad_mask
     per_ih = FLOPS_PER_FMA * t * b * gh * i
     per_hh = FLOPS_PER_FMA * t * b * gh * h
     # recurrent dh_{t-1} = dgates_t · W_hh for t = 1..T-1; at t = 0 it is the gradient of hx,
     # computed only when hx needs one
-    matmul = FLOPS_PER_FMA * (t if mask[5] else t - 1) * b * gh * h
-    matmul += per_ih if mask[0] else 0  # dX = dgates · W_ih
-    matmul += per_ih if mask[1] else 0  # dW_ih = dgatesᵀ · X
-    matmul += per_hh if mask[2] else 0  # dW_hh = dgatesᵀ · H
-    # elementwise: the cell's derivative (same passes as forward) and the bias grads (sums)
-    return Flops(matmul=matmul, other=rnn_elementwise(t, b, gh, h, has_biases))
+    matmul = FLOPS_PER_FMA * (t if mask is None or mask[5] else t - 1) * b * gh * h
+    matmul += per_ih if mask is None or mask[0] else 0  # dX = dgates · W_ih
+    matmul += per_ih if mask is None or mask[1] else 0  # dW_ih = dgatesᵀ · X
+    matmul += per_hh if mask is None or mask[2] else 0  # dW_hh = dgatesᵀ · H
+    return Flops(matmul=matmul, other=rnn_backward_elementwise(t, b, gh, h, has_biases))

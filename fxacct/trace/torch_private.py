@@ -102,3 +102,9 @@ def kineto_events(prof):
     None where this torch keeps them elsewhere."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     return results.events() if results is not None else None
+
+
+def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
+    """(name, kwarg_only) of each argument in an OpOverload's schema, in order (fxacct.costs reads
+    arguments by name: positions differ between overloads and kernels)."""
+    return tuple((a.name, a.kwarg_only) for a in op._schema.arguments)
