@@ -37,6 +37,9 @@ class Config:
     loss: str = "sum"  # fxacct.trace.loss.LOSSES: sum, cross-entropy, mse, model
     hf_class: str | None = None  # hf:PATH: the transformers class (default from the config)
     seq_len: int | None = None  # the default inputs' sequence length (Hugging Face models)
+    checkpoint: tuple[str, ...] = ()  # globs over module FQNs wrapped in activation checkpointing
+    checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
+    costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device
@@ -71,6 +74,8 @@ class Config:
         LossSpec(self.loss, self.loss_output)
         if self.seq_len is not None and self.seq_len <= 0:
             raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
+        if self.checkpoint_policy is not None and not self.checkpoint:
+            raise UsageError("--checkpoint-policy needs --checkpoint PATTERN (the modules it applies to)")
 
     def optimizer_spec(self):
         from fxacct.trace.optim_step import OptimizerSpec

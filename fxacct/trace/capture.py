@@ -67,6 +67,8 @@ class CaptureOptions:
     dedup: bool = True
     loss: str = "sum"  # fxacct.trace.loss.LOSSES
     causal_lm: bool = False  # cross-entropy targets are the next tokens (fxacct.load.hf.is_causal_lm)
+    checkpoint: tuple[str, ...] = ()  # fxacct.trace.checkpointing: module globs to checkpoint
+    checkpoint_policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ def _replay_for(session: _Session):
 def _run(session: _Session) -> None:
     """The traced program: forward, then (training) loss, backward and one optimizer step."""
     from fxacct.predict.targets import CudaRules
+    from fxacct.trace.checkpointing import checkpointed
 
     o, rec, model = session.options, session.recorder, session.model
     names = {id(m): n for n, m in model.named_modules()}
@@ -193,7 +196,8 @@ def _run(session: _Session) -> None:
     with _QuietFakeTensorLog(), session.mode, rec, module_tracking(rec, names), \
             swapped(model, session.fake, training=not o.inference), \
             torch.autograd.graph.saved_tensors_hooks(session.saved.pack, session.saved.unpack), \
-            AttentionScope(rec), (CudaRules() if o.cuda else contextlib.nullcontext()), replay:
+            AttentionScope(rec), (CudaRules() if o.cuda else contextlib.nullcontext()), replay, \
+            checkpointed(model, o.checkpoint, o.checkpoint_policy):
         with torch.no_grad() if o.inference else contextlib.nullcontext(), _autocast(o):
             box = [model(*session.fake_args, **session.fake_kwargs)]  # _train_step drops it
         if o.inference:

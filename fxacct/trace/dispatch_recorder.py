@@ -57,6 +57,10 @@ _KERNEL_DTYPES = {
         _aten._native_batch_norm_legit_functional.default,
     )
 }
+# Inside F.multi_head_attention_forward the projections are linear (mm/addmm) and the only batched
+# products are QKᵀ and PV: its own math path (need_weights=True: baddbmm/bmm) or SDPA's math path
+# (bmm, via matmul), whichever it takes.
+_MHA_PRODUCTS = frozenset({_aten.bmm, _aten.baddbmm})
 _KERNEL_DTYPES.update({op: _unreduced_loss for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default)})
 
 
@@ -75,6 +79,7 @@ class Recorder(tp.TorchDispatchMode):
         self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
         self.recording = True
         self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
+        self.in_mha = 0  # depth of F.multi_head_attention_forward calls (its bmm products are attention)
 
     @contextlib.contextmanager
     def suppressed(self):
@@ -153,6 +158,8 @@ class Recorder(tp.TorchDispatchMode):
             module = None
         else:
             scope = self.scope
+            if scope is None and self.in_mha and func.overloadpacket in _MHA_PRODUCTS:
+                scope = "attention"
             link = TookSequenceNumbers(self.last_seq, hi) if hi != self.last_seq else NO_NUMBERS
             module = self.module_stack[-1]
         self.last_seq = hi
@@ -207,7 +214,12 @@ class SavedTracker:
 class AttentionScope(TorchFunctionMode):
     """Marks the ops PyTorch runs inside F.scaled_dot_product_attention. Where it takes its math
     path (on the CPU with dropout or some masks) those are plain bmm and softmax ops; marked,
-    their matmul FLOPs count as attention like every fused kernel's (DESIGN.md's classes)."""
+    their matmul FLOPs count as attention like every fused kernel's (DESIGN.md's classes).
+
+    F.multi_head_attention_forward (nn.MultiheadAttention, nn.Transformer*Layer) is watched too:
+    a mode is off while it handles a call, so the SDPA call nested in it is never seen here, and
+    with need_weights=True it computes QKᵀ and PV itself. Its bmm/baddbmm products are marked
+    in the recorder (``in_mha``) instead, whichever path it takes."""
 
     def __init__(self, recorder: Recorder):
         super().__init__()
@@ -215,6 +227,12 @@ class AttentionScope(TorchFunctionMode):
 
     @passes_through
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.multi_head_attention_forward:
+            self.recorder.in_mha += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.recorder.in_mha -= 1
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         outer, self.recorder.scope = self.recorder.scope, "attention"

@@ -108,3 +108,9 @@ def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
     """(name, kwarg_only) of each argument in an OpOverload's schema, in order (fxacct.costs reads
     arguments by name: positions differ between overloads and kernels)."""
     return tuple((a.name, a.kwarg_only) for a in op._schema.arguments)
+
+
+# The classes of torch.ops.NAMESPACE.OP (a packet) and torch.ops.NAMESPACE.OP.OVERLOAD: what
+# fxacct.costs.register accepts as a key.
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
