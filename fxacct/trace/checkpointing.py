@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 import importlib.util
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -102,3 +103,23 @@ def checkpointed(model: torch.nn.Module, patterns, policy_spec: str | None = Non
                 del modules[name].forward
             else:
                 modules[name].forward = own[name]
+
+
+@dataclass(frozen=True)
+class CheckpointSide:
+    """One account of the what-if: activation bytes autograd saves outside checkpointed regions,
+    the training peak (per rank), FLOPs re-run in the backward, and under --gpu the largest batch."""
+
+    activation_bytes: int
+    peak_train_bytes: int | None
+    recompute_flops: int
+    max_batch: int | None
+
+
+@dataclass(frozen=True)
+class CheckpointWhatIf:
+    patterns: tuple[str, ...]
+    modules: tuple[str, ...]  # the modules wrapped (outermost matches)
+    policy: str | None
+    checkpointed: CheckpointSide
+    eager: CheckpointSide  # the same model without the wrapping (a second capture)

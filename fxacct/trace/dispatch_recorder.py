@@ -152,7 +152,12 @@ class Recorder(tp.TorchDispatchMode):
         if self.phase == BACKWARD:
             # an op that records a grad_fn during the backward is a forward op run again:
             # activation checkpointing recomputing what it did not save (model FLOPs leave it out)
-            scope = RECOMPUTE if hi != self.last_seq else None
+            # checkpointing's recompute packs what it saves with detach ops under no_grad, after
+            # the op that took the number and before it runs: they neither take nor consume it
+            grad_on = torch.is_grad_enabled()
+            scope = RECOMPUTE if grad_on and hi != self.last_seq else None
+            if not grad_on:
+                hi = self.last_seq
             seq = tp.current_autograd_number()
             link = UnderAutogradNode(seq) if seq is not None else None
             module = None
