@@ -1,0 +1,106 @@
+"""--checkpoint PATTERN: the modules that match run under non-reentrant activation checkpointing
+during capture. Oracles: the same GPT wrapped by hand with torch.utils.checkpoint, run eagerly
+(saved_tensors_hooks for activation bytes, the storage tracker for the peak), and FlopCounterMode on
+meta for what the backward re-runs."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxacct
+from fxacct.errors import UsageError
+from fxacct.runtime.storage_tracker import measure_training_step
+from helpers import SMALL_EXAMPLES, config, eager_saved_bytes, floating_loss, load, real_model
+
+GPT = SMALL_EXAMPLES["GPT"]  # n_layer=2, n_head=4, n_embd=64, vocab 100, block_size 32
+B = 2
+
+
+def wrap_blocks_by_hand(model):
+    for block in model.h:
+        block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+    return model
+
+
+def recomputed(p: fxacct.Profile) -> int:
+    """matmul + attention FLOPs of the backward ops fxacct marked as re-run forward ops."""
+    total = 0
+    for node in p.capture.graph.nodes:
+        cost = node.meta.get("fxacct")
+        if cost is not None and cost.recompute:
+            total += cost.flops.matmul + cost.flops.attention
+    return total
+
+
+def backward_flops_on_meta(model, args) -> int:
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        loss = floating_loss(model(*args))
+        with FlopCounterMode(display=False) as fc:
+            loss.backward()
+    return fc.get_total_flops()
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    return fxacct.profile(config("GPT", batch=B, checkpoint=("h.*",)))
+
+
+def test_activation_bytes_equal_eager_with_checkpointed_blocks(profiled):
+    model, args, kw = real_model(GPT[0], GPT[1], B)
+    total, _ = eager_saved_bytes(wrap_blocks_by_hand(model), args, kw)
+    w = profiled.checkpoint
+    assert w.modules == ("h.0", "h.1")  # outermost matches only: not h.0.attn, h.0.mlp.c_fc, ...
+    assert w.checkpointed.activation_bytes == profiled.accounting.totals.activation_bytes == total
+    plain, _ = eager_saved_bytes(real_model(GPT[0], GPT[1], B)[0], args, kw)
+    assert w.eager.activation_bytes == plain > total
+
+
+def test_training_peak_matches_the_storage_tracker(profiled):
+    model, args, kw = real_model(GPT[0], GPT[1], B)
+    step = measure_training_step(wrap_blocks_by_hand(model), args, torch.optim.AdamW, kwargs=kw)
+    assert step.adopted_bytes == 0
+    assert abs(profiled.checkpoint.checkpointed.peak_train_bytes / step.peak_bytes - 1) <= 0.01
+
+
+def test_recompute_flops_equal_the_blocks_forward_as_rerun(profiled):
+    model, args, _ = load(config("GPT", batch=B))
+    plain = backward_flops_on_meta(model, args)
+    model, args, _ = load(config("GPT", batch=B))
+    rerun = backward_flops_on_meta(wrap_blocks_by_hand(model), args) - plain
+    # Closed form (B=2, T=32, C=64, 2 blocks): a block's forward is c_attn 2·64·64·192 = 1,572,864,
+    # attention 2·2·2·4·32·32·16 = 524,288, attn c_proj 524,288, c_fc 2,097,152, mlp c_proj 2,097,152
+    # = 6,815,744. Non-reentrant checkpointing stops re-running once the last tensor the backward
+    # needs exists (torch.utils.checkpoint's early stop): the mlp's c_proj output is saved by no one,
+    # so it is not re-run: 2 · (6,815,744 - 2,097,152) = 9,437,184.
+    assert rerun == 9_437_184
+    assert recomputed(profiled) == rerun
+    assert profiled.checkpoint.eager.recompute_flops == 0
+    assert profiled.checkpoint.checkpointed.recompute_flops >= rerun  # plus their elementwise ops
+    # model FLOPs leave the re-run ops out: the backward is the plain model's
+    base = fxacct.profile(config("GPT", batch=B)).accounting.totals
+    assert profiled.accounting.totals.backward == base.backward
+
+
+def test_save_matmuls_recomputes_no_product():
+    p = fxacct.profile(config("GPT", batch=B, checkpoint=("h.*",), checkpoint_policy="save-matmuls"))
+    products = sum(n.meta["fxacct"].flops.matmul for n in p.capture.graph.nodes
+                   if n.meta.get("fxacct") is not None and n.meta["fxacct"].recompute)
+    assert products == 0
+    assert 0 < p.checkpoint.checkpointed.recompute_flops < 9_437_184
+
+
+def test_a_pattern_matching_nothing_is_a_usage_error():
+    with pytest.raises(UsageError, match="matches no module"):
+        fxacct.profile(config("GPT", batch=B, checkpoint=("blocks.*",)))
+    with pytest.raises(UsageError, match="--checkpoint-policy needs --checkpoint"):
+        config("GPT", batch=B, checkpoint_policy="save-matmuls")
+    with pytest.raises(UsageError, match="--checkpoint-policy"):
+        fxacct.profile(config("GPT", batch=B, checkpoint=("h.*",), checkpoint_policy="keep-all"))
+
+
+def test_the_model_is_left_as_it_was(profiled):
+    model, args, _ = load(config("GPT", batch=B))
+    fxacct.profile_module(model, args, {}, fxacct.Config(batch=B, checkpoint=("h.*",)))
+    assert all("forward" not in block.__dict__ for block in model.h)
