@@ -104,3 +104,35 @@ def test_the_model_is_left_as_it_was(profiled):
     model, args, _ = load(config("GPT", batch=B))
     fxacct.profile_module(model, args, {}, fxacct.Config(batch=B, checkpoint=("h.*",)))
     assert all("forward" not in block.__dict__ for block in model.h)
+
+
+def test_cli_reports_both_accounts(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from fxacct_cli.main import cli as main
+    from helpers import target
+
+    rel, kwargs = GPT
+    args = ["profile", target(rel), "--batch", str(B), "--checkpoint", "h.*"]
+    args += [f"-k{k}={v}" for k, v in kwargs.items()]
+    text = CliRunner().invoke(main, args)
+    assert text.exit_code == 0, text.output
+    assert "activation checkpointing what-if (h.*: 2 modules wrapped)" in text.output
+    out = CliRunner().invoke(main, [*args, "--format", "json"])
+    doc = json.loads(out.output)["checkpoint"]
+    assert doc["modules"] == ["h.0", "h.1"]
+    assert doc["with"]["activation_bytes"] < doc["without"]["activation_bytes"]
+    assert doc["without"]["recompute_flops"] == 0 < doc["with"]["recompute_flops"]
+    bad = CliRunner().invoke(main, [*args[:-2], "--checkpoint", "nothing.*"])
+    assert bad.exit_code == 2 and "matches no module" in bad.output
+
+
+def test_gpu_largest_batch_each_way():
+    # --gpu runs the recompute under the CUDA kernel rules too (the backward engine drops
+    # TorchFunctionModes; fxacct.trace.checkpointing re-enters them)
+    p = fxacct.profile(config("GPT", batch=B, checkpoint=("h.*",), gpu="h100"))
+    w = p.checkpoint
+    assert w.eager.max_batch is not None and w.checkpointed.max_batch > w.eager.max_batch
+    assert p.memory.fit.max_batch == w.checkpointed.max_batch

@@ -22,6 +22,7 @@ import torch
 from torch.utils import checkpoint as ckpt
 
 from fxacct.errors import UsageError
+from fxacct.trace import torch_private as tp
 
 SAVE_MATMULS = "save-matmuls"
 _aten = torch.ops.aten
@@ -77,7 +78,19 @@ def _wrapped(forward, policy):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
-        return ckpt.checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        modes = tuple(tp.function_mode_stack())
+
+        def under_forward_modes(*a, **kw):
+            # the backward engine recomputes without the TorchFunctionModes of the forward (fxacct's
+            # AttentionScope, the CUDA rules): re-entered, the recompute takes the forward's kernels
+            if tuple(tp.function_mode_stack()) == modes:
+                return forward(*a, **kw)
+            with contextlib.ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                return forward(*a, **kw)
+
+        return ckpt.checkpoint(under_forward_modes, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 

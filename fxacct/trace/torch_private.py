@@ -114,3 +114,9 @@ def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
 # fxacct.costs.register accepts as a key.
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
+
+from torch import overrides as _overrides  # noqa: E402
+
+# The TorchFunctionModes active on this thread, outermost first (the backward engine runs
+# activation checkpointing's recompute without them: fxacct.trace.checkpointing re-enters them).
+function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "torch.overrides")
