@@ -95,27 +95,39 @@ def _wrapped(forward, policy):
     return run
 
 
+def wrap(model: torch.nn.Module, patterns, policy_spec: str | None = None) -> dict:
+    """Wrap model's matching modules for good (a real run's own model); returns {name: the
+    forward set on the instance before, or None} for ``unwrap``."""
+    policy = policy_function(policy_spec)
+    modules = dict(model.named_modules())
+    chosen = matched_modules(model, patterns)
+    own = {name: modules[name].__dict__.get("forward") for name in chosen}
+    for name in chosen:
+        m = modules[name]
+        m.forward = _wrapped(m.forward, policy)  # an instance attribute shadows the class's forward
+    return own
+
+
+def unwrap(model: torch.nn.Module, own: dict) -> None:
+    modules = dict(model.named_modules())
+    for name, forward in own.items():
+        if forward is None:
+            del modules[name].forward
+        else:
+            modules[name].forward = forward
+
+
 @contextlib.contextmanager
 def checkpointed(model: torch.nn.Module, patterns, policy_spec: str | None = None):
     """Within the context, model's matching modules run under non-reentrant checkpointing."""
     if not patterns:
         yield ()
         return
-    policy = policy_function(policy_spec)
-    modules = dict(model.named_modules())
-    chosen = matched_modules(model, patterns)
-    own = {name: modules[name].__dict__.get("forward") for name in chosen}  # a forward set on the instance
-    for name in chosen:
-        m = modules[name]
-        m.forward = _wrapped(m.forward, policy)  # an instance attribute shadows the class's forward
+    own = wrap(model, patterns, policy_spec)
     try:
-        yield tuple(chosen)
+        yield tuple(own)
     finally:
-        for name in chosen:
-            if own[name] is None:
-                del modules[name].forward
-            else:
-                modules[name].forward = own[name]
+        unwrap(model, own)
 
 
 @dataclass(frozen=True)
