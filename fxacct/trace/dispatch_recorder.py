@@ -49,6 +49,41 @@ def _unreduced_loss(storages: Storages, args, out) -> None:
         storages.real[storages.id_of(out)] = (out.dtype, numel * itemsize(out.dtype))
 
 
+def _good_ld(dim: int, itemsize: int = 4) -> int:
+    # oneDNN rnn_utils::get_good_ld: leading dimensions 64-byte aligned, and not a multiple of 256
+    # elements (4K aliasing)
+    ld = -(-dim // (64 // itemsize)) * (64 // itemsize)
+    return ld + 64 // itemsize if ld % 256 == 0 else ld
+
+
+def _pages(n: int) -> int:
+    return -(-n // 4096) * 4096  # oneDNN rnn_utils::set_offsets page-aligns every workspace part
+
+
+def _onednn_lstm_workspace(storages: Storages, args, out) -> None:
+    """The uint8 workspace CPU LSTM training keeps for its backward (mkldnn_rnn_layer's 4th
+    output, saved by autograd): the fake kernel makes it empty. Its size is oneDNN's RNN training
+    workspace (rnn_utils set_workspace_sizes / set_offsets: gates, states and diff-state arrays,
+    each page-aligned, leading dimensions from get_good_ld), which for one layer and direction
+    with T steps, batch B, input I, hidden H, fp32, we fitted part by part to the measured
+    workspaces of torch 2.13's CPU kernel:
+        pages(T·B·ld(4H)·4) + 3·pages(2(T+1)·B·ld(max(I, H))·4) + 2·pages(2(T+1)·B·ld(H)·4)
+        + pages(T·B·ld(H)·4)
+    exact (to the byte) over T 1..32, B 1..32, I 1..200, H 16..300; for H < 16 it is over by up
+    to 8 pages (32 KiB). Inference (train=False) keeps no workspace. fp32 only: other dtypes keep
+    the fake size (an empty workspace) rather than a guess."""
+    x, w_hh = args[0], args[2]
+    train = args[15] if len(args) > 15 else True
+    ws = out[3] if isinstance(out, (tuple, list)) and len(out) > 3 else None
+    if not train or ws is None or x.dtype != torch.float32 or ws.untyped_storage().nbytes() != 0:
+        return
+    t, b, i = x.shape
+    h = w_hh.shape[1]
+    nbytes = (_pages(t * b * _good_ld(4 * h) * 4) + 3 * _pages(2 * (t + 1) * b * _good_ld(max(i, h)) * 4)
+              + 2 * _pages(2 * (t + 1) * b * _good_ld(h) * 4) + _pages(t * b * _good_ld(h) * 4))
+    storages.real[storages.id_of(ws)] = (torch.uint8, nbytes)
+
+
 _aten = torch.ops.aten
 _KERNEL_DTYPES = {
     op: _batch_norm_stats for op in (
@@ -62,6 +97,7 @@ _KERNEL_DTYPES = {
 # (bmm, via matmul), whichever it takes.
 _MHA_PRODUCTS = frozenset({_aten.bmm, _aten.baddbmm})
 _KERNEL_DTYPES.update({op: _unreduced_loss for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default)})
+_KERNEL_DTYPES[_aten.mkldnn_rnn_layer.default] = _onednn_lstm_workspace
 
 
 class Recorder(tp.TorchDispatchMode):
