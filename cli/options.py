@@ -101,7 +101,7 @@ CHECKPOINT = click.option("--checkpoint", "checkpoint", multiple=True, metavar="
                                "'layers.*') in non-reentrant activation checkpointing; repeatable.")
 CHECKPOINT_POLICY = click.option("--checkpoint-policy", default=None, metavar="save-matmuls|PATH.py:fn",
                                  help="Selective checkpointing with --checkpoint: save the matmul outputs, or "
-                                      "a policy function for create_selective_checkpoint_contexts.")
+                                      "a policy function for create_selective_checkpoint_contexts (default: plain checkpointing).")
 COSTS = click.option("--costs", "costs", multiple=True, metavar="PATH.py",
                      help="Load cost formulas for custom ops (fxacct.costs.register); repeatable.")
 
