@@ -136,3 +136,20 @@ def test_gpu_largest_batch_each_way():
     w = p.checkpoint
     assert w.eager.max_batch is not None and w.checkpointed.max_batch > w.eager.max_batch
     assert p.memory.fit.max_batch == w.checkpointed.max_batch
+
+
+def test_deeper_model_same_account_with_and_without_dedup():
+    # 4 blocks: enough for block replay, which a checkpointed training trace does without
+    # (fxacct.trace.capture._replay_for); the inference trace and the plain trace still replay
+    cfg = dict(n_layer=4, n_head=4, n_embd=64, vocab_size=100, block_size=32)
+    a, b = (fxacct.profile(fxacct.Config(target=target_gpt(), batch=B, kwargs=cfg, checkpoint=("h.*",),
+                                         dedup=dedup)) for dedup in (True, False))
+    assert a.checkpoint == b.checkpoint
+    assert a.accounting.totals == b.accounting.totals
+    assert a.checkpoint.checkpointed.recompute_flops > 0
+
+
+def target_gpt():
+    from helpers import target
+
+    return target(GPT[0])

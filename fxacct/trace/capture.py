@@ -180,7 +180,10 @@ def _replay_for(session: _Session):
     o = session.options
     if o.inference and o.dedup:
         return BlockReplay(session.recorder, session.storages, find_runs(session.model))
-    if o.dedup and o.backward:
+    # --checkpoint: no training replay. A replayed block stands in for a run of the module the
+    # checkpoint wrapper surrounds, so torch.utils.checkpoint's frame would see the saved tensors
+    # of one traced block against a recompute of each (CheckpointError); every block is traced.
+    if o.dedup and o.backward and not o.checkpoint:
         return TrainReplay(session.recorder, session.storages, find_runs(session.model), session.saved)
     return contextlib.nullcontext()
 
