@@ -153,3 +153,14 @@ def target_gpt():
     from helpers import target
 
     return target(GPT[0])
+
+
+def test_real_runs_checkpoint_the_same_modules():
+    from fxacct.runtime.run import build_model
+
+    model, _ = build_model(config("GPT", batch=B, checkpoint=("h.*",)), torch.device("cpu"))
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == ["h.0", "h.1"]
+    _, args, kw = real_model(GPT[0], GPT[1], B)
+    saved, _ = eager_saved_bytes(model, args, kw)
+    hand, _ = eager_saved_bytes(wrap_blocks_by_hand(real_model(GPT[0], GPT[1], B)[0]), args, kw)
+    assert saved == hand
