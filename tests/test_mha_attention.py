@@ -23,13 +23,15 @@ class MHA(nn.Module):
         return self.attn(x, x, x, need_weights=self.need_weights)[0]
 
 
+@pytest.mark.parametrize("gpu", [None, "h100"])  # CPU rules, CUDA rules (fxacct.predict.targets)
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_products_are_attention(dropout, need_weights):
+def test_mha_products_are_attention(dropout, need_weights, gpu):
     with torch.device("meta"):
         model = MHA(dropout, need_weights)
     x = torch.empty(B, T, E, device="meta")
-    t = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=B)).accounting.totals
+    cfg = fxacct.Config(batch=B, gpu=gpu, find_max_batch=False)
+    t = fxacct.profile_module(model, (x,), {}, cfg).accounting.totals
     # closed form: QKᵀ and PV, 2·B·H·T·T·d each -> 2·2·2·4·16·16·8 = 65,536
     assert t.forward.attention == 2 * 2 * B * H * T * T * D == 65_536
     # in-projection 2·(B·T)·E·3E = 196,608 and out-projection 2·(B·T)·E·E = 65,536
