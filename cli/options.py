@@ -96,6 +96,15 @@ SEQ_LEN = click.option("--seq-len", type=int, default=None,
                        help="Sequence length of the default Hugging Face inputs (default: the config's "
                             "maximum positions, at most 2048).")
 
+CHECKPOINT = click.option("--checkpoint", "checkpoint", multiple=True, metavar="PATTERN",
+                          help="What-if: wrap the modules whose name matches PATTERN (a glob such as 'h.*' or "
+                               "'layers.*') in non-reentrant activation checkpointing; repeatable.")
+CHECKPOINT_POLICY = click.option("--checkpoint-policy", default=None, metavar="save-matmuls|PATH.py:fn",
+                                 help="Selective checkpointing with --checkpoint: save the matmul outputs, or "
+                                      "a policy function for create_selective_checkpoint_contexts (default: plain checkpointing).")
+COSTS = click.option("--costs", "costs", multiple=True, metavar="PATH.py",
+                     help="Load cost formulas for custom ops (fxacct.costs.register); repeatable.")
+
 TARGET = click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH")
 
 # The option groups of --help (cloup). Add an option to a group with one line in its list; a
@@ -114,6 +123,9 @@ MODEL_AND_INPUTS = [
     click.option("--loss-output", type=int, default=None,
                  help="Index of the floating-point output the loss takes (default: all for sum, the first otherwise)."),
     LOSS, HF_CLASS, SEQ_LEN,
+    CHECKPOINT,
+    CHECKPOINT_POLICY,
+    COSTS,
     click.option("--tokens-per-example", type=int, default=None,
                  help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
     click.option("--causal-attention", type=click.Choice(CAUSAL_CONVENTIONS), default=DEFAULTS.causal_attention,
@@ -228,7 +240,8 @@ def _kwargs(kwargs_json: str | None, kwarg_items) -> dict:
 def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input_requires_grad, loss_output,
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
-              loss=DEFAULTS.loss, hf_class=None, seq_len=None, **_) -> Config:
+              loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
+              costs=(), **_) -> Config:
     return Config(
         target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
         inputs=tuple(parse_input_spec(s) for s in input_specs),
@@ -238,10 +251,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
+        checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs),
     )
 
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
+           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

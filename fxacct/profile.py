@@ -15,6 +15,7 @@ from fxacct.load.hf import is_causal_lm
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
+from fxacct.costs.user import load_costs
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.load.config import Config
 from fxacct.predict.devices import get_device
@@ -31,6 +32,7 @@ class Profile:
     capture: Capture
     warnings: tuple[str, ...] = ()
     parallel: object = None  # fxacct.parallel.profile.ParallelAccount under --mesh
+    checkpoint: object = None  # fxacct.trace.checkpointing.CheckpointWhatIf under --checkpoint
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -71,7 +73,8 @@ def _capture(model, args, kwargs, config: Config, inference: bool = False) -> Ca
         dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
         optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
         master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup,
-        loss=config.loss, causal_lm=is_causal_lm(model)))
+        loss=config.loss, causal_lm=is_causal_lm(model), checkpoint=config.checkpoint,
+        checkpoint_policy=config.checkpoint_policy))
 
 
 def rank_peak(cap: Capture, model, config: Config) -> tuple[Peak, Peak | None, tuple[str, int] | None]:
@@ -97,6 +100,8 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     --gpu profile search the largest batch that fits."""
     config = config or Config()
     kwargs = kwargs or {}
+    for path in config.costs:
+        load_costs(path)
     loading.check_signature(model, tuple(args), kwargs)
     cap = _capture(model, args, kwargs, config)
     annotate(cap.graph, config.causal_attention)
@@ -121,7 +126,30 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     if config.gpu is not None:
         memory = _with_fit(memory, model, config, inputs_for)
     loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
-    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note)
+    whatif = _checkpoint_whatif(model, args, kwargs, config, acct, memory, inputs_for) if config.checkpoint else None
+    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note, whatif)
+
+
+def _checkpoint_whatif(model, args, kwargs, config: Config, acct, memory, inputs_for):
+    """--checkpoint: the same step without the wrapping (a second capture, blocks replayed as
+    usual), beside the checkpointed one."""
+    from dataclasses import replace
+    from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
+
+    def side(totals, mem):
+        return CheckpointSide(totals.activation_bytes, mem.rank_peak.bytes if mem.rank_peak else None,
+                              totals.recompute_flops, mem.fit.max_batch if mem.fit is not None else None)
+
+    plain = replace(config, checkpoint=(), checkpoint_policy=None)
+    cap = _capture(model, args, kwargs, plain)
+    annotate(cap.graph, config.causal_attention)
+    totals = account(cap, config.batch, acct.totals.tokens_per_example, config.count_recompute).totals
+    peak, per_rank, _ = rank_peak(cap, model, plain)
+    mem = replace(memory, peak_train=peak, per_rank=per_rank, fit=None)
+    if config.gpu is not None:
+        mem = _with_fit(mem, model, plain, inputs_for)
+    return CheckpointWhatIf(config.checkpoint, tuple(matched_modules(model, config.checkpoint)),
+                            config.checkpoint_policy, side(acct.totals, memory), side(totals, mem))
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:

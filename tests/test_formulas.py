@@ -14,6 +14,7 @@ A last test checks that every registry key is hit by at least one case here.
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
@@ -290,6 +291,22 @@ def test_matmul_family_equals_flop_counter(op, shapes):
     assert got.matmul == _flop_counter(op, args)
     # the fused bias add (addmm/baddbmm): a convention, 1 add per output element in `other`
     assert got.other == (0 if len(shapes) == 2 else torch.Size(op(*args).shape).numel())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_mm_equals_flop_counter(bias):
+    # fp8 (64, 32) @ (32, 48), the second column-major as the kernel wants: 2·64·32·48 = 196,608
+    with FakeTensorMode():
+        a = torch.empty(64, 32, dtype=torch.float8_e4m3fn)
+        b = torch.empty(48, 32, dtype=torch.float8_e4m3fn).t()
+        one = torch.ones((), dtype=torch.float32)
+        kwargs = {"bias": torch.empty(48, dtype=torch.bfloat16)} if bias else {}
+        args = (a, b, one, one)
+        got = fx_cost(aten._scaled_mm.default, args, dict(kwargs, out_dtype=torch.bfloat16))
+        with FlopCounterMode(display=False) as fc:
+            aten._scaled_mm.default(*args, out_dtype=torch.bfloat16, **kwargs)
+    assert got.matmul == fc.get_total_flops() == 196_608
+    assert got.other == (64 * 48 if bias else 0)  # the fused bias: one add per output, as addmm
 
 
 @pytest.mark.parametrize("conv", CONV, ids=range(len(CONV)))

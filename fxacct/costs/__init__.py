@@ -1,5 +1,8 @@
 """The op-cost registry: one formula per aten overload (or overload packet), pure functions of
-shapes. Importing this package fills the registry from every family module."""
+shapes. Importing this package fills the registry from every family module.
 
-from fxacct.costs.registry import CostContext, Flops, OpInfo, lookup  # noqa: F401
+Public: ``register(op)`` (a decorator: a formula for a user's own op, README "Custom ops"),
+``Flops`` (what a formula returns) and ``CostContext`` (what it receives as ``ctx``)."""
+
+from fxacct.costs.registry import CostContext, Flops, OpInfo, lookup, register  # noqa: F401
 from fxacct.costs import matmul, attention, pointwise, norms, losses, movement, rnn  # noqa: F401  (they register)

@@ -83,3 +83,13 @@ def convolution_backward(grad_out_shape, x_shape, w_shape, bias_sizes, stride, p
         flops += conv_flops(x_shape, w_shape, grad_out_shape, transposed)
     other = numel(grad_out_shape) if output_mask[2] else 0
     return Flops(matmul=flops, other=other)
+
+
+@register(aten._scaled_mm)
+def scaled_mm(a_shape, b_shape, scale_a_shape, scale_b_shape, bias_shape=None, *args, out_shape, ctx,
+              **kwargs) -> Flops:
+    """fp8 matmul (torchao-style fp8 training runs its forward and both backward products as
+    _scaled_mm): matmul 2·m·k·n as torch.utils.flop_counter counts it; a fused bias is one add
+    per output element in `other`, as for addmm (the scaling is folded into the product)."""
+    bias_shape = kwargs.get("bias", bias_shape)
+    return Flops(matmul=mm_flops(a_shape, b_shape), other=numel(out_shape) if bias_shape is not None else 0)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from fxacct.trace.torch_private import schema_arguments
+from fxacct.trace.torch_private import OpOverload, OpOverloadPacket, schema_arguments
 
 MATMUL, ATTENTION, OTHER = "matmul", "attention", "other"
 FLOP_CLASSES = (MATMUL, ATTENTION, OTHER)
@@ -74,6 +74,13 @@ FOREACH = "foreach"  # registry key of the _foreach_* family (multi-tensor optim
 
 
 def register(*ops, movement: bool = False, creation: bool = False, wants_grad_mask: bool = False):
+    """Decorator: ``formula`` is the cost of each of ``ops`` (an OpOverload such as
+    torch.ops.mylib.op.default, or an OpOverloadPacket such as torch.ops.mylib.op for all its
+    overloads). Public (fxacct.costs.register): a user's custom op gets a formula the same way."""
+    for op in ops:
+        if not isinstance(op, (OpOverload, OpOverloadPacket, torch.Tag)) and op != FOREACH:
+            raise ValueError(f"register takes torch.ops.NAMESPACE.OP[.OVERLOAD], got {op!r}")
+
     def wrap(formula):
         for op in ops:
             if op in _REGISTRY:

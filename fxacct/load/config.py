@@ -44,6 +44,9 @@ class Config:
     pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
     microbatches: int | None = None  # per step, with --mesh pp=P (default P)
     pp_schedule: str = "1f1b"  # gpipe or 1f1b (torch.distributed.pipelining's schedules)
+    checkpoint: tuple[str, ...] = ()  # globs over module FQNs wrapped in activation checkpointing
+    checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
+    costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device
@@ -84,6 +87,8 @@ class Config:
         LossSpec(self.loss, self.loss_output)
         if self.seq_len is not None and self.seq_len <= 0:
             raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
+        if self.checkpoint_policy is not None and not self.checkpoint:
+            raise UsageError("--checkpoint-policy needs --checkpoint PATTERN (the modules it applies to)")
 
     def optimizer_spec(self):
         from fxacct.trace.optim_step import OptimizerSpec

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fxacct.costs.registry import FLOP_CLASSES, Flops
 from fxacct.dtypes import dtype_name
 from fxacct.profile import Profile
+from fxacct.report.checkpoint_text import checkpoint_json
 from fxacct.units import FLOPS_PER_FMA
 
 SCHEMA = "fxacct.profile/1"
@@ -81,6 +82,7 @@ def _document(p: Profile) -> dict:
         ],
         "unsupported_ops": dict(a.unsupported_ops),
         "warnings": list(p.warnings),
+        "checkpoint": checkpoint_json(p.checkpoint),
     }
 
 

@@ -112,6 +112,9 @@ def render_text(p: Profile, depth: int = 2, top: int = 10, width: int | None = N
     warnings = [f"WARNING: {w}" for w in p.warnings]
     parts = [*warnings, *([""] if warnings else []), summary(p), "", render_memory(p), "",
              f"modules (depth {depth}, inclusive):", modules_table(p, depth, width), ""]
+    if p.checkpoint is not None:
+        from fxacct.report.checkpoint_text import checkpoint_section
+        parts += [checkpoint_section(p.checkpoint), ""]
     if top > 0:
         parts += [f"top {top} node{'s' if top != 1 else ''} by forward+backward FLOPs:", nodes_table(p, top, width),
                   ""]

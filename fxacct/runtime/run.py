@@ -126,6 +126,9 @@ def build_model(config: Config, device: torch.device):
                          "use a smaller model or free the device") from e
     if config.dtype is not None:
         model.to(config.dtype)
+    if config.checkpoint:  # --checkpoint: the real run checkpoints the modules the capture did
+        from fxacct.trace.checkpointing import wrap
+        wrap(model, config.checkpoint, config.checkpoint_policy)
     return model, source
 
 

@@ -71,6 +71,8 @@ class CaptureOptions:
     # the model's own tensors are already fake (fxacct.parallel: a parallelized model materialized
     # under ``prepared``'s FakeTensorMode); its parameters may be DTensors, traced below that layer
     prepared: object = None  # fxacct.parallel.rank_capture.Prepared
+    checkpoint: tuple[str, ...] = ()  # fxacct.trace.checkpointing: module globs to checkpoint
+    checkpoint_policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,10 @@ def _replay_for(session: _Session):
     o = session.options
     if o.inference and o.dedup:
         return BlockReplay(session.recorder, session.storages, find_runs(session.model))
-    if o.dedup and o.backward:
+    # --checkpoint: no training replay. A replayed block stands in for a run of the module the
+    # checkpoint wrapper surrounds, so torch.utils.checkpoint's frame would see the saved tensors
+    # of one traced block against a recompute of each (CheckpointError); every block is traced.
+    if o.dedup and o.backward and not o.checkpoint:
         return TrainReplay(session.recorder, session.storages, find_runs(session.model), session.saved)
     return contextlib.nullcontext()
 
@@ -194,6 +199,7 @@ def _replay_for(session: _Session):
 def _run(session: _Session) -> None:
     """The traced program: forward, then (training) loss, backward and one optimizer step."""
     from fxacct.predict.targets import CudaRules
+    from fxacct.trace.checkpointing import checkpointed
 
     o, rec, model = session.options, session.recorder, session.model
     names = {id(m): n for n, m in model.named_modules()}
@@ -201,7 +207,8 @@ def _run(session: _Session) -> None:
     with _QuietFakeTensorLog(), session.mode, rec, module_tracking(rec, names), \
             swapped(model, session.fake, training=not o.inference), \
             torch.autograd.graph.saved_tensors_hooks(session.saved.pack, session.saved.unpack), \
-            AttentionScope(rec), (CudaRules() if o.cuda else contextlib.nullcontext()), replay:
+            AttentionScope(rec), (CudaRules() if o.cuda else contextlib.nullcontext()), replay, \
+            checkpointed(model, o.checkpoint, o.checkpoint_policy):
         with torch.no_grad() if o.inference else contextlib.nullcontext(), _autocast(o), hf_eager(model):
             box = [model(*session.fake_args, **session.fake_kwargs)]  # _train_step drops it
         if o.inference:

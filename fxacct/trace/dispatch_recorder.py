@@ -49,6 +49,41 @@ def _unreduced_loss(storages: Storages, args, out) -> None:
         storages.real[storages.id_of(out)] = (out.dtype, numel * itemsize(out.dtype))
 
 
+def _good_ld(dim: int, itemsize: int = 4) -> int:
+    # oneDNN rnn_utils::get_good_ld: leading dimensions 64-byte aligned, and not a multiple of 256
+    # elements (4K aliasing)
+    ld = -(-dim // (64 // itemsize)) * (64 // itemsize)
+    return ld + 64 // itemsize if ld % 256 == 0 else ld
+
+
+def _pages(n: int) -> int:
+    return -(-n // 4096) * 4096  # oneDNN rnn_utils::set_offsets page-aligns every workspace part
+
+
+def _onednn_lstm_workspace(storages: Storages, args, out) -> None:
+    """The uint8 workspace CPU LSTM training keeps for its backward (mkldnn_rnn_layer's 4th
+    output, saved by autograd): the fake kernel makes it empty. Its size is oneDNN's RNN training
+    workspace (rnn_utils set_workspace_sizes / set_offsets: gates, states and diff-state arrays,
+    each page-aligned, leading dimensions from get_good_ld), which for one layer and direction
+    with T steps, batch B, input I, hidden H, fp32, we fitted part by part to the measured
+    workspaces of torch 2.13's CPU kernel:
+        pages(T·B·ld(4H)·4) + 3·pages(2(T+1)·B·ld(max(I, H))·4) + 2·pages(2(T+1)·B·ld(H)·4)
+        + pages(T·B·ld(H)·4)
+    exact (to the byte) over T 1..32, B 1..32, I 1..200, H 16..300; for H < 16 it is over by up
+    to 8 pages (32 KiB). Inference (train=False) keeps no workspace. fp32 only: other dtypes keep
+    the fake size (an empty workspace) rather than a guess."""
+    x, w_hh = args[0], args[2]
+    train = args[15] if len(args) > 15 else True
+    ws = out[3] if isinstance(out, (tuple, list)) and len(out) > 3 else None
+    if not train or ws is None or x.dtype != torch.float32 or ws.untyped_storage().nbytes() != 0:
+        return
+    t, b, i = x.shape
+    h = w_hh.shape[1]
+    nbytes = (_pages(t * b * _good_ld(4 * h) * 4) + 3 * _pages(2 * (t + 1) * b * _good_ld(max(i, h)) * 4)
+              + 2 * _pages(2 * (t + 1) * b * _good_ld(h) * 4) + _pages(t * b * _good_ld(h) * 4))
+    storages.real[storages.id_of(ws)] = (torch.uint8, nbytes)
+
+
 _aten = torch.ops.aten
 _KERNEL_DTYPES = {
     op: _batch_norm_stats for op in (
@@ -57,7 +92,12 @@ _KERNEL_DTYPES = {
         _aten._native_batch_norm_legit_functional.default,
     )
 }
+# Inside F.multi_head_attention_forward the projections are linear (mm/addmm) and the only batched
+# products are QKᵀ and PV: its own math path (need_weights=True: baddbmm/bmm) or SDPA's math path
+# (bmm, via matmul), whichever it takes.
+_MHA_PRODUCTS = frozenset({_aten.bmm, _aten.baddbmm})
 _KERNEL_DTYPES.update({op: _unreduced_loss for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default)})
+_KERNEL_DTYPES[_aten.mkldnn_rnn_layer.default] = _onednn_lstm_workspace
 
 
 class Recorder(tp.TorchDispatchMode):
@@ -79,6 +119,7 @@ class Recorder(tp.TorchDispatchMode):
         self.repeats: list[tuple[int, int, int]] = []  # (first record, end, parameters it stands for)
         self.recording = True
         self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
+        self.in_mha = 0  # depth of F.multi_head_attention_forward calls (its bmm products are attention)
 
     @contextlib.contextmanager
     def suppressed(self):
@@ -160,12 +201,19 @@ class Recorder(tp.TorchDispatchMode):
         if self.phase == BACKWARD:
             # an op that records a grad_fn during the backward is a forward op run again:
             # activation checkpointing recomputing what it did not save (model FLOPs leave it out)
-            scope = RECOMPUTE if hi != self.last_seq else None
+            # checkpointing's recompute packs what it saves with detach ops under no_grad, after
+            # the op that took the number and before it runs: they neither take nor consume it
+            grad_on = torch.is_grad_enabled()
+            scope = RECOMPUTE if grad_on and hi != self.last_seq else None
+            if not grad_on:
+                hi = self.last_seq
             seq = tp.current_autograd_number()
             link = UnderAutogradNode(seq) if seq is not None else None
             module = None
         else:
             scope = self.scope
+            if scope is None and self.in_mha and func.overloadpacket in _MHA_PRODUCTS:
+                scope = "attention"
             if hi != self.last_seq:
                 link, self.group = TookSequenceNumbers(self.last_seq, hi), None
             else:  # a subclass op's local ops all carry its numbers: the last (its output) owns them
@@ -223,7 +271,12 @@ class SavedTracker:
 class AttentionScope(TorchFunctionMode):
     """Marks the ops PyTorch runs inside F.scaled_dot_product_attention. Where it takes its math
     path (on the CPU with dropout or some masks) those are plain bmm and softmax ops; marked,
-    their matmul FLOPs count as attention like every fused kernel's (DESIGN.md's classes)."""
+    their matmul FLOPs count as attention like every fused kernel's (DESIGN.md's classes).
+
+    F.multi_head_attention_forward (nn.MultiheadAttention, nn.Transformer*Layer) is watched too:
+    a mode is off while it handles a call, so the SDPA call nested in it is never seen here, and
+    with need_weights=True it computes QKᵀ and PV itself. Its bmm/baddbmm products are marked
+    in the recorder (``in_mha``) instead, whichever path it takes."""
 
     def __init__(self, recorder: Recorder):
         super().__init__()
@@ -231,6 +284,12 @@ class AttentionScope(TorchFunctionMode):
 
     @passes_through
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.multi_head_attention_forward:
+            self.recorder.in_mha += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.recorder.in_mha -= 1
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         outer, self.recorder.scope = self.recorder.scope, "attention"

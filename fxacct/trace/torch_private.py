@@ -192,3 +192,14 @@ def fsdp_storage_resizes(on_resize):
         yield
     finally:
         _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
+
+# The classes of torch.ops.NAMESPACE.OP (a packet) and torch.ops.NAMESPACE.OP.OVERLOAD: what
+# fxacct.costs.register accepts as a key.
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+from torch import overrides as _overrides  # noqa: E402
+
+# The TorchFunctionModes active on this thread, outermost first (the backward engine runs
+# activation checkpointing's recompute without them: fxacct.trace.checkpointing re-enters them).
+function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "torch.overrides")

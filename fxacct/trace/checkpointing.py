@@ -1,0 +1,150 @@
+"""The activation-checkpointing what-if (--checkpoint PATTERN, --checkpoint-policy): the modules
+whose names match wrapped in torch.utils.checkpoint (non-reentrant) while a capture or a real run
+calls the model, then unwrapped. Nothing about the model changes outside the context.
+
+Patterns are fnmatch globs over named_modules() names ('h.*', 'layers.*'); since '*' also matches
+dots, only the outermost match of a subtree is wrapped ('h.*' wraps h.0, h.1, ..., not h.0.attn).
+A pattern that matches no module is a usage error. Policies (selective checkpointing through
+torch.utils.checkpoint.create_selective_checkpoint_contexts): "save-matmuls" keeps the outputs
+of matrix products and recomputes the rest; "PATH.py:fn" is a user's policy function
+``fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+import importlib.util
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+from torch.utils import checkpoint as ckpt
+
+from fxacct.errors import UsageError
+from fxacct.trace import torch_private as tp
+
+SAVE_MATMULS = "save-matmuls"
+_aten = torch.ops.aten
+MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+                        _aten._scaled_mm.default, _aten.convolution.default})
+
+
+def save_matmuls(ctx, op, *args, **kwargs):
+    """Keep what a matrix product made; recompute everything else."""
+    return ckpt.CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def matched_modules(model: torch.nn.Module, patterns) -> list[str]:
+    """Names of the outermost modules matching any pattern, in named_modules() order."""
+    names = [n for n, _ in model.named_modules() if n]
+    for p in patterns:
+        if not any(fnmatchcase(n, p) for n in names):
+            example = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise UsageError(f"--checkpoint {p!r} matches no module; module names look like: {example}")
+    chosen: list[str] = []
+    for n in names:
+        if any(fnmatchcase(n, p) for p in patterns) and not any(n.startswith(c + ".") for c in chosen):
+            chosen.append(n)
+    return chosen
+
+
+def policy_function(spec: str | None):
+    """The policy callable of --checkpoint-policy (None: plain checkpointing)."""
+    if spec is None:
+        return None
+    if spec == SAVE_MATMULS:
+        return save_matmuls
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not Path(path).is_file():
+        raise UsageError(f"--checkpoint-policy {spec!r}: use {SAVE_MATMULS} or PATH.py:fn (an existing file)")
+    module_spec = importlib.util.spec_from_file_location("fxacct_user_checkpoint_policy", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file
+        raise UsageError(f"--checkpoint-policy {path} failed to load: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"--checkpoint-policy: {path} has no function {name!r}")
+    return fn
+
+
+def _wrapped(forward, policy):
+    context_fn = (functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
+                  if policy is not None else ckpt.noop_context_fn)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        modes = tuple(tp.function_mode_stack())
+
+        def under_forward_modes(*a, **kw):
+            # the backward engine recomputes without the TorchFunctionModes of the forward (fxacct's
+            # AttentionScope, the CUDA rules): re-entered, the recompute takes the forward's kernels
+            if tuple(tp.function_mode_stack()) == modes:
+                return forward(*a, **kw)
+            with contextlib.ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                return forward(*a, **kw)
+
+        return ckpt.checkpoint(under_forward_modes, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def wrap(model: torch.nn.Module, patterns, policy_spec: str | None = None) -> dict:
+    """Wrap model's matching modules for good (a real run's own model); returns {name: the
+    forward set on the instance before, or None} for ``unwrap``."""
+    policy = policy_function(policy_spec)
+    modules = dict(model.named_modules())
+    chosen = matched_modules(model, patterns)
+    own = {name: modules[name].__dict__.get("forward") for name in chosen}
+    for name in chosen:
+        m = modules[name]
+        m.forward = _wrapped(m.forward, policy)  # an instance attribute shadows the class's forward
+    return own
+
+
+def unwrap(model: torch.nn.Module, own: dict) -> None:
+    modules = dict(model.named_modules())
+    for name, forward in own.items():
+        if forward is None:
+            del modules[name].forward
+        else:
+            modules[name].forward = forward
+
+
+@contextlib.contextmanager
+def checkpointed(model: torch.nn.Module, patterns, policy_spec: str | None = None):
+    """Within the context, model's matching modules run under non-reentrant checkpointing."""
+    if not patterns:
+        yield ()
+        return
+    own = wrap(model, patterns, policy_spec)
+    try:
+        yield tuple(own)
+    finally:
+        unwrap(model, own)
+
+
+@dataclass(frozen=True)
+class CheckpointSide:
+    """One account of the what-if: activation bytes autograd saves outside checkpointed regions,
+    the training peak (per rank), FLOPs re-run in the backward, and under --gpu the largest batch."""
+
+    activation_bytes: int
+    peak_train_bytes: int | None
+    recompute_flops: int
+    max_batch: int | None
+
+
+@dataclass(frozen=True)
+class CheckpointWhatIf:
+    patterns: tuple[str, ...]
+    modules: tuple[str, ...]  # the modules wrapped (outermost matches)
+    policy: str | None
+    checkpointed: CheckpointSide
+    eager: CheckpointSide  # the same model without the wrapping (a second capture)

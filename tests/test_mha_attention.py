@@ -1,0 +1,55 @@
+"""nn.MultiheadAttention's products (QKᵀ and PV) count as attention on every path it takes:
+dropout or not (SDPA's fused kernel or its math path), need_weights or not (F.multi_head_attention_
+forward's own baddbmm/bmm path), and the totals are what FlopCounterMode counts."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxacct
+from helpers import flop_counter_oracle, model_flops
+
+B, T, E, H = 2, 16, 32, 4
+D = E // H
+
+
+class MHA(nn.Module):
+    def __init__(self, dropout, need_weights):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, H, dropout=dropout, batch_first=True)
+        self.need_weights = need_weights
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=self.need_weights)[0]
+
+
+@pytest.mark.parametrize("gpu", [None, "h100"])  # CPU rules, CUDA rules (fxacct.predict.targets)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_products_are_attention(dropout, need_weights, gpu):
+    with torch.device("meta"):
+        model = MHA(dropout, need_weights)
+    x = torch.empty(B, T, E, device="meta")
+    cfg = fxacct.Config(batch=B, gpu=gpu, find_max_batch=False)
+    t = fxacct.profile_module(model, (x,), {}, cfg).accounting.totals
+    # closed form: QKᵀ and PV, 2·B·H·T·T·d each -> 2·2·2·4·16·16·8 = 65,536
+    assert t.forward.attention == 2 * 2 * B * H * T * T * D == 65_536
+    # in-projection 2·(B·T)·E·3E = 196,608 and out-projection 2·(B·T)·E·E = 65,536
+    assert t.forward.matmul == 2 * B * T * E * 3 * E + 2 * B * T * E * E == 262_144
+    # q, k, v all need gradients: two products per forward product
+    assert t.backward.attention == 2 * 65_536
+    fwd, bwd = flop_counter_oracle(model, (x,))
+    assert model_flops(t.forward) == fwd
+    assert model_flops(t.backward) == bwd
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_transformer_encoder_layer_attention(dropout):
+    with torch.device("meta"):
+        model = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=dropout, batch_first=True)
+    x = torch.empty(B, T, E, device="meta")
+    t = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=B)).accounting.totals
+    assert t.forward.attention == 65_536  # as above: the encoder layer passes need_weights=False
+    fwd, bwd = flop_counter_oracle(model, (x,))
+    assert model_flops(t.forward) == fwd
+    assert model_flops(t.backward) == bwd
