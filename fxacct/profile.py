@@ -127,7 +127,7 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
         memory = _with_fit(memory, model, config, inputs_for)
     loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
     whatif = _checkpoint_whatif(model, args, kwargs, config, acct, memory, inputs_for) if config.checkpoint else None
-    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note, whatif)
+    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note, checkpoint=whatif)
 
 
 def _checkpoint_whatif(model, args, kwargs, config: Config, acct, memory, inputs_for):

@@ -606,5 +606,7 @@ def test_every_registered_formula_is_exercised(request):
     tests = {n for n in dir(request.module) if n.startswith("test_")}
     if names != tests or here[-1] is not request.node:
         pytest.skip("needs every test of tests/test_formulas.py, in file order")
-    missing = [str(k) for k in registry._REGISTRY if k not in HIT]
+    # fxacct's own formulas (a user's, registered by another test through --costs, are not ours)
+    missing = [str(k) for k, info in registry._REGISTRY.items()
+               if k not in HIT and info.formula.__module__.startswith("fxacct.")]
     assert not missing, missing

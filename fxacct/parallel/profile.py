@@ -69,7 +69,7 @@ def profile_parallel(config, loader=None):
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config))
-    return Profile(config, acct, memory, cap, precision_warnings(cap), parallel)
+    return Profile(config, acct, memory, cap, precision_warnings(cap), parallel=parallel)
 
 
 def profile_mesh(config):
