@@ -598,6 +598,21 @@ def test_zero_cost_ops():
     assert lookup(aten.clone.default).movement and lookup(aten.zeros.default).creation
 
 
+def test_collectives_cost_no_flops():
+    # fxacct.parallel registers every collective the engines issue (and FSDP2's copy-in/out ops)
+    # at zero FLOPs: a reduction's adds are not model FLOPs; their bytes and wire bytes are
+    # accounted apart (fxacct.parallel.collectives)
+    from fxacct.parallel import collectives
+
+    ops = list(collectives._OPS) + [torch.ops.fsdp.all_gather_copy_in.default,
+                                    torch.ops.fsdp.split_with_sizes_copy.default, torch.ops.fsdp.chunk_cat.default]
+    for op in ops:
+        info = lookup(op)
+        assert info is not None, op
+        assert info.formula((4, 8), out_shape=(16, 8), ctx=CostContext()) == ZERO, op
+        HIT.add(op)
+
+
 def test_every_registered_formula_is_exercised(request):
     # runs last (file order): every key of the registry was reached by a case above; meaningless
     # when only some of this file's tests were selected (-k, a node id), so it skips then

@@ -37,6 +37,13 @@ def _is_hugging_face(model: torch.nn.Module) -> bool:
     return base is not None and any(isinstance(m, base) for m in model.modules())
 
 
+def _is_parallelized(model: torch.nn.Module) -> bool:
+    """Parameters that are DTensors (fxacct.parallel): DTensor runs each op on its local shards
+    below this mode, so known values do not follow them; such a model keeps transformers' traced
+    path (the explicit mask), as the engine's own fake-process-group run takes it."""
+    return any(tp.local(p) is not p for p in model.parameters())
+
+
 def _eager_is_fake_tensor(x) -> bool:
     """transformers' ``is_fake_tensor`` as an eager run answers it: fake only if unknown."""
     return isinstance(x, tp.FakeTensor) and known(x) is None
@@ -46,7 +53,8 @@ def _eager_is_fake_tensor(x) -> bool:
 def hf_eager(model: torch.nn.Module):
     """Enter around the traced forward (inside the fake-tensor mode and the recorder)."""
     imports = sys.modules.get("transformers.utils.import_utils")
-    if imports is None or not hasattr(imports, "is_fake_tensor") or not _is_hugging_face(model):
+    if imports is None or not hasattr(imports, "is_fake_tensor") or not _is_hugging_face(model) \
+            or _is_parallelized(model):
         yield
         return
     original = imports.is_fake_tensor
