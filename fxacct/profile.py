@@ -109,20 +109,8 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     acct = account(cap, config.batch, tokens, config.count_recompute)
     inference = _capture(model, args, kwargs, config, inference=True)
     peak_train, per_rank, unit = rank_peak(cap, model, config)
-    memory = memory_account.MemoryAccount(
-        by_dtype=memory_account.by_dtype(cap, acct),
-        param_bytes=acct.totals.param_bytes, grad_bytes=acct.totals.grad_bytes,
-        optimizer_bytes=sum(s.nbytes * s.count for s in cap.optimizer_state),
-        master_bytes=sum(b * c for _, b, c in cap.master_weights),
-        activation_bytes=acct.totals.activation_bytes,
-        peak_train=peak_train if cap.has_backward else None,
-        peak_inference=walk(lifetimes(inference)),
-        per_rank=per_rank, gathered_unit=unit,
-        checkpoint_by_dtype=memory_account.checkpoint_payload(model, config.dtype, cap),
-        views=memory_account.view_summary(acct, cap),
-        optimizer_scalars=(sum(s.count for s in cap.optimizer_state if s.scalar),
-                           sum(s.nbytes * s.count for s in cap.optimizer_state if s.scalar)),
-    )
+    memory = memory_account.assemble(cap, acct, model, config.dtype, peak_train, walk(lifetimes(inference)),
+                                     per_rank, unit)
     if config.gpu is not None:
         memory = _with_fit(memory, model, config, inputs_for)
     loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()

@@ -118,3 +118,21 @@ def by_dtype(capture: Capture, accounting: Accounting) -> dict:
         if nbytes:
             add(dt, "activation_bytes", nbytes)
     return {k: DtypeMemory(**v) for k, v in sorted(table.items())}
+
+
+def assemble(capture: Capture, accounting: Accounting, model: torch.nn.Module, dtype: torch.dtype | None,
+             peak_train: Peak | None, peak_inference: Peak, per_rank=None, gathered_unit=None) -> MemoryAccount:
+    """The memory account of one traced step (a single device's, or one rank's under --mesh)."""
+    state = capture.optimizer_state
+    return MemoryAccount(
+        by_dtype=by_dtype(capture, accounting),
+        param_bytes=accounting.totals.param_bytes, grad_bytes=accounting.totals.grad_bytes,
+        optimizer_bytes=sum(s.nbytes * s.count for s in state),
+        master_bytes=sum(b * c for _, b, c in capture.master_weights),
+        activation_bytes=accounting.totals.activation_bytes,
+        peak_train=peak_train if capture.has_backward else None, peak_inference=peak_inference,
+        per_rank=per_rank, gathered_unit=gathered_unit,
+        checkpoint_by_dtype=checkpoint_payload(model, dtype, capture),
+        views=view_summary(accounting, capture),
+        optimizer_scalars=(sum(s.count for s in state if s.scalar), sum(s.nbytes * s.count for s in state if s.scalar)),
+    )

@@ -52,20 +52,10 @@ def profile_parallel(config, loader=None):
         alias_waits(inference)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
     acct = account(cap, config.batch, tokens, config.count_recompute)
-    memory = memory_account.MemoryAccount(
-        by_dtype=memory_account.by_dtype(cap, acct),
-        param_bytes=acct.totals.param_bytes, grad_bytes=acct.totals.grad_bytes,
-        optimizer_bytes=sum(s.nbytes * s.count for s in cap.optimizer_state),
-        master_bytes=sum(b * c for _, b, c in cap.master_weights),
-        activation_bytes=acct.totals.activation_bytes,
-        peak_train=walk(with_resizes(lifetimes(cap), cap.graph, resizes)) if cap.has_backward else None,
-        peak_inference=walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)),
-        per_rank=None, gathered_unit=None,
-        checkpoint_by_dtype=memory_account.checkpoint_payload(model, config.dtype, cap),
-        views=memory_account.view_summary(acct, cap),
-        optimizer_scalars=(sum(s.count for s in cap.optimizer_state if s.scalar),
-                           sum(s.nbytes * s.count for s in cap.optimizer_state if s.scalar)),
-    )
+    memory = memory_account.assemble(
+        cap, acct, model, config.dtype,
+        walk(with_resizes(lifetimes(cap), cap.graph, resizes)) if cap.has_backward else None,
+        walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)))
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config))
