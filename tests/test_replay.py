@@ -63,8 +63,9 @@ def test_gpt_example_same_account_both_ways(config):
     _assert_same(a, b)
 
 
-@pytest.mark.parametrize("amp", [None, torch.bfloat16])
-def test_replay_records_fewer_dispatched_ops(monkeypatch, amp):
+@pytest.fixture
+def dispatched(monkeypatch) -> dict:
+    """{"n": ops the recorder has seen}: counts every op dispatched on fake tensors."""
     calls = {"n": 0}
     original = recorder_module.Recorder.__torch_dispatch__
 
@@ -73,13 +74,18 @@ def test_replay_records_fewer_dispatched_ops(monkeypatch, amp):
         return original(self, func, types, args, kwargs)
 
     monkeypatch.setattr(recorder_module.Recorder, "__torch_dispatch__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_replay_records_fewer_dispatched_ops(dispatched, amp):
     idx = torch.empty(1, 8, dtype=torch.long, device="meta")
     model = _tiny_llama(layers=8)
     counts = []
     for dedup in (True, False):
-        calls["n"] = 0
+        dispatched["n"] = 0
         fxacct.profile_module(model, (idx,), {}, fxacct.Config(batch=1, dedup=dedup, amp=amp))
-        counts.append(calls["n"])
+        counts.append(dispatched["n"])
     # 8 layers: with replay only the two probe blocks (and nothing per replayed block) run on
     # fake tensors, so far fewer ops are dispatched; the graphs are equal (test above)
     assert counts[0] < counts[1] / 2, counts
@@ -245,19 +251,11 @@ def test_hugging_face_same_account_both_ways(make, config):
     _assert_same(a, b)
 
 
-def test_hugging_face_llama_replays(monkeypatch):
-    calls = {"n": 0}
-    original = recorder_module.Recorder.__torch_dispatch__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        calls["n"] += 1
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(recorder_module.Recorder, "__torch_dispatch__", counting)
+def test_hugging_face_llama_replays(dispatched):
     model = _hf("Llama", layers=8)
     counts = []
     for dedup in (True, False):
-        calls["n"] = 0
+        dispatched["n"] = 0
         _hf_accounts(model, (dedup,))
-        counts.append(calls["n"])
+        counts.append(dispatched["n"])
     assert counts[0] < counts[1] / 2, counts
