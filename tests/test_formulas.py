@@ -566,6 +566,20 @@ def test_tag_fallback_and_transcendentals():
     HIT.update({torch.Tag.pointwise, torch.Tag.reduction, torch.Tag.inplace_view})
 
 
+def test_python_logical_operators_cost_as_bitwise_ops():
+    # `mask_a | mask_b` dispatches to aten.__or__.Tensor, which torch does not tag pointwise
+    # (FSDP2/DTensor code does it); it costs as bitwise_or: 1 per output element, 4·6 = 24
+    x = (4, 6)
+    for op in (aten.__or__.Tensor, aten.__and__.Tensor, aten.__ior__.Tensor, aten.__iand__.Tensor,
+               aten.__ixor__.Tensor):
+        assert lookup(op).formula(x, x, out_shape=x, ctx=CostContext(op=op)) == Flops(other=24), op
+        HIT.add(op)
+    for op in (aten.__or__.Scalar, aten.__and__.Scalar, aten.__ior__.Scalar, aten.__iand__.Scalar,
+               aten.__ixor__.Scalar):
+        assert lookup(op).formula(x, True, out_shape=x, ctx=CostContext(op=op)) == Flops(other=24), op
+        HIT.add(op)
+
+
 def test_unknown_op_is_reported_not_zero():
     import torch.fx as fx
     from fxacct.account.annotate import node_cost

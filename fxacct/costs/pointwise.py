@@ -38,6 +38,11 @@ def per_input_element(k: int):
 
 register(torch.Tag.pointwise)(per_output_element(1))
 register(torch.Tag.reduction)(per_input_element(1))
+# Python's `a | b`, `a & b` on tensors dispatch to these overloads, which torch leaves untagged
+# (bitwise_or/and carry the pointwise tag): 1 FLOP per output element, as bitwise_or
+register(aten.__or__.Tensor, aten.__or__.Scalar, aten.__and__.Tensor, aten.__and__.Scalar,
+         aten.__ior__.Tensor, aten.__ior__.Scalar, aten.__iand__.Tensor, aten.__iand__.Scalar,
+         aten.__ixor__.Tensor, aten.__ixor__.Scalar)(per_output_element(1))
 
 register(aten.index_add, aten.scatter_add, aten.scatter_reduce)(
     lambda *a, out_shape, ctx, **k: Flops(other=numel(_src_shape(a))))
