@@ -309,6 +309,66 @@ def test_scaled_mm_equals_flop_counter(bias):
     assert got.other == (64 * 48 if bias else 0)  # the fused bias: one add per output, as addmm
 
 
+def _per_group_products(layout: str, a, b, ends):
+    """aten._grouped_mm spelled as one plain matmul per group (the meaning its docs give)."""
+    starts = [0] + ends[:-1]
+    cuts = list(zip(starts, ends))
+    if layout == "2d-3d":  # rows of a cut by offs, group g times b[g]
+        return [(a[s:e], b[g]) for g, (s, e) in enumerate(cuts)]
+    if layout == "3d-2d":  # columns of b cut by offs, a[g] times them
+        return [(a[g], b[:, s:e]) for g, (s, e) in enumerate(cuts)]
+    if layout == "2d-2d":  # the contraction K cut by offs
+        return [(a[:, s:e], b[s:e]) for s, e in cuts]
+    return [(a[g], b[g]) for g in range(a.shape[0])]  # 3d-3d: a batched product
+
+
+GROUPED = {  # layout: (a, b) shapes, 3 groups cut at 4, 8, 12 (offs)
+    "2d-3d": ((12, 8), (3, 8, 16)), "3d-2d": ((3, 5, 8), (8, 12)),
+    "2d-2d": ((5, 12), (12, 16)), "3d-3d": ((3, 5, 8), (3, 8, 16)),
+}
+
+
+@pytest.mark.parametrize("layout", list(GROUPED))
+def test_grouped_mm_equals_one_matmul_per_group(layout):
+    # MoE experts (transformers' default grouped_mm experts): the oracle is FlopCounterMode over the
+    # per-group products, each checked to compute what the CPU kernel computes
+    a_shape, b_shape = GROUPED[layout]
+    torch.manual_seed(0)
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    ends = [4, 8, 12]
+    offs = torch.tensor(ends, dtype=torch.int32) if layout != "3d-3d" else None
+    out = aten._grouped_mm.default(a, b, offs)
+    pieces = _per_group_products(layout, a, b, ends)
+    products = [x @ y for x, y in pieces]
+    if layout == "2d-3d":
+        expected_out = torch.cat(products)
+    elif layout == "3d-2d":
+        expected_out = torch.cat(products, dim=1)
+    else:
+        expected_out = torch.stack(products)
+    torch.testing.assert_close(out, expected_out)
+    with FlopCounterMode(display=False) as fc:
+        for x, y in pieces:
+            torch.mm(x, y)
+    got = fx_cost(aten._grouped_mm.default, (a, b, offs), out=out)
+    assert got == Flops(matmul=fc.get_total_flops())
+    # by hand: 2d-3d 2·12·16·8 = 3072; 3d-2d 2·5·12·8 = 960; 2d-2d and 3d-3d 2·3·5·16·4 or 2·3·5·16·8
+    assert got.matmul == {"2d-3d": 3072, "3d-2d": 960, "2d-2d": 1920, "3d-3d": 3840}[layout]
+
+
+def test_grouped_mm_bias_and_scaled_variant():
+    # a fused bias adds 1 per output element (as addmm); _scaled_grouped_mm (fp8 MoE) has the same
+    # products; shapes as the 2d-3d layout above: 12·16 = 192 outputs
+    ctx = CostContext(op=aten._grouped_mm.default)
+    f = lookup(aten._grouped_mm.default).formula
+    assert f((12, 8), (3, 8, 16), (3,), (3, 16), out_shape=(12, 16), ctx=ctx) == Flops(matmul=3072, other=192)
+    assert f((12, 8), (3, 8, 16), (3,), None, out_shape=(12, 16), ctx=ctx) == Flops(matmul=3072)
+    op = aten._scaled_grouped_mm.default
+    scaled = lookup(op).formula((12, 8), (3, 8, 16), (12,), (3, 16), (3,), out_shape=(12, 16), ctx=CostContext(op=op))
+    assert scaled == Flops(matmul=3072)
+    HIT.add(_key(op))
+
+
 @pytest.mark.parametrize("conv", CONV, ids=range(len(CONV)))
 @pytest.mark.parametrize("op", [aten.convolution.default, aten._convolution.default])
 @pytest.mark.parametrize("bias", [True, False])

@@ -4,7 +4,7 @@ A fused bias add (addmm, baddbmm, convolution with bias) is 1 FLOP per output el
 so `matmul` stays 2·m·n·p and equals torch.utils.flop_counter's figure.
 """
 
-from fxacct.costs.registry import Flops, numel, register
+from fxacct.costs.registry import Flops, argument, numel, register
 from fxacct.units import FLOPS_PER_FMA
 
 import torch
@@ -93,3 +93,30 @@ def scaled_mm(a_shape, b_shape, scale_a_shape, scale_b_shape, bias_shape=None, *
     per output element in `other`, as for addmm (the scaling is folded into the product)."""
     bias_shape = kwargs.get("bias", bias_shape)
     return Flops(matmul=mm_flops(a_shape, b_shape), other=numel(out_shape) if bias_shape is not None else 0)
+
+
+def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
+    """aten._grouped_mm (MoE experts: one product per group, the groups cut by ``offs``), by the
+    four layouts of its meta kernel (torch/_meta_registrations.py, _create_grouped_mm_output_tensor):
+
+    - 2d × 3d: a (M, K) rows cut into G groups, b (G, K, N) → (M, N): every row one K-long product
+      per output column, 2·M·N·K;
+    - 3d × 2d: a (G, M, K), b (K, N) columns cut into G groups → (M, N): 2·M·N·K;
+    - 3d × 3d: a batched product (G, M, K) @ (G, K, N) → (G, M, N): 2·G·M·N·K;
+    - 2d × 2d: a (M, K) and b (K, N), K cut into G groups → (G, M, N): group g contracts K_g,
+      Σ 2·M·N·K_g = 2·M·N·K.
+
+    Rows (columns) past ``offs[-1]`` are not computed by the kernel; their count is a value, not a
+    shape, so every row is counted (exact when the groups cover the tensor, as MoE dispatch does)."""
+    k = a_shape[-1]
+    out = numel(out_shape)
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        out //= out_shape[0]  # the G copies of (M, N) share one contraction over K
+    return FLOPS_PER_FMA * out * k
+
+
+@register(aten._grouped_mm, aten._scaled_grouped_mm)
+def grouped_mm(a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # a fused bias (an optional argument of both) adds 1 per output element, as for addmm
+    bias = argument(ctx.op, (a_shape, b_shape, *args), kwargs, "bias") if ctx.op is not None else None
+    return Flops(matmul=grouped_mm_flops(a_shape, b_shape, out_shape), other=numel(out_shape) if bias is not None else 0)
