@@ -640,6 +640,27 @@ def test_python_logical_operators_cost_as_bitwise_ops():
         HIT.add(op)
 
 
+def test_untagged_floor_divide_histc_and_scatter():
+    # torch tags none of these pointwise/reduction; MoE routing (Mixtral's grouped_mm path) uses them.
+    # floor_divide: one division per output, 4·6 = 24; histc: one bin lookup per input, 24;
+    # scatter with reduce="add": one add per index/src element, 2·6 = 12; plain scatter: a copy
+    x = (4, 6)
+    for op in (aten.floor_divide.default, aten.floor_divide_.Tensor):
+        assert fx_cost(op, (r(*x), r(*x)), out=torch.empty(x)) == Flops(other=24), op
+    assert fx_cost(aten.floor_divide.Scalar, (r(*x), 2), out=torch.empty(x)) == Flops(other=24)
+    HIT.add(aten.floor_divide_.Scalar)
+    assert fx_cost(aten.histc.default, (r(*x), 10), out=torch.empty(10)) == Flops(other=24)
+    index = torch.zeros(2, 6, dtype=torch.long)
+    for op, extra in ((aten.scatter.reduce, (r(2, 6),)), (aten.scatter.value_reduce, (1.0,))):
+        got = fx_cost(op, (r(*x), 0, index, *extra), {"reduce": "add"}, out=torch.empty(x))
+        assert got == Flops(other=12), op
+    HIT.update({aten.scatter_.reduce, aten.scatter_.value_reduce})
+    for op in (aten.scatter.src, aten.scatter_.value):
+        info = lookup(op)
+        assert info.movement and info.formula(x, 0, (2, 6), (2, 6), out_shape=x, ctx=CostContext()) == ZERO
+        HIT.add(_key(op))
+
+
 def test_unknown_op_is_reported_not_zero():
     import torch.fx as fx
     from fxacct.account.annotate import node_cost

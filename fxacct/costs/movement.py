@@ -25,6 +25,8 @@ register_zero(
     aten.set_, aten.resize_, aten.lift_fresh_copy, aten.fill_, aten.zero_, aten.bernoulli_,
     aten.normal_, aten.uniform_, aten.random_, aten.exponential_,
     aten._local_scalar_dense,  # .item(): a read of one value
+    # scatter without a reduction writes values into a copy (Mixtral's routing one-hot)
+    aten.scatter.src, aten.scatter.value, aten.scatter_.src, aten.scatter_.value,
     # backward of views and indexing: a zero tensor with the gradient written into a slice of it
     aten.slice_backward, aten.select_backward, aten.index_select_backward, aten.diagonal_backward,
     movement=True,

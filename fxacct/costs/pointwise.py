@@ -43,6 +43,13 @@ register(torch.Tag.reduction)(per_input_element(1))
 register(aten.__or__.Tensor, aten.__or__.Scalar, aten.__and__.Tensor, aten.__and__.Scalar,
          aten.__ior__.Tensor, aten.__ior__.Scalar, aten.__iand__.Tensor, aten.__iand__.Scalar,
          aten.__ixor__.Tensor, aten.__ixor__.Scalar)(per_output_element(1))
+# untagged too: floor_divide is one division per output (as div); histc one bin lookup per input
+register(aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor,
+         aten.floor_divide_.Scalar)(per_output_element(1))
+register(aten.histc)(per_input_element(1))
+# scatter with a reduction: one add (or multiply) per source element, as scatter_reduce
+register(aten.scatter.reduce, aten.scatter.value_reduce, aten.scatter_.reduce, aten.scatter_.value_reduce)(
+    lambda x_shape, dim, index_shape, *a, out_shape, ctx, **k: Flops(other=numel(index_shape)))
 
 register(aten.index_add, aten.scatter_add, aten.scatter_reduce)(
     lambda *a, out_shape, ctx, **k: Flops(other=numel(_src_shape(a))))
