@@ -129,3 +129,24 @@ def test_without_transformers_engine_fxacct_maps_the_plan_or_says_which_style(mo
     model_fn, par, inputs = _eager_args("llama", {"tp": 2}, cfg)
     count, nbytes, _ = eager_collectives(model_fn, par, {"tp": 2}, inputs)
     assert got == (count, nbytes) and count["all_reduce"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_real_gloo_run_under_transformers_plan(name):
+    """fsdp=2,tp=2 in four CPU processes on gloo (fxacct.parallel.gloo_run): every rank issues the
+    collectives the account shows (count and bytes per op) and peaks within 2% of it."""
+    from fxacct.parallel.gloo_run import run_mesh
+
+    cfg = _config(name, {"fsdp": 2, "tp": 2})
+    p = fxacct.profile(cfg)
+    predicted: dict[str, list[int]] = {}
+    for r in p.parallel.rows:
+        acc = predicted.setdefault(r.op, [0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+    ranks = run_mesh(cfg, steps=1, warmup=1)
+    assert len(ranks) == 4
+    peak = p.memory.peak_train.bytes
+    for m in ranks:
+        assert m.collectives == predicted, (m.rank, m.collectives, predicted)
+        assert abs(m.op_level_peak_bytes - peak) <= 0.02 * peak, (m.rank, m.op_level_peak_bytes, peak)
