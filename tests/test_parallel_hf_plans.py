@@ -16,10 +16,11 @@ from fxacct.report import document
 
 pytest.importorskip("transformers.distributed.tensor_parallel")
 
-MODELS = {  # name: (target, dtype); Mixtral's default grouped_mm experts need bf16 on CPU
+MODELS = {  # name: (target, dtype); Mixtral's default grouped_mm experts take bf16 only
     "llama": ("tests/models/hf_llama_tp.py:make", None),
     "qwen3": ("tests/models/hf_tp_models.py:qwen3", None),
     "mixtral": ("tests/models/hf_tp_models.py:mixtral", torch.bfloat16),
+    "mixtral_batched_mm": ("tests/models/hf_tp_models.py:mixtral_batched_mm", None),
     "gemma2": ("tests/models/hf_tp_models.py:gemma2", None),
 }
 MESHES = ({"tp": 2}, {"fsdp": 2, "tp": 2})

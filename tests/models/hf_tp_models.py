@@ -1,7 +1,8 @@
 """Tiny Hugging Face models built from their configs (no download), each carrying transformers'
 own tensor-parallel plan, with the styles fxacct once had to map itself: Qwen3's per-head norms
 ("replicated_with_grad_allreduce"), Mixtral's experts ("packed_colwise" on a parameter,
-"moe_tp_experts"; its default experts implementation, grouped_mm, runs in bf16 on CPU), Gemma2's
+"moe_tp_experts"; its default experts implementation, grouped_mm, takes bf16 only; batched_mm
+any dtype), Gemma2's
 embedding tied to the head. Same vocabulary and sequence length for all: one example_inputs."""
 
 import torch
@@ -16,8 +17,14 @@ def qwen3():
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **COMMON))
 
 
-def mixtral():
-    return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **COMMON))
+def mixtral(experts_implementation=None):
+    return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                            experts_implementation=experts_implementation, **COMMON))
+
+
+def mixtral_batched_mm():
+    """The same Mixtral, its experts as batched matmuls (any dtype)."""
+    return mixtral("batched_mm")
 
 
 def gemma2():
