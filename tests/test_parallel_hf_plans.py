@@ -151,3 +151,16 @@ def test_real_gloo_run_under_transformers_plan(name):
     for m in ranks:
         assert m.collectives == predicted, (m.rank, m.collectives, predicted)
         assert abs(m.op_level_peak_bytes - peak) <= 0.02 * peak, (m.rank, m.op_level_peak_bytes, peak)
+
+
+def test_a_hugging_face_model_without_a_plan_is_a_usage_error(tmp_path):
+    """GPT-2 declares no base_model_tp_plan: exit 2, naming the fix."""
+    from click.testing import CliRunner
+    from transformers import GPT2Config
+
+    from fxacct_cli.main import cli
+
+    GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=32).save_pretrained(tmp_path)
+    r = CliRunner().invoke(cli, ["profile", f"hf:{tmp_path}", "--batch", "1", "--seq-len", "8", "--mesh", "tp=2"])
+    assert r.exit_code == 2, r.output
+    assert "GPT2LMHeadModel carries no tensor-parallel plan" in r.output and "--parallelize" in r.output

@@ -21,6 +21,9 @@ import torch
 
 from fxacct.errors import UsageError, classify
 
+NO_PLAN = ("{} carries no tensor-parallel plan (base_model_tp_plan or _tp_plan): "
+           "give --parallelize PATH.py:fn, called as fn(model, mesh)")
+
 
 def _style(value, key: str):
     from torch.distributed.tensor import Replicate
@@ -77,10 +80,12 @@ def apply_transformers_plan(model: torch.nn.Module, tp_mesh, engine) -> None:
     """The plan transformers resolves for ``DistributedConfig(tp_size=T)`` (TP only: the fsdp
     dims stay fxacct's, fxacct.parallel.engine), applied by transformers on the tp mesh."""
     config_cls, apply = engine
+    if not getattr(model, "tp_plan", None):
+        raise UsageError(NO_PLAN.format(type(model).__name__))
     try:
         plan, _, _ = model._resolve_parallel_plans(config_cls(tp_size=tp_mesh.size()))
-    except ValueError as e:  # no plan, or a style transformers does not know
-        msg = " ".join(str(e).split())
+    except ValueError as e:  # a style transformers does not know, a rule naming nothing
+        msg = " ".join(str(e).split()).rstrip(".")
         raise UsageError(f"transformers could not resolve {type(model).__name__}'s tensor-parallel plan: {msg}; "
                          "give --parallelize PATH.py:fn, called as fn(model, mesh)") from e
     # transformers shards before it ties the weights (the checkpoint loads into the shards), then
@@ -119,8 +124,7 @@ def apply_model_plan(model: torch.nn.Module, tp_mesh) -> None:
         return apply_transformers_plan(model, tp_mesh, engine)
     plan = model_plan(model)
     if not plan:
-        raise UsageError(f"{type(model).__name__} carries no tensor-parallel plan (base_model_tp_plan or "
-                         "_tp_plan): give --parallelize PATH.py:fn, called as fn(model, mesh)")
+        raise UsageError(NO_PLAN.format(type(model).__name__))
     missing = [k for k in plan if not matches(model, k)]
     if missing:
         raise UsageError(f"the tensor-parallel plan names {missing[0]!r}, which is not a module of "
