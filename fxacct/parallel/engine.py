@@ -96,6 +96,12 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _fully_shard(model, spec: MeshSpec, mesh, options) -> None:
+    """FSDP2 per repeated block and at the root, also for a Hugging Face model (whose tp plan is
+    transformers' own, fxacct.parallel.plans): what Trainer / Accelerate's FSDP2 users get
+    (fsdp2_prepare_model: each decoder layer of ``_no_split_modules``, then the root) and what
+    torchtitan does, and it honours --reshard-after-forward and --amp. transformers' own
+    DistributedConfig(fsdp_size) path (fsdp_plan) differs only in wrapping the input embedding
+    alone and the final norm with lm_head as one unit kept gathered after forward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if spec.size("fsdp") == 1:
