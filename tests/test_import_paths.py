@@ -90,6 +90,12 @@ def test_hf_defaults_seq_len_class_and_overrides(tmp_path):
     assert type(model).__name__ == "LlamaForCausalLM" and tuple(kwargs["input_ids"].shape) == (1, 64)
     model, _, _, _ = load_model(fxacct.Config(target=f"hf:{no_arch}", kwargs={"attn_implementation": "eager"}))
     assert model.config._attn_implementation == "eager"
+    # the MoE experts' kernel is a build keyword too, not a config field
+    moe = _write(tmp_path, "moe.json", dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=64,
+                                            hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=2))
+    model, _, _, _ = load_model(fxacct.Config(target=f"hf:{moe}", kwargs={"experts_implementation": "batched_mm"}))
+    assert model.config._experts_implementation == "batched_mm"
 
 
 def test_hf_default_inputs_of_encoder_decoder_and_vision_models(tmp_path):

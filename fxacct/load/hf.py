@@ -3,7 +3,8 @@
 
 The config is read from the JSON file (a directory means its ``config.json``), its ``model_type``
 picks the transformers config class, ``-k NAME=VALUE`` overrides a config field (``-k
-attn_implementation=eager`` picks the attention implementation), and the model is built with
+attn_implementation=eager`` picks the attention implementation, ``-k experts_implementation=batched_mm``
+an MoE model's experts kernel: the default ``grouped_mm`` has a fake kernel for bfloat16 only), and the model is built with
 ``from_config`` in float32 (the config's ``torch_dtype`` is not applied: use ``--dtype``),
 ``use_cache`` off (a training step keeps no key/value cache). The class: ``--hf-class``, else the
 config's first ``architectures`` entry, else ``AutoModelForCausalLM``.
@@ -32,6 +33,9 @@ FALLBACK_SEQ = 512  # configs without a maximum position count (T5's relative po
 DEFAULT_CLASS = "AutoModelForCausalLM"
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
 ATTN = "attn_implementation"
+# build-time choices ``from_config`` takes as keywords, not config fields: the attention kernel and
+# the MoE experts' (``grouped_mm``, ``batched_mm``, ``eager``)
+BUILD_KWARGS = (ATTN, "experts_implementation")
 
 
 def transformers_module():
@@ -71,11 +75,11 @@ def read_config(path_text: str, overrides: dict):
     config = transformers.CONFIG_MAPPING[model_type].from_dict(data)
     build_kwargs = {}
     for key, value in overrides.items():
-        if key == ATTN:
-            build_kwargs[ATTN] = value
+        if key in BUILD_KWARGS:
+            build_kwargs[key] = value
         elif not hasattr(config, key):
-            raise UsageError(f"-k {key}: the {type(config).__name__} has no field {key!r}; "
-                             f"-k overrides config fields (or -k {ATTN}=eager|sdpa)")
+            raise UsageError(f"-k {key}: the {type(config).__name__} has no field {key!r}; -k overrides config "
+                             f"fields (or -k {ATTN}=eager|sdpa, -k experts_implementation=batched_mm|grouped_mm)")
         else:
             setattr(config, key, value)
     if hasattr(config, "use_cache"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from fxacct.errors import passes_through
 from fxacct.trace import torch_private as tp
 from fxacct.trace.aliasing import INPLACE, schema_kind
 
@@ -61,6 +62,7 @@ class KnownValues(tp.TorchDispatchMode):
         _STALE.clear()
         return super().__exit__(*exc)
 
+    @passes_through
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SCALAR:
