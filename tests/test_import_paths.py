@@ -194,3 +194,16 @@ def test_a_module_in_the_working_directory_imports(tmp_path, monkeypatch):
     # one Linear 3 -> 2 at batch 5: forward 2·5·3·2 = 60 (matmul) FLOPs
     doc = profile_json("fxacct_test_cwd_net:Net", "--input", "float[B,3]", "--batch", "5")
     assert doc["totals"]["forward_flops_by_class"]["matmul"] == 60
+
+
+def test_a_torch_kernel_refusing_the_model_is_a_model_error(tmp_path):
+    # Mixtral's default experts kernel, grouped_mm, has a fake kernel for bfloat16 only: in float32 the
+    # model's own statement (in transformers) raises inside fxacct's dispatch modes, which pass it through:
+    # exit 3 naming that statement, not an internal error (exit 4)
+    pytest.importorskip("transformers")
+    moe = _write(tmp_path, "moe.json", dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=64,
+                                            hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=2))
+    assert_one_line_error(invoke("profile", f"hf:{moe}", "--seq-len", "8"), 3, "the model's forward raised",
+                          "grouped_mm")
+    assert invoke("profile", f"hf:{moe}", "--seq-len", "8", "--dtype", "bf16", "--summary").exit_code == 0
