@@ -160,8 +160,8 @@ def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
     args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
     part = _split(config, model, rank, stages)
     schedule_cls = ScheduleGPipe if config.pp_schedule == "gpipe" else Schedule1F1B
-    schedule = schedule_cls(PipelineStage(part, rank, stages, cpu), n_microbatches=m,
-                            loss_fn=lambda out, target: out.float().sum())
+    stage = PipelineStage(part, rank, stages, cpu)
+    schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.float().sum())
     opt = config.optimizer_spec().build([p for p in part.parameters() if p.requires_grad])
 
     def step():
@@ -181,8 +181,15 @@ def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
             times.append((time.perf_counter() - start) * 1e3)
     tracker, counter = StorageTracker(), CollectiveCounter()
     with tracker, counter:
-        tracker.track(part, opt, args)
+        tracker.track(part, opt, args, _stage_buffers(stage))
         step()
     times.sort()
     return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,
             "collectives": counter.found}
+
+
+def _stage_buffers(stage) -> list:
+    """The receive buffers a PipelineStage keeps between steps, one per micro-batch: activations
+    (``args_recv_info``) and output gradients (``grad_recv_info``)."""
+    infos = [i for recv in (stage.args_recv_info, getattr(stage, "grad_recv_info", {})) for i in recv.values()]
+    return [i.buffer for group in infos for i in group if not i.is_root_arg and i.buffer is not None]

@@ -2,17 +2,19 @@
 ``--pp-split PATH.py:fn`` (``fn(model, stage, stages)`` returns the stage's module, as
 torchtitan's pipeline split does), each stage is accounted as a rank of its own (on the rest of
 the mesh, if any; stages after the first take the previous stage's output and compute the
-gradient of it, which they send back), and the schedule says how many micro-batches each stage
-holds activations for at once (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B):
+gradient of it, which they send back), and the schedule's own per-rank order
+(fxacct.parallel.pipeline_schedule: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B)
+says how many micro-batches each stage holds at once and how long it idles:
 
 - GPipe runs every forward before any backward: each stage holds all M micro-batches.
-- 1F1B starts stage s (0-based) with P − s forwards, then alternates one forward and one
-  backward: stage s holds at most min(P − s, M) micro-batches (the first stage P).
+- 1F1B starts stage s (0-based) with P − s forwards, then alternates one backward and one
+  forward: stage s holds at most min(P − s, M) micro-batches (the first stage P).
 - Both idle (P − 1) of (M + P − 1) slots per stage: the bubble fraction (Huang et al. 2019,
   GPipe; Narayanan et al. 2021, PipeDream-Flush / 1F1B).
 
-A stage's peak is its one-micro-batch peak plus the saved activations of the other micro-batches
-it holds; send/recv volume per step is M × the boundary tensor each way.
+A stage's peak is its one-micro-batch step replayed in that order as the pipelining runtime holds
+memory (fxacct.parallel.pipeline_memory); send/recv volume per step is M × the boundary tensor
+each way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 
 from fxacct.errors import UsageError, classify
 from fxacct.parallel.mesh import parse_mesh, without_pp
+from fxacct.parallel.pipeline_memory import stage_peak
+from fxacct.parallel.pipeline_schedule import check_microbatches, simulate
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class StageAccount:
     stage: int
     profile: object  # fxacct.Profile of one micro-batch on this stage
     in_flight: int  # micro-batches whose activations the stage holds at once
-    peak_bytes: int  # one-micro-batch peak + (in_flight − 1) × its saved activations
+    peak_bytes: int  # the step replayed in the schedule's order (fxacct.parallel.pipeline_memory)
     send_bytes: int  # per step: activations forward + input gradients backward
     recv_bytes: int
 
@@ -41,14 +45,7 @@ class PipelineAccount:
     schedule: str
     microbatches: int
 
-    @property
-    def bubble_fraction(self) -> float:
-        p, m = len(self.stages), self.microbatches
-        return (p - 1) / (m + p - 1)
-
-
-def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)
+    bubble_fraction: float  # idle share of the step on a stage, from the schedule's order
 
 
 def _split(config, model, stage: int, stages: int):
@@ -96,6 +93,8 @@ def profile_pipeline(config):
     if stages > blocks:
         raise UsageError(f"--mesh pp={stages} asks for more pipeline stages than the model has repeated blocks "
                          f"({blocks}): use pp <= {blocks}")
+    check_microbatches(config.pp_schedule, stages, m)
+    orders = simulate(config.pp_schedule, stages, m)
     inner = without_pp(spec)
     accounts = []
     for s, (args, kwargs) in enumerate(_stage_inputs(config, stages)):
@@ -112,17 +111,16 @@ def profile_pipeline(config):
         else:
             model, _, _, _ = loader(cfg)
             prof = profile_module(model, args, kwargs, replace(cfg, mesh=None))
-        accounts.append(_stage_account(prof, s, stages, m, config.pp_schedule, args))
-    return PipelineAccount(tuple(accounts), config.pp_schedule, m)
+        accounts.append(_stage_account(prof, s, stages, m, orders[s]))
+    bubble = max(1 - o.busy / o.span for o in orders)
+    return PipelineAccount(tuple(accounts), config.pp_schedule, m, bubble)
 
 
-def _stage_account(prof, s: int, stages: int, m: int, schedule: str, args) -> StageAccount:
-    k = in_flight(schedule, s, stages, m)
-    one = prof.memory.peak_train.bytes
-    acts = prof.accounting.totals.activation_bytes
-    boundary_in = args[0].numel() * args[0].element_size() if s > 0 else 0
+def _stage_account(prof, s: int, stages: int, m: int, order) -> StageAccount:
+    boundary_in = prof.capture.input_nodes[0].meta["val"].storage_nbytes if s > 0 else 0
     boundary_out = _output_bytes(prof) if s < stages - 1 else 0
-    return StageAccount(s, prof, k, one + (k - 1) * acts, m * (boundary_out + boundary_in),
+    peak = stage_peak(prof.capture, order.actions, m, s == 0, s == stages - 1, boundary_out)
+    return StageAccount(s, prof, order.in_flight, peak, m * (boundary_out + boundary_in),
                         m * (boundary_in + boundary_out))
 
 

@@ -203,3 +203,15 @@ from torch import overrides as _overrides  # noqa: E402
 # The TorchFunctionModes active on this thread, outermost first (the backward engine runs
 # activation checkpointing's recompute without them: fxacct.trace.checkpointing re-enters them).
 function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "torch.overrides")
+
+
+def pipeline_order(schedule_cls, stages: int, microbatches: int) -> dict:
+    """rank -> [(computation type "F"/"B"/..., micro-batch) or None (an idle slot)]: the per-rank
+    action list torch.distributed.pipelining's single-stage schedules (ScheduleGPipe,
+    Schedule1F1B) build from the stage and micro-batch counts alone (``_get_pipeline_order``),
+    without a process group."""
+    from types import SimpleNamespace
+
+    order = schedule_cls._get_pipeline_order(SimpleNamespace(_num_stages=stages, _n_microbatches=microbatches))
+    return {rank: [None if a is None else (a.computation_type.value, a.microbatch_index) for a in actions]
+            for rank, actions in order.items()}

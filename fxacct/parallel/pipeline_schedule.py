@@ -1,0 +1,90 @@
+"""The order a pipeline schedule runs on each rank, and what follows from it: the micro-batches a
+stage holds at once and the idle slots (the bubble).
+
+The order is torch.distributed.pipelining's own: each schedule class builds a per-rank action
+list (``_get_pipeline_order``: F = forward, B = full backward of one micro-batch). Its idle
+slots are dropped there, and its 1F1B list numbers the last rank's micro-batches from 1, so only
+the sequence of F and B is taken from it; both schedules run each kind in micro-batch order, so
+the k-th F (B) is micro-batch k. The bubble comes from running that order with its dependencies
+(stage s forwards micro-batch k after stage s − 1 did; it runs its backward after stage s + 1
+did), one unit of time per forward and ``backward_units`` per backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxacct.errors import UsageError
+from fxacct.trace import torch_private as tp
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class RankOrder:
+    actions: tuple[tuple[str, int], ...]  # ("F" | "B", micro-batch) in the order the rank runs them
+    in_flight: int  # most micro-batches forwarded and not yet backwarded, at any point
+    busy: int  # time units computing
+    span: int  # time units from the first rank's first forward to this rank's last backward
+
+
+def _schedule_class(schedule: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+
+
+def check_microbatches(schedule: str, stages: int, microbatches: int) -> None:
+    if microbatches < 1:
+        raise UsageError(f"--microbatches {microbatches}: use a positive count")
+    if schedule == "1f1b" and microbatches < stages:
+        raise UsageError(f"--microbatches {microbatches} is fewer than the {stages} pipeline stages, which "
+                         f"--pp-schedule 1f1b needs (torch's Schedule1F1B): use --microbatches >= {stages}")
+
+
+def rank_actions(schedule: str, stages: int, microbatches: int) -> dict[int, list[tuple[str, int]]]:
+    """rank -> [("F" | "B", micro-batch)] from the schedule class's own order (module docstring)."""
+    order = tp.pipeline_order(_schedule_class(schedule), stages, microbatches)
+    out = {}
+    for rank, actions in order.items():
+        seen = {"F": 0, "B": 0}
+        kinds = [a[0] for a in actions if a is not None and a[0] in seen]
+        out[rank] = []
+        for kind in kinds:
+            out[rank].append((kind, seen[kind]))
+            seen[kind] += 1
+    return out
+
+
+def simulate(schedule: str, stages: int, microbatches: int, backward_units: int = 2) -> tuple[RankOrder, ...]:
+    """Each rank's order, in-flight count and busy/idle time (module docstring)."""
+    actions = rank_actions(schedule, stages, microbatches)
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> finish time
+    clock = [0] * stages
+    nxt = [0] * stages
+    while any(nxt[r] < len(actions[r]) for r in range(stages)):
+        progressed = False
+        for r in range(stages):
+            while nxt[r] < len(actions[r]):
+                kind, mb = actions[r][nxt[r]]
+                dep = (("F", r - 1, mb) if r > 0 else None) if kind == "F" else \
+                    (("B", r + 1, mb) if r < stages - 1 else ("F", r, mb))
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[r], done.get(dep, 0))
+                clock[r] = done[(kind, r, mb)] = start + (1 if kind == "F" else backward_units)
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            raise UsageError(f"--pp-schedule {schedule} deadlocks at pp={stages}, M={microbatches}")
+    span = max(clock)
+    return tuple(RankOrder(tuple(actions[r]), _in_flight(actions[r]), microbatches * (1 + backward_units), span)
+                 for r in range(stages))
+
+
+def _in_flight(actions) -> int:
+    held = most = 0
+    for kind, _ in actions:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
