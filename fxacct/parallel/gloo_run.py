@@ -75,6 +75,11 @@ def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...
     if spec.world_size > MAX_RANKS:
         raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
                          f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
+    if spec.size("pp") > 1:  # every rank cuts the model at the same points
+        from fxacct.parallel.pipeline import resolve_points
+
+        points = resolve_points(config, spec.size("pp"))
+        config = config if points is None else replace(config, pp_split=",".join(points))
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank_main, args=(spec.world_size, port, config, out, steps, warmup),
@@ -151,6 +156,7 @@ def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from fxacct.parallel.pipeline import _split
+    from fxacct.parallel.pipeline_split import is_function
     from fxacct.runtime.run import build_model, make_inputs
     from fxacct.runtime.storage_tracker import StorageTracker
 
@@ -158,7 +164,8 @@ def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
     model, file_module = build_model(config, cpu)
     m = config.microbatches or stages
     args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
-    part = _split(config, model, rank, stages)
+    points = None if is_function(config.pp_split) else config.pp_split.split(",")
+    part = _split(config, model, rank, stages, points, tuple(a.tensor_split(m)[0] for a in args))
     schedule_cls = ScheduleGPipe if config.pp_schedule == "gpipe" else Schedule1F1B
     stage = PipelineStage(part, rank, stages, cpu)
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, target: out.float().sum())

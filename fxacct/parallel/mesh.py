@@ -76,9 +76,6 @@ def check_config(config) -> None:
     """The --mesh flags of a Config, before any tracing."""
     spec = parse_mesh(config.mesh)
     check_world(spec, config.world_size)
-    if spec.size("pp") > 1 and not config.pp_split:
-        raise UsageError(f"--mesh {spec} has pipeline stages: give --pp-split PATH.py:fn, called as "
-                         "fn(model, stage, stages) -> the stage's module (examples/llama.py:pipeline_stage)")
     if config.pp_schedule not in ("gpipe", "1f1b"):
         raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe or 1f1b")
     if config.microbatches is not None and config.microbatches < 1:

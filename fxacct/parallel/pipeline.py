@@ -24,9 +24,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from fxacct.errors import UsageError, classify
+from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.mesh import parse_mesh, without_pp
 from fxacct.parallel.pipeline_memory import stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, simulate
+from fxacct.parallel.pipeline_split import block_costs, is_function, split_points, stage_module
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,12 @@ class PipelineAccount:
     bubble_fraction: float  # idle share of the step on a stage, from the schedule's order
 
 
-def _split(config, model, stage: int, stages: int):
+def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=None):
+    """Stage ``stage``'s module: the user's --pp-split function's, or the model cut at ``points``."""
     from fxacct.load.model_spec import call_user, resolve
 
+    if points is not None:
+        return stage_module(model, args, kwargs or {}, points, stage)
     fn, _ = resolve(config.pp_split)
     try:
         part = call_user(fn, model, stage, stages)
@@ -61,7 +66,24 @@ def _split(config, model, stage: int, stages: int):
     return part
 
 
-def _stage_inputs(config, stages: int):
+def resolve_points(config, stages: int):
+    """The FQNs where stages begin (None with a --pp-split function); automatic ones balance the
+    repeated blocks' FLOPs in a one-device trace of the whole model."""
+    from fxacct.profile import load_model, profile_module
+
+    if is_function(config.pp_split):
+        return None
+    model, args, kwargs, _ = load_model(config)
+    blocks = [n for n, m in model.named_modules() if any(m is b for b in repeated_blocks(model))]
+
+    def cost():
+        prof = profile_module(model, args, kwargs, replace(config, mesh=None, optimizer="none"))
+        return block_costs(prof.accounting, blocks)
+
+    return split_points(model, config.pp_split, stages, cost)
+
+
+def _stage_inputs(config, stages: int, points):
     """(stage module, args) per stage on meta: each stage's input is the previous one's output."""
     from fxacct.profile import load_model
 
@@ -70,7 +92,7 @@ def _stage_inputs(config, stages: int):
         model, args, kwargs, _ = load_model(config)
         if config.dtype is not None:
             model.to(config.dtype)
-        part = _split(config, model, s, stages)
+        part = _split(config, model, s, stages, points, args, kwargs)
         inputs = args if s == 0 else (x,)
         with torch.no_grad():
             out = part(*inputs, **(kwargs if s == 0 else {}))
@@ -85,8 +107,6 @@ def profile_pipeline(config):
     """(stage 0's Profile with ``pipeline`` set on its parallel account, or a plain Profile)."""
     from fxacct.profile import load_model, profile_module
 
-    from fxacct.parallel.engine import repeated_blocks
-
     spec = parse_mesh(config.mesh)
     stages, m = spec.size("pp"), config.microbatches or spec.size("pp")
     blocks = len(repeated_blocks(load_model(config)[0]))
@@ -95,14 +115,15 @@ def profile_pipeline(config):
                          f"({blocks}): use pp <= {blocks}")
     check_microbatches(config.pp_schedule, stages, m)
     orders = simulate(config.pp_schedule, stages, m)
+    points = resolve_points(config, stages)
     inner = without_pp(spec)
     accounts = []
-    for s, (args, kwargs) in enumerate(_stage_inputs(config, stages)):
+    for s, (args, kwargs) in enumerate(_stage_inputs(config, stages, points)):
         cfg = replace(config, mesh=inner, input_requires_grad=config.input_requires_grad or s > 0)
 
         def loader(c, s=s, args=args, kwargs=kwargs):
-            model, _, _, _ = load_model(c)
-            return _split(c, model, s, stages), args, kwargs, None
+            model, full_args, full_kwargs, _ = load_model(c)
+            return _split(c, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
 
         if inner is not None:
             from fxacct.parallel.profile import profile_parallel
