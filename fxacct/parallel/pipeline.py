@@ -27,7 +27,7 @@ from fxacct.errors import UsageError, classify
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.mesh import parse_mesh, without_pp
 from fxacct.parallel.pipeline_memory import stage_peak
-from fxacct.parallel.pipeline_schedule import check_microbatches, simulate
+from fxacct.parallel.pipeline_schedule import check_microbatches, releases, simulate
 from fxacct.parallel.pipeline_split import block_costs, is_function, split_points, stage_module
 
 
@@ -132,15 +132,16 @@ def profile_pipeline(config):
         else:
             model, _, _, _ = loader(cfg)
             prof = profile_module(model, args, kwargs, replace(cfg, mesh=None))
-        accounts.append(_stage_account(prof, s, stages, m, orders[s]))
+        accounts.append(_stage_account(prof, s, stages, m, orders[s], config.pp_schedule))
     bubble = max(1 - o.busy / o.span for o in orders)
     return PipelineAccount(tuple(accounts), config.pp_schedule, m, bubble)
 
 
-def _stage_account(prof, s: int, stages: int, m: int, order) -> StageAccount:
+def _stage_account(prof, s: int, stages: int, m: int, order, schedule: str) -> StageAccount:
     boundary_in = prof.capture.input_nodes[0].meta["val"].storage_nbytes if s > 0 else 0
     boundary_out = _output_bytes(prof) if s < stages - 1 else 0
-    peak = stage_peak(prof.capture, order.actions, m, s == 0, s == stages - 1, boundary_out)
+    peak = stage_peak(prof.capture, order.actions, m, s == stages - 1, boundary_out,
+                      releases(schedule, order.actions, stages, s, m))
     return StageAccount(s, prof, order.in_flight, peak, m * (boundary_out + boundary_in),
                         m * (boundary_in + boundary_out))
 

@@ -14,10 +14,11 @@ torch.distributed.pipelining's PipelineStage holds memory (torch 2.13 stage.py, 
   is kept to the end of the step (``_internal_losses``).
 - B(k) runs the backward ops. The first backward allocates the parameter gradients, alive to the
   end; later ones add into them (AccumulateGrad), so a parameter gradient a later backward
-  computes is freed right after its op. The input gradient of a later stage accumulates into
-  its receive buffer's ``.grad``: one per micro-batch, alive to the end of the step.
-- After the last backward the last stage merges its output chunks (``torch.cat``: one more copy
-  of all M outputs, freed when ``step()`` returns, its result unused); then the optimizer step.
+  computes is freed right after its op. The input gradient of a later stage is taken off its
+  receive buffer (``stage_backward`` sets ``.grad = None``) and lives as long as the send that
+  carries it back (fxacct.parallel.pipeline_schedule.releases), as does a stage output.
+- When the schedule returns, the last stage merges its output chunks (``torch.cat``: one more
+  copy of all M outputs, freed with them since ``step()``'s result is unused); then the optimizer.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def _input_grad_storages(capture) -> set:
     return {t.storage for a in grads[n_params:] for t in tensor_metas(a.meta.get("val"))}
 
 
-def stage_peak(capture, actions, microbatches: int, first: bool, last: bool, grad_recv_bytes: int) -> int:
-    """The stage's peak live bytes over one step of ``actions`` (module docstring)."""
+def stage_peak(capture, actions, microbatches: int, last: bool, grad_recv_bytes: int, releases) -> int:
+    """The stage's peak live bytes over one step of ``actions`` (module docstring); ``releases``:
+    (output, input gradient) of each micro-batch -> the action index after which it is freed."""
     life = lifetimes(capture)
     resident = sum(b * (microbatches if c == INPUTS else 1) for c, b in life.resident)
     resident += 0 if last else microbatches * grad_recv_bytes
@@ -78,21 +80,48 @@ def stage_peak(capture, actions, microbatches: int, first: bool, last: bool, gra
     walk = _Walk(resident)
     fwd = [i for i, p in enumerate(phases) if p == FORWARD or (p == LOSS and last)]
     bwd = [i for i, p in enumerate(phases) if p == BACKWARD]
-    first_backward = True
-    for kind, mb in actions:
-        if kind == "F":
-            walk.run(fwd, births, mb, keep={out_sid} if out_sid is not None else set(),
-                     skipped=set() if last else {i for i, p in enumerate(phases) if p == LOSS})
-            continue
-        transient = set() if first_backward else capture.grad_storages - in_grads
-        walk.run(bwd, births, mb, transient=transient)
-        first_backward = False
+    skipped = set() if last else {i for i, p in enumerate(phases) if p == LOSS}
+    freed_after: dict[int, list] = {}
+    for mb in range(microbatches):
         if not last:
+            freed_after.setdefault(releases[0][mb], []).append((out_sid, mb))
+        for sid in in_grads:
+            freed_after.setdefault(releases[1][mb], []).append((sid, mb))
+    ends = _node_ends(ops, bwd)
+    param_grads = {sid: ends for sid in capture.grad_storages - in_grads}
+    for a, (kind, mb) in enumerate(actions):
+        if kind == "F":
+            walk.run(fwd, births, mb, keep={out_sid}, skipped=skipped)
+        else:  # the first backward allocates the parameters' gradients, later ones add into them
+            walk.run(bwd, births, mb, keep=in_grads, transient=param_grads if a > _first_b(actions) else {})
+        for key in freed_after.pop(a, ()):
+            walk.free(*key)
+    for key in freed_after.pop(len(actions), ()):
+        walk.free(*key)
+    if last and out_sid is not None:  # output_chunks merged by torch.cat when the schedule returns
+        walk.note(sum(walk.held.get((out_sid, mb), 0) for mb in range(microbatches)))
+        for mb in range(microbatches):
             walk.free(out_sid, mb)
-    if last and out_sid is not None:
-        walk.note(sum(walk.held.get((out_sid, mb), 0) for mb in range(microbatches)))  # the torch.cat
     walk.run([i for i, p in enumerate(phases) if p == OPTIMIZER], births, 0)
     return walk.peak
+
+
+def _node_ends(ops, bwd) -> dict[int, int]:
+    """Backward op -> the last op of its autograd Node (consecutive ops derived from one forward
+    op): AccumulateGrad adds a later micro-batch's gradient into ``.grad`` right after it."""
+    ends, last = {}, None
+    for i in reversed(bwd):
+        src = trace_of(ops[i]).derived_from
+        if last is None or src is None or src is not last[0] or last[1] != i + 1:
+            last = (src, i, i)
+        else:
+            last = (src, i, last[2])
+        ends[i] = last[2]
+    return ends
+
+
+def _first_b(actions) -> int:
+    return next(i for i, (kind, _) in enumerate(actions) if kind == "B")
 
 
 class _Walk:
@@ -109,7 +138,8 @@ class _Walk:
     def free(self, sid, mb) -> None:
         self.live -= self.held.pop((sid, mb), 0)
 
-    def run(self, op_indices, births, mb, keep=frozenset(), skipped=frozenset(), transient=frozenset()):
+    def run(self, op_indices, births, mb, keep=frozenset(), skipped=frozenset(), transient=None):
+        transient = transient or {}
         for i in op_indices:
             if i in skipped:
                 continue
@@ -117,7 +147,7 @@ class _Walk:
                 self.held[(sid, mb)] = nbytes
                 self.live += nbytes
                 if sid in transient:
-                    death = birth
+                    death = transient[sid][birth]
                 if sid not in keep and death != END:
                     self.dies.setdefault((death if death not in skipped else op_indices[-1], mb), []).append(sid)
             self.note()

@@ -88,3 +88,26 @@ def _in_flight(actions) -> int:
         held += 1 if kind == "F" else -1
         most = max(most, held)
     return most
+
+
+def releases(schedule: str, actions, stages: int, stage: int, microbatches: int) -> tuple[dict, dict]:
+    """When the schedule drops its last reference to a micro-batch's sent tensors, as the index
+    of the action after which they are freed (len(actions): when the schedule returns):
+    (stage output k: kept for backward in ``fwd_cache``, and by the send's work; input gradient k:
+    kept by the send's P2POp / work). torch 2.13 schedules.py:
+
+    - GPipe keeps every send's work in ``fwd_sends_to_wait`` / ``bwd_sends_to_wait`` until it returns.
+    - 1F1B frees output k after B(k), except the last-but-one warm-up forward's send work, which
+      ``send_work`` holds to the end of the steady loop (the B of micro-batch M − W, W = min(M, P − s)
+      warm-up forwards); input gradient k leaves ``bwd_sends`` when B(k + 1) replaces it.
+    """
+    end = len(actions)
+    backward_at = {mb: i for i, (kind, mb) in enumerate(actions) if kind == "B"}
+    if schedule == "gpipe":
+        return {k: end for k in range(microbatches)}, {k: end for k in range(microbatches)}
+    w = min(microbatches, stages - stage)
+    outputs = {k: backward_at[k] for k in range(microbatches)}
+    if w >= 2:
+        outputs[w - 2] = max(outputs[w - 2], backward_at[microbatches - w])
+    grads = {k: backward_at[k + 1] if k + 1 < microbatches else end for k in range(microbatches)}
+    return outputs, grads
