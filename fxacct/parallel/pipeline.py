@@ -26,19 +26,20 @@ import torch
 from fxacct.errors import UsageError, classify
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.mesh import parse_mesh, without_pp
-from fxacct.parallel.pipeline_memory import stage_peak
-from fxacct.parallel.pipeline_schedule import check_microbatches, releases, simulate
+from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
+from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
 from fxacct.parallel.pipeline_split import block_costs, is_function, split_points, stage_module
 
 
 @dataclass(frozen=True)
 class StageAccount:
-    stage: int
-    profile: object  # fxacct.Profile of one micro-batch on this stage
+    stage: int  # the rank's index in the pipeline (its first stage)
+    profile: object  # fxacct.Profile of one micro-batch on this rank's first stage
     in_flight: int  # micro-batches whose activations the stage holds at once
     peak_bytes: int  # the step replayed in the schedule's order (fxacct.parallel.pipeline_memory)
     send_bytes: int  # per step: activations forward + input gradients backward
     recv_bytes: int
+    stages_on_rank: tuple[int, ...] = ()  # the pipeline stages this rank runs (r, r + P, ... interleaved)
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class PipelineAccount:
     stages: tuple[StageAccount, ...]
     schedule: str
     microbatches: int
-
-    bubble_fraction: float  # idle share of the step on a stage, from the schedule's order
+    bubble_fraction: float  # idle share of the step on a rank, from the schedule's order
+    stages_per_rank: int = 1
 
 
 def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=None):
@@ -104,46 +105,58 @@ def _stage_inputs(config, stages: int, points):
 
 
 def profile_pipeline(config):
-    """(stage 0's Profile with ``pipeline`` set on its parallel account, or a plain Profile)."""
-    from fxacct.profile import load_model, profile_module
+    """The PipelineAccount of --mesh pp=P: one StageAccount per rank (its stages, V of them under
+    interleaved 1F1B: stages r, r + P, ...), each stage traced for one micro-batch."""
+    from fxacct.profile import load_model
 
     spec = parse_mesh(config.mesh)
-    stages, m = spec.size("pp"), config.microbatches or spec.size("pp")
+    ranks, m = spec.size("pp"), config.microbatches or spec.size("pp")
+    v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
+    stages = ranks * v
     blocks = len(repeated_blocks(load_model(config)[0]))
     if stages > blocks:
-        raise UsageError(f"--mesh pp={stages} asks for more pipeline stages than the model has repeated blocks "
-                         f"({blocks}): use pp <= {blocks}")
-    check_microbatches(config.pp_schedule, stages, m)
-    orders = simulate(config.pp_schedule, stages, m)
+        asked = f"pp={ranks}" + (f" with {v} stages per rank" if v > 1 else "")
+        raise UsageError(f"--mesh {asked} asks for more pipeline stages than the model has repeated blocks "
+                         f"({blocks}): use pp <= {blocks // v}")
+    check_microbatches(config.pp_schedule, ranks, m)
+    orders = simulate(config.pp_schedule, ranks, m, v)
     points = resolve_points(config, stages)
-    inner = without_pp(spec)
-    accounts = []
-    for s, (args, kwargs) in enumerate(_stage_inputs(config, stages, points)):
-        cfg = replace(config, mesh=inner, input_requires_grad=config.input_requires_grad or s > 0)
-
-        def loader(c, s=s, args=args, kwargs=kwargs):
-            model, full_args, full_kwargs, _ = load_model(c)
-            return _split(c, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
-
-        if inner is not None:
-            from fxacct.parallel.profile import profile_parallel
-
-            prof = profile_parallel(cfg, loader)
-        else:
-            model, _, _, _ = loader(cfg)
-            prof = profile_module(model, args, kwargs, replace(cfg, mesh=None))
-        accounts.append(_stage_account(prof, s, stages, m, orders[s], config.pp_schedule))
+    profs = [_profile_stage(config, s, stages, points, args, kwargs)
+             for s, (args, kwargs) in enumerate(_stage_inputs(config, stages, points))]
+    accounts = tuple(_rank_account(profs, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
-    return PipelineAccount(tuple(accounts), config.pp_schedule, m, bubble)
+    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v)
 
 
-def _stage_account(prof, s: int, stages: int, m: int, order, schedule: str) -> StageAccount:
-    boundary_in = prof.capture.input_nodes[0].meta["val"].storage_nbytes if s > 0 else 0
-    boundary_out = _output_bytes(prof) if s < stages - 1 else 0
-    peak = stage_peak(prof.capture, order.actions, m, s == stages - 1, boundary_out,
-                      releases(schedule, order.actions, stages, s, m))
-    return StageAccount(s, prof, order.in_flight, peak, m * (boundary_out + boundary_in),
-                        m * (boundary_in + boundary_out))
+def _profile_stage(config, s: int, stages: int, points, args, kwargs):
+    """Stage s's Profile for one micro-batch (on the rest of the mesh, if any)."""
+    from fxacct.profile import load_model, profile_module
+
+    cfg = replace(config, mesh=without_pp(parse_mesh(config.mesh)), input_requires_grad=config.input_requires_grad or s > 0)
+
+    def loader(c):
+        model, full_args, full_kwargs, _ = load_model(c)
+        return _split(c, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
+
+    if cfg.mesh is not None:
+        from fxacct.parallel.profile import profile_parallel
+
+        return profile_parallel(cfg, loader)
+    model, _, _, _ = loader(cfg)
+    return profile_module(model, args, kwargs, replace(cfg, mesh=None))
+
+
+def _rank_account(profs, r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:
+    """Rank r's stages r, r + P, ...: their peak replayed together, their sends and receives."""
+    local, send = {}, 0
+    for s in range(r, len(profs), ranks):
+        prof = profs[s]
+        boundary_in = prof.capture.input_nodes[0].meta["val"].storage_nbytes if s > 0 else 0
+        boundary_out = _output_bytes(prof) if s < len(profs) - 1 else 0
+        local[s] = LocalStage(prof.capture, s == len(profs) - 1, boundary_out)
+        send += m * (boundary_out + boundary_in)
+    peak = stage_peak(local, order.actions, m, releases(schedule, order.actions, ranks, r, m))
+    return StageAccount(r, profs[r], order.in_flight, peak, send, send, tuple(local))
 
 
 def _output_bytes(prof) -> int:

@@ -24,6 +24,7 @@ torch.distributed.pipelining's PipelineStage holds memory (torch 2.13 stage.py, 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 from fxacct.memory.peak import INPUTS, lifetimes
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER
@@ -65,44 +66,65 @@ def _input_grad_storages(capture) -> set:
     return {t.storage for a in grads[n_params:] for t in tensor_metas(a.meta.get("val"))}
 
 
-def stage_peak(capture, actions, microbatches: int, last: bool, grad_recv_bytes: int, releases) -> int:
-    """The stage's peak live bytes over one step of ``actions`` (module docstring); ``releases``:
-    (output, input gradient) of each micro-batch -> the action index after which it is freed."""
-    life = lifetimes(capture)
-    resident = sum(b * (microbatches if c == INPUTS else 1) for c, b in life.resident)
-    resident += 0 if last else microbatches * grad_recv_bytes
-    ops, born = _storages_born(capture)
-    phases = [trace_of(n).phase for n in ops]
-    out_sid, in_grads = _output_storage(ops), _input_grad_storages(capture)
-    births: dict[int, list] = {}
-    for entry in born:
-        births.setdefault(entry[1], []).append(entry)
-    walk = _Walk(resident)
-    fwd = [i for i, p in enumerate(phases) if p == FORWARD or (p == LOSS and last)]
-    bwd = [i for i, p in enumerate(phases) if p == BACKWARD]
-    skipped = set() if last else {i for i, p in enumerate(phases) if p == LOSS}
+@dataclass(frozen=True)
+class LocalStage:
+    capture: object  # the stage's one-micro-batch Capture
+    last: bool  # the pipeline's last stage: computes the loss, keeps its outputs
+    grad_recv_bytes: int  # the output gradient it receives per micro-batch (0 on the last stage)
+
+
+class _Prepared:
+    """One local stage's ops by phase and the storages each op makes."""
+
+    def __init__(self, st: LocalStage, microbatches: int):
+        life = lifetimes(st.capture)
+        self.resident = sum(b * (microbatches if c == INPUTS else 1) for c, b in life.resident)
+        self.resident += microbatches * st.grad_recv_bytes
+        self.ops, born = _storages_born(st.capture)
+        phases = [trace_of(n).phase for n in self.ops]
+        self.out_sid, self.in_grads = _output_storage(self.ops), _input_grad_storages(st.capture)
+        self.births: dict[int, list] = {}
+        for entry in born:
+            self.births.setdefault(entry[1], []).append(entry)
+        self.fwd = [i for i, p in enumerate(phases) if p == FORWARD or (p == LOSS and st.last)]
+        self.bwd = [i for i, p in enumerate(phases) if p == BACKWARD]
+        self.opt = [i for i, p in enumerate(phases) if p == OPTIMIZER]
+        self.skipped = set() if st.last else {i for i, p in enumerate(phases) if p == LOSS}
+        ends = _node_ends(self.ops, self.bwd)
+        self.param_grads = {sid: ends for sid in st.capture.grad_storages - self.in_grads}
+
+
+def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
+    """A rank's peak live bytes over one step of ``actions`` ((kind, stage, micro-batch)) on its
+    ``stages`` (stage index -> LocalStage; module docstring); ``releases``: (output, input
+    gradient) of each (stage, micro-batch) -> the action index after which it is freed."""
+    prep = {k: _Prepared(st, microbatches) for k, st in stages.items()}
+    walk = _Walk(sum(p.resident for p in prep.values()))
     freed_after: dict[int, list] = {}
-    for mb in range(microbatches):
-        if not last:
-            freed_after.setdefault(releases[0][mb], []).append((out_sid, mb))
-        for sid in in_grads:
-            freed_after.setdefault(releases[1][mb], []).append((sid, mb))
-    ends = _node_ends(ops, bwd)
-    param_grads = {sid: ends for sid in capture.grad_storages - in_grads}
-    for a, (kind, mb) in enumerate(actions):
+    for (st, mb), a in releases[0].items():
+        if not stages[st].last:
+            freed_after.setdefault(a, []).append((prep[st].out_sid, (st, mb)))
+    for (st, mb), a in releases[1].items():
+        freed_after.setdefault(a, []).extend((sid, (st, mb)) for sid in prep[st].in_grads)
+    backwarded = set()
+    for a, (kind, st, mb) in enumerate(actions):
+        p = prep[st]
         if kind == "F":
-            walk.run(fwd, births, mb, keep={out_sid}, skipped=skipped)
+            walk.run(p.fwd, p.births, (st, mb), keep={p.out_sid}, skipped=p.skipped)
         else:  # the first backward allocates the parameters' gradients, later ones add into them
-            walk.run(bwd, births, mb, keep=in_grads, transient=param_grads if a > _first_b(actions) else {})
+            walk.run(p.bwd, p.births, (st, mb), keep=p.in_grads, transient=p.param_grads if st in backwarded else {})
+            backwarded.add(st)
         for key in freed_after.pop(a, ()):
             walk.free(*key)
     for key in freed_after.pop(len(actions), ()):
         walk.free(*key)
-    if last and out_sid is not None:  # output_chunks merged by torch.cat when the schedule returns
-        walk.note(sum(walk.held.get((out_sid, mb), 0) for mb in range(microbatches)))
-        for mb in range(microbatches):
-            walk.free(out_sid, mb)
-    walk.run([i for i, p in enumerate(phases) if p == OPTIMIZER], births, 0)
+    for st, p in prep.items():
+        if stages[st].last and p.out_sid is not None:  # output_chunks merged by torch.cat when the schedule returns
+            walk.note(sum(walk.held.get((p.out_sid, (st, mb)), 0) for mb in range(microbatches)))
+            for mb in range(microbatches):
+                walk.free(p.out_sid, (st, mb))
+    for st, p in prep.items():
+        walk.run(p.opt, p.births, (st, 0))
     return walk.peak
 
 
@@ -118,10 +140,6 @@ def _node_ends(ops, bwd) -> dict[int, int]:
             last = (src, i, last[2])
         ends[i] = last[2]
     return ends
-
-
-def _first_b(actions) -> int:
-    return next(i for i, (kind, _) in enumerate(actions) if kind == "B")
 
 
 class _Walk:

@@ -20,7 +20,8 @@ def collectives_json(parallel) -> list[dict]:
 
 def pipeline_json(pipe) -> dict:
     return {"schedule": pipe.schedule, "microbatches": pipe.microbatches, "bubble_fraction": pipe.bubble_fraction,
-            "stages": [{"stage": s.stage, "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
+            "stages_per_rank": pipe.stages_per_rank,
+            "stages": [{"stage": s.stage, "stages_on_rank": list(s.stages_on_rank), "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
                         "one_microbatch_peak_bytes": s.profile.memory.peak_train.bytes,
                         "activation_bytes": s.profile.accounting.totals.activation_bytes,
                         "params": s.profile.accounting.totals.params, "param_bytes": s.profile.accounting.totals.param_bytes,
