@@ -39,8 +39,21 @@ def test_schedule_order_against_closed_forms(p, m):
         orders = simulate(schedule, p, m)
         assert [o.in_flight for o in orders] == expected
         for o in orders:
-            assert sorted(o.actions) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+            assert sorted((k, mb) for k, _, mb in o.actions) == sorted((k, mb) for k in "FB" for mb in range(m))
             assert 1 - o.busy / o.span == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (2, 3, 4)])
+def test_interleaved_order_against_closed_forms(p, v, m):
+    """Interleaved 1F1B with V stages per rank (Narayanan et al. 2021, Megatron-LM; M a multiple
+    of P): rank r warms up with 2(P − 1 − r) + (V − 1)·P forwards of (stage, micro-batch), then
+    alternates, so it holds min(V·M, that + 1) of them; the bubble shrinks by V: each rank computes
+    V·M·(t_F + t_B) of (V·M + P − 1)·(t_F + t_B), t_F, t_B per stage."""
+    orders = simulate("interleaved-1f1b", p, m, v)
+    assert [o.in_flight for o in orders] == [min(v * m, 2 * (p - 1 - r) + (v - 1) * p + 1) for r in range(p)]
+    for r, o in enumerate(orders):
+        assert sorted(o.actions) == sorted((k, s, mb) for k in "FB" for s in range(r, p * v, p) for mb in range(m))
+        assert 1 - o.busy / o.span == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_releases_follow_the_1f1b_sends():
@@ -49,10 +62,12 @@ def test_releases_follow_the_1f1b_sends():
     the end of the steady loop, B2 (action 6). Stage 1 runs F0 B0 F1 B1 ... : input gradient k
     leaves with B(k + 1) (actions 3, 5, 7), the last when the schedule returns (8)."""
     o0, o1 = simulate("1f1b", 2, 4)
-    assert o0.actions == (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3))
-    assert releases("1f1b", o0.actions, 2, 0, 4)[0] == {0: 6, 1: 4, 2: 6, 3: 7}
-    assert releases("1f1b", o1.actions, 2, 1, 4)[1] == {0: 3, 1: 5, 2: 7, 3: 8}
-    assert releases("gpipe", o1.actions, 2, 1, 4) == ({k: 8 for k in range(4)}, {k: 8 for k in range(4)})
+    assert [(k, mb) for k, _, mb in o0.actions] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                                    ("B", 2), ("B", 3)]
+    assert releases("1f1b", o0.actions, 2, 0, 4)[0] == {(0, 0): 6, (0, 1): 4, (0, 2): 6, (0, 3): 7}
+    assert releases("1f1b", o1.actions, 2, 1, 4)[1] == {(1, 0): 3, (1, 1): 5, (1, 2): 7, (1, 3): 8}
+    everything = {(1, k): 8 for k in range(4)}  # GPipe: every send's work is held until the schedule returns
+    assert releases("gpipe", o1.actions, 2, 1, 4) == (everything, everything)
 
 
 def test_in_flight_and_bubble_in_the_account():
@@ -62,6 +77,19 @@ def test_in_flight_and_bubble_in_the_account():
         assert pipe.bubble_fraction == pytest.approx(1 / 5)  # (P − 1) / (M + P − 1) = 1 / 5
         for s in pipe.stages:  # holding more micro-batches never lowers the peak below one's
             assert s.peak_bytes >= s.profile.memory.peak_train.bytes
+
+
+def test_interleaved_ranks_hold_two_stages_each():
+    """pp=2, V=2 on 4 layers: stages 0 (embedding + layer 0) and 2 (layer 2) on rank 0, 1 and 3
+    (layer 3 + norm + output) on rank 1. Rank 0 sends stage 0's and stage 2's output and stage 2's
+    input gradient, each (2, 64, 64) fp32 = 32768 B per micro-batch: 3 · 4 · 32768 = 393216 B; in
+    flight 5 and 3, bubble (P − 1)/(V·M + P − 1) = 1/9."""
+    pipe = _pipe("pp=2", "interleaved-1f1b", pp_stages_per_rank=2)
+    assert [s.stages_on_rank for s in pipe.stages] == [(0, 2), (1, 3)]
+    assert [s.in_flight for s in pipe.stages] == [5, 3]
+    assert [s.send_bytes for s in pipe.stages] == [393216, 393216]
+    assert pipe.bubble_fraction == pytest.approx(1 / 9)
+    assert [s.profile.accounting.totals.params for s in pipe.stages] == [32768 + 36992, 36992]
 
 
 def test_stages_partition_the_model():
@@ -125,3 +153,14 @@ def test_unknown_split_fqn_is_a_usage_error():
 
 def test_too_few_microbatches_for_1f1b_is_a_usage_error():
     assert "--microbatches 1 is fewer than the 2 pipeline stages" in _usage("--mesh", "pp=2", "--microbatches", "1")
+
+
+def test_stages_per_rank_needs_the_interleaved_schedule():
+    assert "--pp-stages-per-rank 2: a positive count, with --pp-schedule interleaved-1f1b" in _usage(
+        "--mesh", "pp=2", "--pp-stages-per-rank", "2")
+
+
+def test_interleaved_microbatches_in_whole_rounds():
+    """M = 5 at pp=2: 2 rounds of 2, and 5 is not a multiple of 2."""
+    assert "is not a multiple of its 2 rounds" in _usage(
+        "-k", "n_layers=4", "--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "5")
