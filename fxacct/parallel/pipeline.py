@@ -1,20 +1,22 @@
-"""Pipeline parallelism (``--mesh pp=P,...``): the model is split into P stages by the user's
-``--pp-split PATH.py:fn`` (``fn(model, stage, stages)`` returns the stage's module, as
-torchtitan's pipeline split does), each stage is accounted as a rank of its own (on the rest of
-the mesh, if any; stages after the first take the previous stage's output and compute the
-gradient of it, which they send back), and the schedule's own per-rank order
-(fxacct.parallel.pipeline_schedule: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B)
-says how many micro-batches each stage holds at once and how long it idles:
+"""Pipeline parallelism (``--mesh pp=P,...``): the model is cut into stages
+(fxacct.parallel.pipeline_split: the user's ``--pp-split PATH.py:fn``, FQNs where stages begin,
+or blocks balanced by traced FLOPs), each stage traced for one micro-batch (on the rest of the
+mesh, if any; stages after the first take the previous stage's output and compute the gradient
+of it, which they send back), and rank r accounted with its stages (r; r, r + P, ... under
+interleaved 1F1B). The schedule's own per-rank order (fxacct.parallel.pipeline_schedule:
+torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) says how
+many micro-batches each rank holds at once and how long it idles:
 
 - GPipe runs every forward before any backward: each stage holds all M micro-batches.
 - 1F1B starts stage s (0-based) with P − s forwards, then alternates one backward and one
   forward: stage s holds at most min(P − s, M) micro-batches (the first stage P).
 - Both idle (P − 1) of (M + P − 1) slots per stage: the bubble fraction (Huang et al. 2019,
-  GPipe; Narayanan et al. 2021, PipeDream-Flush / 1F1B).
+  GPipe; Narayanan et al. 2021, PipeDream-Flush / 1F1B); interleaving V stages per rank makes
+  it (P − 1) of (V·M + P − 1) (Narayanan et al. 2021).
 
-A stage's peak is its one-micro-batch step replayed in that order as the pipelining runtime holds
-memory (fxacct.parallel.pipeline_memory); send/recv volume per step is M × the boundary tensor
-each way.
+A rank's peak is its stages' one-micro-batch steps replayed in that order as the pipelining
+runtime holds memory (fxacct.parallel.pipeline_memory); send/recv volume per step is M × the
+boundary tensor each way, per stage.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def resolve_points(config, stages: int):
     if is_function(config.pp_split):
         return None
     model, args, kwargs, _ = load_model(config)
-    blocks = [n for n, m in model.named_modules() if any(m is b for b in repeated_blocks(model))]
+    found = {id(b) for b in repeated_blocks(model)}
+    blocks = [n for n, m in model.named_modules() if id(m) in found]
 
     def cost():
         prof = profile_module(model, args, kwargs, replace(config, mesh=None, optimizer="none"))
@@ -85,7 +88,7 @@ def resolve_points(config, stages: int):
 
 
 def _stage_inputs(config, stages: int, points):
-    """(stage module, args) per stage on meta: each stage's input is the previous one's output."""
+    """(args, kwargs) per stage on meta: each stage's input is the previous one's output."""
     from fxacct.profile import load_model
 
     parts, x = [], None
