@@ -164,3 +164,14 @@ def test_interleaved_microbatches_in_whole_rounds():
     """M = 5 at pp=2: 2 rounds of 2, and 5 is not a multiple of 2."""
     assert "is not a multiple of its 2 rounds" in _usage(
         "-k", "n_layers=4", "--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "5")
+
+
+def test_interleaved_stages_beyond_the_blocks_is_a_usage_error():
+    """The default llama has 2 layers: pp=2 with 2 stages per rank needs 4."""
+    assert "pp=2 with 2 stages per rank asks for more pipeline stages than the model has repeated blocks (2)" in \
+        _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b")
+
+
+def test_split_points_must_match_the_stage_count():
+    assert "gives 3 stages but --mesh has pp=2: give 1 FQN where stages begin" in _usage(
+        "-k", "n_layers=4", "--mesh", "pp=2", "--pp-split", "layers.1,layers.2")

@@ -7,7 +7,9 @@ repeated blocks (fxacct.parallel.engine.repeated_blocks).
 FQN and automatic splits cut the model with torch.distributed.pipelining's own front end,
 ``pipeline(model, mb_args, split_spec={fqn: SplitPoint.BEGINNING})`` (torch.export based; it runs
 on meta tensors), so any model whose repeated blocks are found splits without a split function,
-and the real run (fxacct.parallel.gloo_run) builds its stages the same way.
+and the real run (fxacct.parallel.gloo_run) builds its stages the same way. A tied weight (GPT-2's
+``wte``/``lm_head``) is then a parameter of every stage that uses one of its names, as pipeline()
+builds it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def split_points(model, pp_split: str | None, stages: int, block_cost=None) -> l
                                  f"begin, such as {', '.join(blocks[1:3]) or 'layers.1'}")
         if len(points) != stages - 1:
             raise UsageError(f"--pp-split {pp_split} gives {len(points) + 1} stages but --mesh has pp={stages}: "
-                             f"give {stages - 1} split points")
+                             f"give {stages - 1} FQN{'s' if stages > 2 else ''} where stages begin")
         return points
     pre, costs, post = block_cost()
     return [blocks[i] for i in balanced_cuts(pre, costs, post, stages)]
