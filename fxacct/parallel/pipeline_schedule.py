@@ -2,12 +2,13 @@
 stage holds at once and the idle slots (the bubble).
 
 The order is torch.distributed.pipelining's own: each schedule class builds a per-rank action
-list (``_get_pipeline_order``: F = forward, B = full backward of one micro-batch). Its idle
-slots are dropped there, and its 1F1B list numbers the last rank's micro-batches from 1, so only
-the sequence of F and B is taken from it; both schedules run each kind in micro-batch order, so
-the k-th F (B) is micro-batch k. The bubble comes from running that order with its dependencies
-(stage s forwards micro-batch k after stage s − 1 did; it runs its backward after stage s + 1
-did), one unit of time per forward and ``backward_units`` per backward.
+list (F = forward, B = full backward of one stage and micro-batch): GPipe's and 1F1B's
+``_get_pipeline_order``, interleaved 1F1B's ``_calculate_single_rank_operations`` (stage r, r + P,
+... on rank r). The single-stage lists drop their idle slots, and 1F1B's numbers the last rank's
+micro-batches from 1, so only their sequence of F and B is taken; both schedules run each kind in
+micro-batch order, so the k-th F (B) is micro-batch k. The bubble comes from running the order
+with its dependencies (stage s forwards micro-batch k after stage s − 1 did; it runs its
+backward after stage s + 1 did), one unit of time per forward and ``backward_units`` per backward.
 """
 
 from __future__ import annotations
