@@ -175,3 +175,13 @@ def test_interleaved_stages_beyond_the_blocks_is_a_usage_error():
 def test_split_points_must_match_the_stage_count():
     assert "gives 3 stages but --mesh has pp=2: give 1 FQN where stages begin" in _usage(
         "-k", "n_layers=4", "--mesh", "pp=2", "--pp-split", "layers.1,layers.2")
+
+
+def test_stages_passing_several_tensors_are_refused():
+    """A Hugging Face Llama cut at model.layers.1 passes the hidden states, the rotary cos and sin
+    and the mask to stage 1: one line, exit 2."""
+    pytest.importorskip("transformers")
+    r = CliRunner().invoke(cli, ["profile", str(ROOT / "tests/models/hf_llama_tp.py") + ":make", "--batch", "2",
+                                 "--mesh", "pp=2"], catch_exceptions=False)
+    out = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2 and "pipeline stage 0 passes 4 values (tuple) to the next stage" in out, out

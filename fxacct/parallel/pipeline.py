@@ -98,11 +98,15 @@ def _stage_inputs(config, stages: int, points):
             model.to(config.dtype)
         part = _split(config, model, s, stages, points, args, kwargs)
         inputs = args if s == 0 else (x,)
+        parts.append((inputs, kwargs if s == 0 else {}))
+        if s == stages - 1:  # the last stage's output goes to the loss: any form the loss takes
+            break
         with torch.no_grad():
             out = part(*inputs, **(kwargs if s == 0 else {}))
         if not isinstance(out, torch.Tensor):
-            raise UsageError(f"pipeline stage {s} returned {type(out).__name__}; a stage must return one tensor")
-        parts.append((inputs, kwargs if s == 0 else {}))
+            n = len(out) if isinstance(out, (tuple, list)) else 1
+            raise UsageError(f"pipeline stage {s} passes {n} values ({type(out).__name__}) to the next stage; the "
+                             "pipeline account takes one tensor between stages: split where the forward passes one")
         x = torch.empty(out.shape, dtype=out.dtype, device="meta")
     return parts
 
