@@ -171,11 +171,14 @@ MESH_OPTIONS = (
                  show_default=True, help="With --mesh fsdp=N: FSDP2 frees gathered blocks after their forward."),
     click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULTS.gpus_per_node, show_default=True,
                  help="With --mesh and --gpu: GPUs per node; inner mesh dims run over NVLink, outer ones over InfiniBand."),
-    click.option("--pp-split", default=None, metavar="PATH.py:fn",
-                 help="With --mesh pp=P: fn(model, stage, stages) returns the stage's module (default: none)."),
+    click.option("--pp-split", default=None, metavar="PATH.py:fn|FQN,...",
+                 help="With --mesh pp=P: fn(model, stage, stages) returning the stage's module, or the module "
+                      "FQNs where stages 1.. begin (layers.2); default: blocks balanced by traced FLOPs."),
     click.option("--microbatches", type=int, default=None, help="With --mesh pp=P: micro-batches per step (default P)."),
-    click.option("--pp-schedule", type=click.Choice(("gpipe", "1f1b")), default=DEFAULTS.pp_schedule, show_default=True,
-                 help="With --mesh pp=P: the pipeline schedule (torch.distributed.pipelining's)."),
+    click.option("--pp-schedule", type=click.Choice(("gpipe", "1f1b", "interleaved-1f1b")), default=DEFAULTS.pp_schedule,
+                 show_default=True, help="With --mesh pp=P: the pipeline schedule (torch.distributed.pipelining's)."),
+    click.option("--pp-stages-per-rank", type=int, default=None, metavar="V",
+                 help="With --pp-schedule interleaved-1f1b: pipeline stages per rank (default 2)."),
 )
 
 
@@ -186,12 +189,13 @@ def mesh_options(fn):
 
 def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
               gpus_per_node=DEFAULTS.gpus_per_node, pp_split=None, microbatches=None,
-              pp_schedule=DEFAULTS.pp_schedule, **_) -> Config:
+              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, **_) -> Config:
     """The --mesh flags added to a Config (validated by Config)."""
     from dataclasses import replace
 
     return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
-                   gpus_per_node=gpus_per_node, pp_split=pp_split, microbatches=microbatches, pp_schedule=pp_schedule)
+                   gpus_per_node=gpus_per_node, pp_split=pp_split, microbatches=microbatches, pp_schedule=pp_schedule,
+                   pp_stages_per_rank=pp_stages_per_rank)
 
 
 def model_options(fn):

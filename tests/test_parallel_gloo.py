@@ -1,7 +1,7 @@
 """The real multi-process check (item 6 of the --mesh work): the parallelized model runs in
 world-size CPU processes on gloo; every rank's collectives (count and output-buffer bytes, per
 op) equal the account's exactly, and its op-level peak (fxacct's storage tracker in each rank) is
-within ±2% of the predicted per-rank peak."""
+within ±2% of the predicted per-rank peak (per stage under pp=P)."""
 
 from __future__ import annotations
 
@@ -36,16 +36,40 @@ def test_real_gloo_run_matches_the_account(model, mesh):
         assert abs(m.op_level_peak_bytes - peak) <= 0.02 * peak, (m.rank, m.op_level_peak_bytes, peak)
 
 
-def test_real_pipeline_run_sends_what_the_account_says():
-    """pp=2, 4 micro-batches, 1F1B under torch.distributed.pipelining on gloo: each stage sends and
-    receives M = 4 boundary tensors of (B, T, dim) = 2·64·64·4 = 32768 B, as the pipeline account
-    says. (The op-level peak is not compared: the schedule's runtime keeps output and receive
-    buffers per micro-batch that the per-stage account does not model.)"""
-    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs={"n_layers": 4}, mesh="pp=2",
-                        pp_split=target("examples/llama.py:pipeline_stage"), microbatches=4)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("model,kwargs,split", [
+    ("examples/llama.py:Llama", {"n_layers": 4}, target("examples/llama.py:pipeline_stage")),
+    ("examples/gpt2.py:GPT", GPT[1], None),  # cut at h.1 by torch.distributed.pipelining.pipeline
+], ids=["llama", "gpt2"])
+def test_real_pipeline_run_matches_the_stage_accounts(model, kwargs, split, schedule):
+    """pp=2, 4 micro-batches under torch.distributed.pipelining on gloo: each stage sends and
+    receives M = 4 boundary tensors of (B, T, dim) = 2·64·64·4 = 32768 B (llama) or 2·32·64·4 =
+    16384 B (GPT-2), as the pipeline account says, and the op-level peak the storage tracker
+    measures in each rank is within ±2% of the stage's predicted training peak."""
+    cfg = fxacct.Config(target=target(model), batch=2, kwargs=dict(kwargs), mesh="pp=2", pp_split=split,
+                        microbatches=4, pp_schedule=schedule)
     pipe = fxacct.profile(cfg).parallel.pipeline
+    boundary = 2 * 64 * 64 * 4 if "llama" in model else 2 * 32 * 64 * 4
     ranks = run_mesh(cfg, steps=1, warmup=1)
     for m in ranks:
         stage = pipe.stages[m.rank]
-        assert m.collectives == {"send": [4, stage.send_bytes], "recv": [4, stage.recv_bytes]}
-        assert stage.send_bytes == 4 * 32768
+        assert stage.send_bytes == stage.recv_bytes == 4 * boundary
+        assert m.collectives == {"send": [4, 4 * boundary], "recv": [4, 4 * boundary]}
+        peak = stage.peak_bytes
+        assert abs(m.op_level_peak_bytes - peak) <= 0.02 * peak, (m.rank, m.op_level_peak_bytes, peak)
+
+
+def test_real_interleaved_pipeline_run_matches_the_rank_accounts():
+    """pp=2 with 2 stages per rank (ScheduleInterleaved1F1B), 4 micro-batches, llama with 4 layers:
+    each rank sends and receives 3 · 4 = 12 tensors of 2·64·64·4 = 32768 B (rank 0: stage 0's and
+    stage 2's outputs, stage 2's input gradients), and its op-level peak is within ±2% of the rank's
+    predicted peak (its two stages replayed together in the schedule's order)."""
+    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs={"n_layers": 4}, mesh="pp=2",
+                        pp_split=target("examples/llama.py:pipeline_stage"), microbatches=4,
+                        pp_schedule="interleaved-1f1b", pp_stages_per_rank=2)
+    pipe = fxacct.profile(cfg).parallel.pipeline
+    for m in run_mesh(cfg, steps=1, warmup=1):
+        rank = pipe.stages[m.rank]
+        assert rank.send_bytes == 12 * 32768
+        assert m.collectives == {"send": [12, 12 * 32768], "recv": [12, 12 * 32768]}
+        assert abs(m.op_level_peak_bytes - rank.peak_bytes) <= 0.02 * rank.peak_bytes, (m.rank, m.op_level_peak_bytes)

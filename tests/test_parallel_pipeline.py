@@ -1,5 +1,6 @@
-"""--mesh pp=P: per-stage accounts, in-flight micro-batches under GPipe and 1F1B, send/recv
-volume and the bubble, in closed form."""
+"""--mesh pp=P: per-stage accounts, the schedule's order (in-flight micro-batches and the bubble
+against their closed forms), split points (FQNs, balanced), send/recv volume, usage errors.
+The per-stage peak itself is held against the real gloo run in test_parallel_gloo.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import fxacct
+from fxacct.parallel.pipeline_schedule import releases, simulate
+from fxacct.parallel.pipeline_split import balanced_cuts
 from fxacct_cli.main import cli
 from helpers import ROOT, target
 from parallel_oracle import load
@@ -15,37 +18,114 @@ from parallel_oracle import load
 LLAMA = "examples/llama.py:Llama"
 SPLIT = "examples/llama.py:pipeline_stage"
 KW = {"n_layers": 4}  # dim 64, vocab 512, T = 64
+GPT = "examples/gpt2.py:GPT"
+GPT_KW = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1001, block_size=32)
 
 
-def _pipe(mesh, schedule, m=4, **kw):
-    cfg = fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh=mesh, pp_split=target(SPLIT),
+def _pipe(mesh, schedule, m=4, split=target(SPLIT), model=LLAMA, kwargs=KW, **kw):
+    cfg = fxacct.Config(target=target(model), batch=2, kwargs=dict(kwargs), mesh=mesh, pp_split=split,
                         microbatches=m, pp_schedule=schedule, **kw)
     return fxacct.profile(cfg).parallel.pipeline
 
 
-@pytest.mark.parametrize("schedule,expected", [("1f1b", [2, 1]), ("gpipe", [4, 4])])
-def test_in_flight_microbatches(schedule, expected):
-    """1F1B: stage s holds min(P − s, M) micro-batches (the first stage P = 2); GPipe holds all
-    M = 4 on every stage. A stage's peak adds the saved activations of the extra ones."""
-    pipe = _pipe("pp=2", schedule)
-    assert [s.in_flight for s in pipe.stages] == expected
-    for s in pipe.stages:
-        one = s.profile.memory.peak_train.bytes
-        assert s.peak_bytes == one + (s.in_flight - 1) * s.profile.accounting.totals.activation_bytes
-    assert pipe.bubble_fraction == pytest.approx(1 / 5)  # (P − 1) / (M + P − 1) = 1 / 5
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 3), (4, 5)])
+def test_schedule_order_against_closed_forms(p, m):
+    """From torch's own per-rank order: 1F1B holds min(P − s, M) micro-batches on stage s (it
+    starts with P − s forwards, then alternates B and F), GPipe all M. Both idle
+    (P − 1)/(M + P − 1) of the step: each stage computes M · (t_F + t_B), and the step spans
+    (M + P − 1) · (t_F + t_B), P − 1 forward slots of fill before the last stage starts and
+    P − 1 backward slots of drain after the first stage could finish."""
+    for schedule, expected in (("1f1b", [min(p - s, m) for s in range(p)]), ("gpipe", [m] * p)):
+        orders = simulate(schedule, p, m)
+        assert [o.in_flight for o in orders] == expected
+        for o in orders:
+            assert sorted((k, mb) for k, _, mb in o.actions) == sorted((k, mb) for k in "FB" for mb in range(m))
+            assert 1 - o.busy / o.span == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (2, 3, 4)])
+def test_interleaved_order_against_closed_forms(p, v, m):
+    """Interleaved 1F1B with V stages per rank (Narayanan et al. 2021, Megatron-LM; M a multiple
+    of P): rank r warms up with 2(P − 1 − r) + (V − 1)·P forwards of (stage, micro-batch), then
+    alternates, so it holds min(V·M, that + 1) of them; the bubble shrinks by V: each rank computes
+    V·M·(t_F + t_B) of (V·M + P − 1)·(t_F + t_B), t_F, t_B per stage."""
+    orders = simulate("interleaved-1f1b", p, m, v)
+    assert [o.in_flight for o in orders] == [min(v * m, 2 * (p - 1 - r) + (v - 1) * p + 1) for r in range(p)]
+    for r, o in enumerate(orders):
+        assert sorted(o.actions) == sorted((k, s, mb) for k in "FB" for s in range(r, p * v, p) for mb in range(m))
+        assert 1 - o.busy / o.span == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_releases_follow_the_1f1b_sends():
+    """pp=2, M=4, stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3 (actions 0..7): output k is freed after B(k)
+    (actions 2, 4, 6, 7), but output 0's send work (W − 2 = 0 with W = 2 warm-up forwards) lives to
+    the end of the steady loop, B2 (action 6). Stage 1 runs F0 B0 F1 B1 ... : input gradient k
+    leaves with B(k + 1) (actions 3, 5, 7), the last when the schedule returns (8)."""
+    o0, o1 = simulate("1f1b", 2, 4)
+    assert [(k, mb) for k, _, mb in o0.actions] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                                    ("B", 2), ("B", 3)]
+    assert releases("1f1b", o0.actions, 2, 0, 4)[0] == {(0, 0): 6, (0, 1): 4, (0, 2): 6, (0, 3): 7}
+    assert releases("1f1b", o1.actions, 2, 1, 4)[1] == {(1, 0): 3, (1, 1): 5, (1, 2): 7, (1, 3): 8}
+    everything = {(1, k): 8 for k in range(4)}  # GPipe: every send's work is held until the schedule returns
+    assert releases("gpipe", o1.actions, 2, 1, 4) == (everything, everything)
+
+
+def test_in_flight_and_bubble_in_the_account():
+    for schedule, expected in (("1f1b", [2, 1]), ("gpipe", [4, 4])):
+        pipe = _pipe("pp=2", schedule)
+        assert [s.in_flight for s in pipe.stages] == expected
+        assert pipe.bubble_fraction == pytest.approx(1 / 5)  # (P − 1) / (M + P − 1) = 1 / 5
+        for s in pipe.stages:  # holding more micro-batches never lowers the peak below one's
+            assert s.peak_bytes >= s.profile.memory.peak_train.bytes
+
+
+def test_interleaved_ranks_hold_two_stages_each():
+    """pp=2, V=2 on 4 layers: stages 0 (embedding + layer 0) and 2 (layer 2) on rank 0, 1 and 3
+    (layer 3 + norm + output) on rank 1. Rank 0 sends stage 0's and stage 2's output and stage 2's
+    input gradient, each (2, 64, 64) fp32 = 32768 B per micro-batch: 3 · 4 · 32768 = 393216 B; in
+    flight 5 and 3, bubble (P − 1)/(V·M + P − 1) = 1/9."""
+    pipe = _pipe("pp=2", "interleaved-1f1b", pp_stages_per_rank=2)
+    assert [s.stages_on_rank for s in pipe.stages] == [(0, 2), (1, 3)]
+    assert [s.in_flight for s in pipe.stages] == [5, 3]
+    assert [s.send_bytes for s in pipe.stages] == [393216, 393216]
+    assert pipe.bubble_fraction == pytest.approx(1 / 9)
+    assert [s.profile.accounting.totals.params for s in pipe.stages] == [32768 + 36992, 36992]
 
 
 def test_stages_partition_the_model():
     """The stages hold every parameter once: tok_embeddings 512·64 + 2 blocks · 36992 on stage 0,
     2 blocks · 36992 + norm 64 + output 512·64 on stage 1 (1 + 4·36992 + ... = the whole model).
     Each boundary moves the (B, T, dim) = 2·64·64 fp32 activation, 32768 B, per micro-batch each
-    way: 4 · 32768 = 131072 B sent per step by each of the two stages."""
-    pipe = _pipe("pp=2", "1f1b")
+    way: 4 · 32768 = 131072 B sent per step by each of the two stages. The same stages come from
+    the split function, the FQN where stage 1 begins, and the balanced split (4 equal blocks)."""
     with torch.device("meta"):
         full = load(LLAMA)(**KW)
-    assert sum(s.profile.accounting.totals.params for s in pipe.stages) == sum(p.numel() for p in full.parameters())
-    assert [s.profile.accounting.totals.params for s in pipe.stages] == [32768 + 2 * 36992, 2 * 36992 + 64 + 32768]
-    assert [s.send_bytes for s in pipe.stages] == [131072, 131072]
+    for split in (target(SPLIT), "layers.2", None):
+        pipe = _pipe("pp=2", "1f1b", split=split)
+        assert sum(s.profile.accounting.totals.params for s in pipe.stages) == sum(p.numel() for p in full.parameters())
+        assert [s.profile.accounting.totals.params for s in pipe.stages] == [32768 + 2 * 36992, 2 * 36992 + 64 + 32768]
+        assert [s.send_bytes for s in pipe.stages] == [131072, 131072]
+
+
+def test_gpt2_splits_without_a_split_function():
+    """GPT-2 (2 blocks of 49984 parameters: ln 128 + c_attn 12480 + c_proj 4160 + ln 128 + c_fc
+    16640 + c_proj 16448) cut at h.1 by torch.distributed.pipelining.pipeline: stage 0 holds wte
+    1001·64 + wpe 32·64 + h.0, and the tied lm_head weight that pipeline() copies to every stage
+    that has one of its names (1001·64, unused there); stage 1 holds h.1 + ln_f 128 + lm_head."""
+    pipe = _pipe("pp=2", "1f1b", split=None, model=GPT, kwargs=GPT_KW)
+    assert [s.profile.accounting.totals.params for s in pipe.stages] == [64064 + 2048 + 49984 + 64064,
+                                                                         49984 + 128 + 64064]
+    assert [s.send_bytes for s in pipe.stages] == [4 * 2 * 32 * 64 * 4] * 2
+
+
+def test_balanced_cuts():
+    """Blocks 4, 4, 4, 4 with 6 before and 2 after, 2 stages: cutting at 2 gives 6+8 = 14 and
+    8+2 = 10; at 1: 10 and 14; at 3: 18 and 6, so 1 and 2 tie at 14 and the first found (1) wins.
+    With 3 stages and costs 1..6 (sum 21), no pre/post: [1,2,3,4] [5] [6] costs 10, 5, 6 → 10;
+    [1,2,3] [4,5] [6] → 6, 9, 6 → 9, the best."""
+    assert balanced_cuts(6, [4, 4, 4, 4], 2, 2) == [1]
+    assert balanced_cuts(0, [1, 2, 3, 4, 5, 6], 0, 3) == [3, 5]
+    assert balanced_cuts(0, [5, 5], 0, 2) == [1]
 
 
 def test_pipeline_with_fsdp_inside_stages():
@@ -54,7 +134,54 @@ def test_pipeline_with_fsdp_inside_stages():
     assert all(s.profile.parallel.rows for s in pipe.stages)  # FSDP2's all-gathers and reduce-scatters per stage
 
 
+def _usage(*args):
+    r = CliRunner().invoke(cli, ["profile", str(ROOT / "examples/llama.py") + ":Llama", *args], catch_exceptions=False)
+    out = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2, out
+    assert len(out.strip().splitlines()) == 1, out
+    return out
+
+
 def test_more_stages_than_blocks_is_a_usage_error():
-    r = CliRunner().invoke(cli, ["profile", str(ROOT / "examples/llama.py") + ":Llama", "--mesh", "pp=3",
-                                 "--pp-split", str(ROOT / SPLIT.replace(":", ":", 1))], catch_exceptions=False)
-    assert r.exit_code == 2 and "more pipeline stages than the model has repeated blocks (2)" in (r.stderr if hasattr(r, "stderr") else r.output)
+    assert "more pipeline stages than the model has repeated blocks (2)" in _usage(
+        "--mesh", "pp=3", "--pp-split", str(ROOT / SPLIT))
+
+
+def test_unknown_split_fqn_is_a_usage_error():
+    assert "the model has no module 'layers.7'" in _usage("--mesh", "pp=2", "--pp-split", "layers.7")
+
+
+def test_too_few_microbatches_for_1f1b_is_a_usage_error():
+    assert "--microbatches 1 is fewer than the 2 pipeline stages" in _usage("--mesh", "pp=2", "--microbatches", "1")
+
+
+def test_stages_per_rank_needs_the_interleaved_schedule():
+    assert "--pp-stages-per-rank 2: a positive count, with --pp-schedule interleaved-1f1b" in _usage(
+        "--mesh", "pp=2", "--pp-stages-per-rank", "2")
+
+
+def test_interleaved_microbatches_in_whole_rounds():
+    """M = 5 at pp=2: 2 rounds of 2, and 5 is not a multiple of 2."""
+    assert "is not a multiple of its 2 rounds" in _usage(
+        "-k", "n_layers=4", "--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "5")
+
+
+def test_interleaved_stages_beyond_the_blocks_is_a_usage_error():
+    """The default llama has 2 layers: pp=2 with 2 stages per rank needs 4."""
+    assert "pp=2 with 2 stages per rank asks for more pipeline stages than the model has repeated blocks (2)" in \
+        _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b")
+
+
+def test_split_points_must_match_the_stage_count():
+    assert "gives 3 stages but --mesh has pp=2: give 1 FQN where stages begin" in _usage(
+        "-k", "n_layers=4", "--mesh", "pp=2", "--pp-split", "layers.1,layers.2")
+
+
+def test_stages_passing_several_tensors_are_refused():
+    """A Hugging Face Llama cut at model.layers.1 passes the hidden states, the rotary cos and sin
+    and the mask to stage 1: one line, exit 2."""
+    pytest.importorskip("transformers")
+    r = CliRunner().invoke(cli, ["profile", str(ROOT / "tests/models/hf_llama_tp.py") + ":make", "--batch", "2",
+                                 "--mesh", "pp=2"], catch_exceptions=False)
+    out = r.stderr if hasattr(r, "stderr") else r.output
+    assert r.exit_code == 2 and "pipeline stage 0 passes 4 values (tuple) to the next stage" in out, out

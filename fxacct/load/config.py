@@ -43,10 +43,11 @@ class Config:
     gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
     pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
     microbatches: int | None = None  # per step, with --mesh pp=P (default P)
-    pp_schedule: str = "1f1b"  # gpipe or 1f1b (torch.distributed.pipelining's schedules)
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b or interleaved-1f1b (torch.distributed.pipelining's schedules)
     checkpoint: tuple[str, ...] = ()  # globs over module FQNs wrapped in activation checkpointing
     checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
     costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
+    pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
 
     def __post_init__(self):
         from fxacct.predict.devices import get_device

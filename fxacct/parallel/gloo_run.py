@@ -75,6 +75,11 @@ def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...
     if spec.world_size > MAX_RANKS:
         raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
                          f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
+    if spec.size("pp") > 1:  # every rank cuts the model at the same points
+        from fxacct.parallel.pipeline import resolve_points
+
+        points = resolve_points(config, spec.size("pp"))
+        config = config if points is None else replace(config, pp_split=",".join(points))
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank_main, args=(spec.world_size, port, config, out, steps, warmup),
@@ -145,24 +150,31 @@ def _measure(rank, config, steps, warmup) -> dict:
             "collectives": counter.found}
 
 
-def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
-    """One stage per process under torch.distributed.pipelining (GPipe or 1F1B over
-    --microbatches), the loss the sum of the last stage's output as fxacct's."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _measure_pipeline(rank, ranks, config, steps, warmup) -> dict:
+    """This rank's stages (one; V under interleaved 1F1B: r, r + P, ...) under
+    torch.distributed.pipelining's schedule over --microbatches, the loss the sum of the last
+    stage's output as fxacct's."""
+    from torch.distributed.pipelining import PipelineStage
 
     from fxacct.parallel.pipeline import _split
+    from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
+    from fxacct.parallel.pipeline_split import is_function
     from fxacct.runtime.run import build_model, make_inputs
     from fxacct.runtime.storage_tracker import StorageTracker
 
     cpu = torch.device("cpu")
-    model, file_module = build_model(config, cpu)
-    m = config.microbatches or stages
-    args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
-    part = _split(config, model, rank, stages)
-    schedule_cls = ScheduleGPipe if config.pp_schedule == "gpipe" else Schedule1F1B
-    schedule = schedule_cls(PipelineStage(part, rank, stages, cpu), n_microbatches=m,
-                            loss_fn=lambda out, target: out.float().sum())
-    opt = config.optimizer_spec().build([p for p in part.parameters() if p.requires_grad])
+    m = config.microbatches or ranks
+    total = ranks * per_rank(config.pp_schedule, config.pp_stages_per_rank)
+    points = None if is_function(config.pp_split) else config.pp_split.split(",")
+    parts, stages = [], []
+    for s in range(rank, total, ranks):
+        model, file_module = build_model(config, cpu)  # a split function may cut the model it is given
+        args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
+        parts.append(_split(config, model, s, total, points, tuple(a.tensor_split(m)[0] for a in args)))
+        stages.append(PipelineStage(parts[-1], s, total, cpu))
+    schedule = schedule_class(config.pp_schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=m,
+                                                  loss_fn=lambda out, target: out.float().sum())
+    opt = config.optimizer_spec().build([p for part in parts for p in part.parameters() if p.requires_grad])
 
     def step():
         if rank == 0:
@@ -180,9 +192,16 @@ def _measure_pipeline(rank, stages, config, steps, warmup) -> dict:
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     tracker, counter = StorageTracker(), CollectiveCounter()
-    with tracker, counter:
-        tracker.track(part, opt, args)
+    with tracker, counter:  # the batch is stage 0's input only
+        tracker.track(parts, opt, args if rank == 0 else (), [_stage_buffers(st) for st in stages])
         step()
     times.sort()
     return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,
             "collectives": counter.found}
+
+
+def _stage_buffers(stage) -> list:
+    """The receive buffers a PipelineStage keeps between steps, one per micro-batch: activations
+    (``args_recv_info``) and output gradients (``grad_recv_info``)."""
+    infos = [i for recv in (stage.args_recv_info, getattr(stage, "grad_recv_info", {})) for i in recv.values()]
+    return [i.buffer for group in infos for i in group if not i.is_root_arg and i.buffer is not None]

@@ -76,11 +76,11 @@ def check_config(config) -> None:
     """The --mesh flags of a Config, before any tracing."""
     spec = parse_mesh(config.mesh)
     check_world(spec, config.world_size)
-    if spec.size("pp") > 1 and not config.pp_split:
-        raise UsageError(f"--mesh {spec} has pipeline stages: give --pp-split PATH.py:fn, called as "
-                         "fn(model, stage, stages) -> the stage's module (examples/llama.py:pipeline_stage)")
-    if config.pp_schedule not in ("gpipe", "1f1b"):
-        raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe or 1f1b")
+    if config.pp_schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe, 1f1b or interleaved-1f1b")
+    if config.pp_stages_per_rank is not None and (config.pp_stages_per_rank < 1 or config.pp_schedule != "interleaved-1f1b"):
+        raise UsageError(f"--pp-stages-per-rank {config.pp_stages_per_rank}: a positive count, with "
+                         "--pp-schedule interleaved-1f1b (the other schedules run one stage per rank)")
     if config.microbatches is not None and config.microbatches < 1:
         raise UsageError(f"--microbatches must be positive, got {config.microbatches}")
     if config.shard != "none":

@@ -1,18 +1,22 @@
-"""Pipeline parallelism (``--mesh pp=P,...``): the model is split into P stages by the user's
-``--pp-split PATH.py:fn`` (``fn(model, stage, stages)`` returns the stage's module, as
-torchtitan's pipeline split does), each stage is accounted as a rank of its own (on the rest of
-the mesh, if any; stages after the first take the previous stage's output and compute the
-gradient of it, which they send back), and the schedule says how many micro-batches each stage
-holds activations for at once (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B):
+"""Pipeline parallelism (``--mesh pp=P,...``): the model is cut into stages
+(fxacct.parallel.pipeline_split: the user's ``--pp-split PATH.py:fn``, FQNs where stages begin,
+or blocks balanced by traced FLOPs), each stage traced for one micro-batch (on the rest of the
+mesh, if any; stages after the first take the previous stage's output and compute the gradient
+of it, which they send back), and rank r accounted with its stages (r; r, r + P, ... under
+interleaved 1F1B). The schedule's own per-rank order (fxacct.parallel.pipeline_schedule:
+torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) says how
+many micro-batches each rank holds at once and how long it idles:
 
 - GPipe runs every forward before any backward: each stage holds all M micro-batches.
-- 1F1B starts stage s (0-based) with P − s forwards, then alternates one forward and one
-  backward: stage s holds at most min(P − s, M) micro-batches (the first stage P).
+- 1F1B starts stage s (0-based) with P − s forwards, then alternates one backward and one
+  forward: stage s holds at most min(P − s, M) micro-batches (the first stage P).
 - Both idle (P − 1) of (M + P − 1) slots per stage: the bubble fraction (Huang et al. 2019,
-  GPipe; Narayanan et al. 2021, PipeDream-Flush / 1F1B).
+  GPipe; Narayanan et al. 2021, PipeDream-Flush / 1F1B); interleaving V stages per rank makes
+  it (P − 1) of (V·M + P − 1) (Narayanan et al. 2021).
 
-A stage's peak is its one-micro-batch peak plus the saved activations of the other micro-batches
-it holds; send/recv volume per step is M × the boundary tensor each way.
+A rank's peak is its stages' one-micro-batch steps replayed in that order as the pipelining
+runtime holds memory (fxacct.parallel.pipeline_memory); send/recv volume per step is M × the
+boundary tensor each way, per stage.
 """
 
 from __future__ import annotations
@@ -22,17 +26,22 @@ from dataclasses import dataclass, replace
 import torch
 
 from fxacct.errors import UsageError, classify
+from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.mesh import parse_mesh, without_pp
+from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
+from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
+from fxacct.parallel.pipeline_split import block_costs, is_function, split_points, stage_module
 
 
 @dataclass(frozen=True)
 class StageAccount:
-    stage: int
-    profile: object  # fxacct.Profile of one micro-batch on this stage
+    stage: int  # the rank's index in the pipeline (its first stage)
+    profile: object  # fxacct.Profile of one micro-batch on this rank's first stage
     in_flight: int  # micro-batches whose activations the stage holds at once
-    peak_bytes: int  # one-micro-batch peak + (in_flight − 1) × its saved activations
+    peak_bytes: int  # the step replayed in the schedule's order (fxacct.parallel.pipeline_memory)
     send_bytes: int  # per step: activations forward + input gradients backward
     recv_bytes: int
+    stages_on_rank: tuple[int, ...] = ()  # the pipeline stages this rank runs (r, r + P, ... interleaved)
 
 
 @dataclass(frozen=True)
@@ -40,20 +49,16 @@ class PipelineAccount:
     stages: tuple[StageAccount, ...]
     schedule: str
     microbatches: int
-
-    @property
-    def bubble_fraction(self) -> float:
-        p, m = len(self.stages), self.microbatches
-        return (p - 1) / (m + p - 1)
+    bubble_fraction: float  # idle share of the step on a rank, from the schedule's order
+    stages_per_rank: int = 1
 
 
-def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)
-
-
-def _split(config, model, stage: int, stages: int):
+def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=None):
+    """Stage ``stage``'s module: the user's --pp-split function's, or the model cut at ``points``."""
     from fxacct.load.model_spec import call_user, resolve
 
+    if points is not None:
+        return stage_module(model, args, kwargs or {}, points, stage)
     fn, _ = resolve(config.pp_split)
     try:
         part = call_user(fn, model, stage, stages)
@@ -64,8 +69,26 @@ def _split(config, model, stage: int, stages: int):
     return part
 
 
-def _stage_inputs(config, stages: int):
-    """(stage module, args) per stage on meta: each stage's input is the previous one's output."""
+def resolve_points(config, stages: int):
+    """The FQNs where stages begin (None with a --pp-split function); automatic ones balance the
+    repeated blocks' FLOPs in a one-device trace of the whole model."""
+    from fxacct.profile import load_model, profile_module
+
+    if is_function(config.pp_split):
+        return None
+    model, args, kwargs, _ = load_model(config)
+    found = {id(b) for b in repeated_blocks(model)}
+    blocks = [n for n, m in model.named_modules() if id(m) in found]
+
+    def cost():
+        prof = profile_module(model, args, kwargs, replace(config, mesh=None, optimizer="none"))
+        return block_costs(prof.accounting, blocks)
+
+    return split_points(model, config.pp_split, stages, cost)
+
+
+def _stage_inputs(config, stages: int, points):
+    """(args, kwargs) per stage on meta: each stage's input is the previous one's output."""
     from fxacct.profile import load_model
 
     parts, x = [], None
@@ -73,57 +96,74 @@ def _stage_inputs(config, stages: int):
         model, args, kwargs, _ = load_model(config)
         if config.dtype is not None:
             model.to(config.dtype)
-        part = _split(config, model, s, stages)
+        part = _split(config, model, s, stages, points, args, kwargs)
         inputs = args if s == 0 else (x,)
+        parts.append((inputs, kwargs if s == 0 else {}))
+        if s == stages - 1:  # the last stage's output goes to the loss: any form the loss takes
+            break
         with torch.no_grad():
             out = part(*inputs, **(kwargs if s == 0 else {}))
         if not isinstance(out, torch.Tensor):
-            raise UsageError(f"pipeline stage {s} returned {type(out).__name__}; a stage must return one tensor")
-        parts.append((inputs, kwargs if s == 0 else {}))
+            n = len(out) if isinstance(out, (tuple, list)) else 1
+            raise UsageError(f"pipeline stage {s} passes {n} values ({type(out).__name__}) to the next stage; the "
+                             "pipeline account takes one tensor between stages: split where the forward passes one")
         x = torch.empty(out.shape, dtype=out.dtype, device="meta")
     return parts
 
 
 def profile_pipeline(config):
-    """(stage 0's Profile with ``pipeline`` set on its parallel account, or a plain Profile)."""
-    from fxacct.profile import load_model, profile_module
-
-    from fxacct.parallel.engine import repeated_blocks
+    """The PipelineAccount of --mesh pp=P: one StageAccount per rank (its stages, V of them under
+    interleaved 1F1B: stages r, r + P, ...), each stage traced for one micro-batch."""
+    from fxacct.profile import load_model
 
     spec = parse_mesh(config.mesh)
-    stages, m = spec.size("pp"), config.microbatches or spec.size("pp")
+    ranks, m = spec.size("pp"), config.microbatches or spec.size("pp")
+    v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
+    stages = ranks * v
     blocks = len(repeated_blocks(load_model(config)[0]))
     if stages > blocks:
-        raise UsageError(f"--mesh pp={stages} asks for more pipeline stages than the model has repeated blocks "
-                         f"({blocks}): use pp <= {blocks}")
-    inner = without_pp(spec)
-    accounts = []
-    for s, (args, kwargs) in enumerate(_stage_inputs(config, stages)):
-        cfg = replace(config, mesh=inner, input_requires_grad=config.input_requires_grad or s > 0)
-
-        def loader(c, s=s, args=args, kwargs=kwargs):
-            model, _, _, _ = load_model(c)
-            return _split(c, model, s, stages), args, kwargs, None
-
-        if inner is not None:
-            from fxacct.parallel.profile import profile_parallel
-
-            prof = profile_parallel(cfg, loader)
-        else:
-            model, _, _, _ = loader(cfg)
-            prof = profile_module(model, args, kwargs, replace(cfg, mesh=None))
-        accounts.append(_stage_account(prof, s, stages, m, config.pp_schedule, args))
-    return PipelineAccount(tuple(accounts), config.pp_schedule, m)
+        asked = f"pp={ranks}" + (f" with {v} stages per rank" if v > 1 else "")
+        raise UsageError(f"--mesh {asked} asks for more pipeline stages than the model has repeated blocks "
+                         f"({blocks}): use pp <= {blocks // v}")
+    check_microbatches(config.pp_schedule, ranks, m)
+    orders = simulate(config.pp_schedule, ranks, m, v)
+    points = resolve_points(config, stages)
+    profs = [_profile_stage(config, s, stages, points, args, kwargs)
+             for s, (args, kwargs) in enumerate(_stage_inputs(config, stages, points))]
+    accounts = tuple(_rank_account(profs, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
+    bubble = max(1 - o.busy / o.span for o in orders)
+    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v)
 
 
-def _stage_account(prof, s: int, stages: int, m: int, schedule: str, args) -> StageAccount:
-    k = in_flight(schedule, s, stages, m)
-    one = prof.memory.peak_train.bytes
-    acts = prof.accounting.totals.activation_bytes
-    boundary_in = args[0].numel() * args[0].element_size() if s > 0 else 0
-    boundary_out = _output_bytes(prof) if s < stages - 1 else 0
-    return StageAccount(s, prof, k, one + (k - 1) * acts, m * (boundary_out + boundary_in),
-                        m * (boundary_in + boundary_out))
+def _profile_stage(config, s: int, stages: int, points, args, kwargs):
+    """Stage s's Profile for one micro-batch (on the rest of the mesh, if any)."""
+    from fxacct.profile import load_model, profile_module
+
+    cfg = replace(config, mesh=without_pp(parse_mesh(config.mesh)), input_requires_grad=config.input_requires_grad or s > 0)
+
+    def loader(c):
+        model, full_args, full_kwargs, _ = load_model(c)
+        return _split(c, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
+
+    if cfg.mesh is not None:
+        from fxacct.parallel.profile import profile_parallel
+
+        return profile_parallel(cfg, loader)
+    model, _, _, _ = loader(cfg)
+    return profile_module(model, args, kwargs, replace(cfg, mesh=None))
+
+
+def _rank_account(profs, r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:
+    """Rank r's stages r, r + P, ...: their peak replayed together, their sends and receives."""
+    local, send = {}, 0
+    for s in range(r, len(profs), ranks):
+        prof = profs[s]
+        boundary_in = prof.capture.input_nodes[0].meta["val"].storage_nbytes if s > 0 else 0
+        boundary_out = _output_bytes(prof) if s < len(profs) - 1 else 0
+        local[s] = LocalStage(prof.capture, s == len(profs) - 1, boundary_out)
+        send += m * (boundary_out + boundary_in)
+    peak = stage_peak(local, order.actions, m, releases(schedule, order.actions, ranks, r, m))
+    return StageAccount(r, profs[r], order.in_flight, peak, send, send, tuple(local))
 
 
 def _output_bytes(prof) -> int:

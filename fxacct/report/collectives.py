@@ -20,7 +20,8 @@ def collectives_json(parallel) -> list[dict]:
 
 def pipeline_json(pipe) -> dict:
     return {"schedule": pipe.schedule, "microbatches": pipe.microbatches, "bubble_fraction": pipe.bubble_fraction,
-            "stages": [{"stage": s.stage, "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
+            "stages_per_rank": pipe.stages_per_rank,
+            "stages": [{"stage": s.stage, "stages_on_rank": list(s.stages_on_rank), "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
                         "one_microbatch_peak_bytes": s.profile.memory.peak_train.bytes,
                         "activation_bytes": s.profile.accounting.totals.activation_bytes,
                         "params": s.profile.accounting.totals.params, "param_bytes": s.profile.accounting.totals.param_bytes,
@@ -34,8 +35,11 @@ def render_pipeline(pipe) -> str:
              f"{s.profile.accounting.totals.forward.total + s.profile.accounting.totals.backward.total:,}",
              format_bytes(s.profile.memory.peak_train.bytes), str(s.in_flight), format_bytes(s.peak_bytes),
              format_bytes(s.send_bytes), format_bytes(s.recv_bytes)] for s in pipe.stages]
-    head = ["stage", "params", "FLOPs / micro-batch", "peak, 1 micro-batch", "in flight", "peak", "send / step", "recv / step"]
-    return "\n".join([f"pipeline: {len(pipe.stages)} stages, {pipe.microbatches} micro-batches, {pipe.schedule}; "
+    head = ["stage" if pipe.stages_per_rank == 1 else "rank", "params", "FLOPs / micro-batch", "peak, 1 micro-batch",
+            "in flight", "peak", "send / step", "recv / step"]
+    layout = f"{len(pipe.stages)} stages" if pipe.stages_per_rank == 1 else \
+        f"{len(pipe.stages)} ranks × {pipe.stages_per_rank} stages (params, FLOPs, 1-micro-batch peak: the rank's first)"
+    return "\n".join([f"pipeline: {layout}, {pipe.microbatches} micro-batches, {pipe.schedule}; "
                       f"bubble {pipe.bubble_fraction:.1%} (the report above is stage 0's, one micro-batch)",
                       tabulate(rows, headers=head)])
 

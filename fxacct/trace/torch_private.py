@@ -203,3 +203,23 @@ from torch import overrides as _overrides  # noqa: E402
 # The TorchFunctionModes active on this thread, outermost first (the backward engine runs
 # activation checkpointing's recompute without them: fxacct.trace.checkpointing re-enters them).
 function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "torch.overrides")
+
+
+def pipeline_order(schedule_cls, stages: int, microbatches: int, per_rank: int = 1) -> dict:
+    """rank -> [(computation type "F"/"B"/..., stage index, micro-batch) or None (an idle slot)]:
+    the per-rank action list torch.distributed.pipelining's schedules build from the stage and
+    micro-batch counts alone, without a process group: ``_get_pipeline_order`` of the
+    single-stage ones (ScheduleGPipe, Schedule1F1B), ``_calculate_single_rank_operations`` of
+    ScheduleInterleaved1F1B (``per_rank`` stages on each rank, rounds of ``microbatches //
+    stages`` micro-batches, as its ``__init__`` sets them)."""
+    from types import SimpleNamespace
+
+    if per_rank == 1:
+        order = schedule_cls._get_pipeline_order(SimpleNamespace(_num_stages=stages, _n_microbatches=microbatches))
+    else:
+        rounds = max(1, microbatches // stages)
+        ns = SimpleNamespace(n_local_stages=per_rank, pp_group_size=stages, _n_microbatches=microbatches,
+                             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+        order = {rank: schedule_cls._calculate_single_rank_operations(ns, rank) for rank in range(stages)}
+    return {rank: [None if a is None else (a.computation_type.value, a.stage_index, a.microbatch_index)
+                   for a in actions] for rank, actions in order.items()}

@@ -1,0 +1,173 @@
+"""The training peak of one pipeline stage: its one-micro-batch step replayed, storage by
+storage, in the order its schedule runs (fxacct.parallel.pipeline_schedule), as
+torch.distributed.pipelining's PipelineStage holds memory (torch 2.13 stage.py, schedules.py):
+
+- Resident through the step: parameters, buffers, optimizer state, and per micro-batch one copy
+  of the stage's input: the first stage's whole batch (the micro-batches are views of it,
+  ``tensor_split``), a later stage's receive buffer (``args_recv_info``, one per micro-batch,
+  kept between steps); a stage before the last also keeps one buffer per micro-batch for the
+  output gradient it receives (``grad_recv_info``).
+- F(k) runs the stage's forward ops (and the loss ops on the last stage only: the other stages
+  send their output instead). What the forward saves for backward lives until B(k) frees it at
+  the op that frees it in the one-micro-batch step; the stage output is kept in ``fwd_cache``
+  to the end of B(k), on the last stage in ``output_chunks`` to the end of the step; each loss
+  is kept to the end of the step (``_internal_losses``).
+- B(k) runs the backward ops. The first backward allocates the parameter gradients, alive to the
+  end; later ones add into them (AccumulateGrad), so a parameter gradient a later backward
+  computes is freed right after its op. The input gradient of a later stage is taken off its
+  receive buffer (``stage_backward`` sets ``.grad = None``) and lives as long as the send that
+  carries it back (fxacct.parallel.pipeline_schedule.releases), as does a stage output.
+- When the schedule returns, the last stage merges its output chunks (``torch.cat``: one more
+  copy of all M outputs, freed with them since ``step()``'s result is unused); then the optimizer.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from fxacct.memory.peak import INPUTS, lifetimes
+from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER
+from fxacct.trace.graph_builder import trace_of
+from fxacct.trace.records import tensor_metas
+
+END = -1  # never freed within the step
+
+
+def _storages_born(capture):
+    """[(storage, birth op, death op, bytes)] in op order; ops as fxacct.memory.peak counts them."""
+    ops = [n for n in capture.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    seen = {t.storage for n in capture.graph.nodes if n.op == "placeholder" for t in tensor_metas(n.meta.get("val"))}
+    seen |= {s.key for s in capture.optimizer_state} | {m[0] for m in capture.master_weights}
+    deaths = capture.deaths or {}
+    born = []
+    for i, n in enumerate(ops):
+        for t in tensor_metas(n.meta.get("val")):
+            if t.storage not in seen:
+                seen.add(t.storage)
+                d = deaths.get(t.storage, END)
+                born.append((t.storage, i, END if d == END else max(i, d), t.storage_nbytes))
+    return ops, born
+
+
+def _output_storage(ops):
+    for n in ops:
+        if trace_of(n).phase == LOSS and n.all_input_nodes:
+            metas = tensor_metas(n.all_input_nodes[0].meta.get("val"))
+            return metas[0].storage if metas else None
+    return None
+
+
+def _input_grad_storages(capture) -> set:
+    """The gradients of the stage's inputs: the graph returns the parameters' gradients first."""
+    out = next(n for n in capture.graph.nodes if n.op == "output")
+    grads = [a for a in out.args[0]][:len(capture.grad_storages)]
+    n_params = sum(p.got_grad for p in capture.params)
+    return {t.storage for a in grads[n_params:] for t in tensor_metas(a.meta.get("val"))}
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    capture: object  # the stage's one-micro-batch Capture
+    last: bool  # the pipeline's last stage: computes the loss, keeps its outputs
+    grad_recv_bytes: int  # the output gradient it receives per micro-batch (0 on the last stage)
+
+
+class _Prepared:
+    """One local stage's ops by phase and the storages each op makes."""
+
+    def __init__(self, st: LocalStage, microbatches: int):
+        life = lifetimes(st.capture)
+        self.resident = sum(b * (microbatches if c == INPUTS else 1) for c, b in life.resident)
+        self.resident += microbatches * st.grad_recv_bytes
+        self.ops, born = _storages_born(st.capture)
+        phases = [trace_of(n).phase for n in self.ops]
+        self.out_sid, self.in_grads = _output_storage(self.ops), _input_grad_storages(st.capture)
+        self.births: dict[int, list] = {}
+        for entry in born:
+            self.births.setdefault(entry[1], []).append(entry)
+        self.fwd = [i for i, p in enumerate(phases) if p == FORWARD or (p == LOSS and st.last)]
+        self.bwd = [i for i, p in enumerate(phases) if p == BACKWARD]
+        self.opt = [i for i, p in enumerate(phases) if p == OPTIMIZER]
+        self.skipped = set() if st.last else {i for i, p in enumerate(phases) if p == LOSS}
+        ends = _node_ends(self.ops, self.bwd)
+        self.param_grads = {sid: ends for sid in st.capture.grad_storages - self.in_grads}
+
+
+def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
+    """A rank's peak live bytes over one step of ``actions`` ((kind, stage, micro-batch)) on its
+    ``stages`` (stage index -> LocalStage; module docstring); ``releases``: (output, input
+    gradient) of each (stage, micro-batch) -> the action index after which it is freed."""
+    prep = {k: _Prepared(st, microbatches) for k, st in stages.items()}
+    walk = _Walk(sum(p.resident for p in prep.values()))
+    freed_after: dict[int, list] = {}
+    for (st, mb), a in releases[0].items():
+        if not stages[st].last:
+            freed_after.setdefault(a, []).append((prep[st].out_sid, (st, mb)))
+    for (st, mb), a in releases[1].items():
+        freed_after.setdefault(a, []).extend((sid, (st, mb)) for sid in prep[st].in_grads)
+    backwarded = set()
+    for a, (kind, st, mb) in enumerate(actions):
+        p = prep[st]
+        if kind == "F":
+            walk.run(p.fwd, p.births, (st, mb), keep={p.out_sid}, skipped=p.skipped)
+        else:  # the first backward allocates the parameters' gradients, later ones add into them
+            walk.run(p.bwd, p.births, (st, mb), keep=p.in_grads, transient=p.param_grads if st in backwarded else {})
+            backwarded.add(st)
+        for key in freed_after.pop(a, ()):
+            walk.free(*key)
+    for key in freed_after.pop(len(actions), ()):
+        walk.free(*key)
+    for st, p in prep.items():
+        if stages[st].last and p.out_sid is not None:  # output_chunks merged by torch.cat when the schedule returns
+            walk.note(sum(walk.held.get((p.out_sid, (st, mb)), 0) for mb in range(microbatches)))
+            for mb in range(microbatches):
+                walk.free(p.out_sid, (st, mb))
+    for st, p in prep.items():
+        walk.run(p.opt, p.births, (st, 0))
+    return walk.peak
+
+
+def _node_ends(ops, bwd) -> dict[int, int]:
+    """Backward op -> the last op of its autograd Node (consecutive ops derived from one forward
+    op): AccumulateGrad adds a later micro-batch's gradient into ``.grad`` right after it."""
+    ends, last = {}, None
+    for i in reversed(bwd):
+        src = trace_of(ops[i]).derived_from
+        if last is None or src is None or src is not last[0] or last[1] != i + 1:
+            last = (src, i, i)
+        else:
+            last = (src, i, last[2])
+        ends[i] = last[2]
+    return ends
+
+
+class _Walk:
+    """Live bytes over the replayed ops: (storage, micro-batch) -> bytes, and the peak."""
+
+    def __init__(self, resident: int):
+        self.live = self.peak = resident
+        self.held: dict[tuple, int] = {}
+        self.dies: dict[tuple[int, int], list] = {}  # (op, micro-batch) -> keys freed after it
+
+    def note(self, extra: int = 0) -> None:
+        self.peak = max(self.peak, self.live + extra)
+
+    def free(self, sid, mb) -> None:
+        self.live -= self.held.pop((sid, mb), 0)
+
+    def run(self, op_indices, births, mb, keep=frozenset(), skipped=frozenset(), transient=None):
+        transient = transient or {}
+        for i in op_indices:
+            if i in skipped:
+                continue
+            for sid, birth, death, nbytes in births.get(i, ()):
+                self.held[(sid, mb)] = nbytes
+                self.live += nbytes
+                if sid in transient:
+                    death = transient[sid][birth]
+                if sid not in keep and death != END:
+                    self.dies.setdefault((death if death not in skipped else op_indices[-1], mb), []).append(sid)
+            self.note()
+            for sid in self.dies.pop((i, mb), ()):
+                self.free(sid, mb)
