@@ -284,3 +284,23 @@ def test_a_calibrated_kernel_runs_at_its_measured_rate():
     pr = predict_profile(p, from_calibration(cal))
     (pool,) = [o for o in pr.ops if o.op == "aten.max_pool2d_with_indices.default"]
     assert pool.bytes == 896 and pool.seconds == pytest.approx(896e-6) and pool.bound == MEMORY
+
+
+def test_a_convolution_backward_uses_its_own_curve_and_every_call_pays_its_latency():
+    # the Conv2d(8 -> 8) of the test above on (1, 8, 4, 4), input without grad: the backward computes
+    # the weight gradient only, 18,432 FLOPs (as the forward). Calibrated: forward 1e6 FLOP/s at 8
+    # channels, backward 2e6, latencies 1 ms (forward) and 3 ms (backward); memory free, no overhead.
+    # forward 18,432 / 1e6 + 1e-3 = 19.432 ms; backward 18,432 / 2e6 + 3e-3 = 12.216 ms
+    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.roofline import from_calibration
+
+    cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
+                      convolution_by_channels={"float32": {"8": 1e6}},
+                      convolution_backward_by_channels={"float32": {"8": 2e6}},
+                      op_latency_s={"aten.convolution.default": 1e-3, "aten.convolution_backward.default": 3e-3})
+    p = profile_meta(on_meta(nn.Conv2d, 8, 8, 3, padding=1, bias=False), (meta_input(1, 8, 4, 4),), optimizer="none")
+    pr = predict_profile(p, from_calibration(cal))
+    (fwd,) = [o for o in pr.ops if o.op == "aten.convolution.default"]
+    (bwd,) = [o for o in pr.ops if o.op == "aten.convolution_backward.default"]
+    assert fwd.seconds == pytest.approx(19.432e-3)
+    assert bwd.flops == 18432 and bwd.seconds == pytest.approx(12.216e-3)

@@ -109,8 +109,8 @@ def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = N
     what = "inference steps (forward, eval, no_grad)" if m.inference else "training steps"
     lines = [
         f"runtime on {m.device} ({m.device_name}, {m.threads} threads): {m.steps} timed {what} after "
-        f"{m.warmup} warm-up; step and phase times are medians, module and node times those of the median "
-        "step; torch.profiler's overhead included",
+        f"{m.warmup} warm-up; step and phase times are medians of plain steps, module and node times those "
+        "of the median of as many steps under torch.profiler (its overhead included)",
         f"predicted for: {p.device.name} ({p.device.source})" if p is not None else
         "predicted for: nothing (this device is not calibrated: run `fxacct calibrate --device "
         f"{m.device.split(':')[0]}`)",
