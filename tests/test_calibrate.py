@@ -335,3 +335,20 @@ def test_convolution_curve_subtracts_the_fitted_latency():
     assert latency == pytest.approx(48e-6)
     # each class: F / (t − 48 µs) = F / (2 µs + F / rate), close to the rate for these sizes
     assert curve == pytest.approx({str(c): flops[c, s] / (2e-6 + flops[c, s] / rate[c]) for c, s in microbench.CONV_SHAPES})
+
+
+def test_the_tiny_step_overhead_per_phase_is_its_fastest_time_over_its_ops():
+    # splits (forward, backward, optimizer) of three steps; ops 10, 20, 40 per phase:
+    # forward min(3, 2, 4) ms / 10, backward min(6, 8, 7) ms / 20, optimizer min(9, 9, 5) ms / 40
+    from fxacct.predict import microbench
+
+    splits = [(3e-3, 6e-3, 9e-3), (2e-3, 8e-3, 9e-3), (4e-3, 7e-3, 5e-3)]
+    assert microbench.phase_overheads(splits, (10, 20, 40)) == pytest.approx(
+        {"forward": 2e-4, "backward": 3e-4, "optimizer": 1.25e-4})
+    assert microbench.phase_overheads([], (10, 20, 40)) == {}
+    # the tiny step's phases dispatch ops of their own: the forward its Linear and ReLU layers,
+    # the backward their gradients, AdamW its per-parameter updates
+    tiny = microbench._Tiny("cpu")
+    tiny()
+    fwd, bwd, opt = tiny.ops_by_phase()
+    assert fwd >= 2 * microbench.TINY_LAYERS and bwd >= 2 * microbench.TINY_LAYERS and opt >= 2 * microbench.TINY_LAYERS

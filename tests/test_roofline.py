@@ -304,3 +304,22 @@ def test_a_convolution_backward_uses_its_own_curve_and_every_call_pays_its_laten
     (bwd,) = [o for o in pr.ops if o.op == "aten.convolution_backward.default"]
     assert fwd.seconds == pytest.approx(19.432e-3)
     assert bwd.flops == 18432 and bwd.seconds == pytest.approx(12.216e-3)
+
+
+def test_the_per_op_overhead_by_phase_is_each_phase_ops_times_its_own():
+    # closed form: overhead 1 ms per forward (and loss) op, 2 ms per backward op, none for the
+    # optimizer's (none here): the step is the bare step plus 1 ms × forward and loss ops + 2 ms ×
+    # backward ops, the ops counted per phase from the graph itself
+    import dataclasses
+
+    p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")
+    gpu = from_gpu(get_device("h100"))
+    count = {ph: sum(1 for n in p.capture.graph.nodes if n.op == "call_function" and n.meta["fxacct"].phase == ph)
+             for ph in PHASES}
+    bare = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=0.0))
+    paid = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=5.0, overhead_by_phase={
+        "forward": 1e-3, "backward": 2e-3}))
+    assert count["forward"] and count["loss"] and count["backward"]
+    expected = 1e-3 * (count["forward"] + count["loss"]) + 2e-3 * count["backward"]
+    assert paid.overhead_s == pytest.approx(expected)
+    assert paid.step_s == pytest.approx(bare.step_s + expected)

@@ -38,7 +38,8 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   every op pays besides its FLOPs and bytes (Python, dispatch, autograd, allocation, a CUDA
   launch), paid as a real step pays it; and the same under torch.profiler, which `--runtime` runs
   the model under (it records every op: about 2 µs more). A small model's step is mostly this
-  (issue 10: a small CNN was 4.7× slower than a roofline without it).
+  (issue 10: a small CNN was 4.7× slower than a roofline without it). Also per phase
+  (``dispatch_s_by_phase``: forward, backward, optimizer), the fastest of each over the steps.
 - training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
   (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward) on 1 MiB
   and 64 KiB activations, each as the bytes the roofline counts for it over its time, and its
@@ -109,6 +110,7 @@ class Calibration:
     kernel_bytes_per_s: dict = field(default_factory=dict)  # str(aten op) -> bytes/s it moves
     convolution_backward_by_channels: dict = field(default_factory=dict)  # dtype -> {str(channels): FLOP/s}
     op_latency_s: dict = field(default_factory=dict)  # str(aten op) -> fixed seconds per call beyond dispatch
+    dispatch_s_by_phase: dict = field(default_factory=dict)  # "forward", "backward", "optimizer" -> s per op
 
 
 def cache_dir() -> Path:
@@ -275,9 +277,9 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
         say("convolution float32")
         conv, conv_bwd, latency, spread["convolution float32"] = measure_convolutions(kind, trivial_s, budget_s)
         say("per-op dispatch overhead")
-        dispatch_s, t = microbench.dispatch(kind, budget_s / 3)
+        dispatch_s, t, dispatch_by_phase = microbench.dispatch(kind, budget_s / 3)
         spread["per-op overhead"] = t.spread
-        profiled_s, t = microbench.dispatch(kind, budget_s / 3, profiled=True)
+        profiled_s, t, _ = microbench.dispatch(kind, budget_s / 3, profiled=True)
         spread["per-op overhead under torch.profiler"] = t.spread
         say("training kernels")
         kernel_rates, kernel_latency, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
@@ -288,7 +290,8 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
     return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
                        curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
                        time.perf_counter() - t0, {"float32": conv}, dispatch_s, spread,
-                       warnings + _unstable(spread), profiled_s, kernel_rates, {"float32": conv_bwd}, latency)
+                       warnings + _unstable(spread), profiled_s, kernel_rates, {"float32": conv_bwd}, latency,
+                       dispatch_by_phase)
 
 
 def save(cal: Calibration) -> Path:
@@ -362,6 +365,7 @@ def parse(data) -> Calibration:
             isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in cal.op_latency_s.values()):
         raise ValueError("op_latency_s is not a mapping of op names to seconds >= 0")
     _rates("kernel_bytes_per_s", cal.kernel_bytes_per_s)
+    _rates("dispatch_s_by_phase", cal.dispatch_s_by_phase)
     for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op"):
         if getattr(cal, name) is not None:
             _positive(name, getattr(cal, name))

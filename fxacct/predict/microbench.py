@@ -175,11 +175,47 @@ class _Tiny:
         self.optimizer = torch.optim.AdamW(self.model.parameters())
         self.x = torch.randn(2, 4, device=kind)
 
+        self.kind, self.loss, self.splits = kind, None, []  # splits: (forward, backward, optimizer) s per step
+
+    def forward(self) -> None:
+        self.loss = self.model(self.x).float().sum()
+
+    def backward(self) -> None:
+        self.loss.backward()
+        self.loss = None
+
+    def optimize(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _mark(self) -> float:
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def __call__(self) -> None:
         with torch.enable_grad():
-            self.model(self.x).float().sum().backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            marks = [self._mark()]
+            for phase in (self.forward, self.backward, self.optimize):
+                phase()
+                marks.append(self._mark())
+        self.splits.append(tuple(b - a for a, b in zip(marks, marks[1:])))
+
+    def ops_by_phase(self) -> tuple[int, int, int]:
+        """The aten ops each phase dispatches (count_ops), of one steady-state step."""
+        with torch.enable_grad():
+            return tuple(count_ops(phase) for phase in (self.forward, self.backward, self.optimize))
+
+
+TINY_PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_overheads(splits: list, ops: tuple) -> dict:
+    """{phase: seconds per op}: the fastest of each phase over the timed steps' splits, over the
+    ops that phase dispatches; {} when no step was timed."""
+    if not splits:
+        return {}
+    return {name: min(s[i] for s in splits) / n for i, (name, n) in enumerate(zip(TINY_PHASES, ops)) if n}
 
 
 def count_ops(fn) -> int:
@@ -198,11 +234,13 @@ def count_ops(fn) -> int:
     return Count.n
 
 
-def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing]:
-    """(seconds per op, timing): the time of a tiny training step (_Tiny) over the aten ops it
-    dispatches: what every op costs besides its arithmetic and memory traffic (Python, dispatch,
-    autograd, allocation, a kernel launch). ``profiled``: the same under torch.profiler as
-    `--runtime` runs it (CPU activity and memory events), which records every op."""
+def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing, dict]:
+    """(seconds per op, timing, {phase: seconds per op}): the time of a tiny training step (_Tiny)
+    over the aten ops it dispatches: what every op costs besides its arithmetic and memory traffic
+    (Python, module calls, dispatch, autograd, allocation, a kernel launch), for the whole step and
+    per phase (phase_overheads: the forward's module calls and autograd recording, the backward
+    engine, the optimizer's loop cost an op differently). ``profiled``: the same under
+    torch.profiler (CPU activity and memory events), which records every op."""
     import contextlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -212,12 +250,14 @@ def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> 
     timer = timer or Timer(kind)
     step = _Tiny(kind)
     step()  # the optimizer state: a steady-state step follows
-    ops = count_ops(step)
+    by_phase = step.ops_by_phase()
+    ops = sum(by_phase)
+    step.splits.clear()
     tp.quiet_kineto()
     context = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else contextlib.nullcontext()
     with context:
         t = stable(timer, step, budget_s)
-    return t.seconds / ops, t
+    return t.seconds / ops, t, phase_overheads(step.splits, by_phase)
 
 
 def _moved(args, out) -> int:

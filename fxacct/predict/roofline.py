@@ -39,7 +39,8 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 - Per-op overhead: every op (a view too: it is dispatched) but the state init also costs a fixed
   ``op_overhead_s``, added to its time and reported as its own line (ops × overhead): on a GPU of the
   table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
-  device the measured cost of a tiny op (fxacct.predict.calibrate). A small model's step is mostly
+  device the measured cost of a tiny op in a training step, by the op's phase (forward with the
+  loss, backward, optimizer: fxacct.predict.calibrate ``dispatch_s_by_phase``). A small model's step is mostly
   this (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
 - A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
   their backward: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
@@ -95,6 +96,11 @@ class DeviceModel:
     kernel_rates: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> bytes/s (calibrated)
     conv_backward_curves: dict = dataclasses.field(default_factory=dict)  # as conv_curves, for the backward
     op_latency: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> fixed s per call (calibrated)
+    overhead_by_phase: dict = dataclasses.field(default_factory=dict)  # PHASES key -> s per op (else op_overhead_s)
+
+    def overhead(self, phase: str) -> float:
+        """Seconds of per-op overhead of an op of ``phase`` (the loss's ops are the forward's)."""
+        return self.overhead_by_phase.get(FORWARD if phase == LOSS else phase, self.op_overhead_s)
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes/s when streaming over a footprint of ``nbytes``."""
@@ -157,7 +163,8 @@ def from_calibration(cal, profiled: bool = False) -> DeviceModel:
                        conv_curves=conv, kernel_rates=dict(cal.kernel_bytes_per_s),
                        conv_backward_curves={key: tuple(sorted((int(c), r) for c, r in by.items()))
                                              for key, by in cal.convolution_backward_by_channels.items()},
-                       op_latency=dict(cal.op_latency_s))
+                       op_latency=dict(cal.op_latency_s),
+                       overhead_by_phase={} if profiled else dict(cal.dispatch_s_by_phase))
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -288,7 +295,7 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
 def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset, bandwidth: float) -> OpTime:
     """One op's roofline time, attributed to the owner the annotation decided."""
     outputs = tensor_metas(node.meta.get("val"))
-    overhead = device.op_overhead_s
+    overhead = device.overhead(cost.phase)
     if cost.kind == "view":
         seconds, bound, nbytes = 0.0, FREE, 0
     elif cost.phase == OPTIMIZER and cost.kind == "creation" and outputs and all(

@@ -62,7 +62,8 @@ def overhead_line(prediction: Prediction, total: float) -> str:
     d = prediction.device
     if not d.op_overhead_s:
         return f"  per-op overhead: none counted ({d.overhead_source or 'not known for this device'})"
-    return (f"  per-op overhead: {prediction.overhead_ops:,} ops × {format_ms(1e3 * d.op_overhead_s)} = "
+    each = prediction.overhead_s / prediction.overhead_ops if prediction.overhead_ops else d.op_overhead_s
+    return (f"  per-op overhead: {prediction.overhead_ops:,} ops × {format_ms(1e3 * each)} = "
             f"{ms(prediction.overhead_s)} ({100 * prediction.overhead_s / total:.1f}% of the time; "
             f"{d.overhead_source})")
 
