@@ -83,6 +83,7 @@ class Measured:
     interrupted: bool
     threads: int  # torch.get_num_threads()
     trace_events: tuple = ()  # the profiler's Chrome trace events, when asked for
+    profiled_step_times: tuple = ()  # the steps under the profiler: module and node times are of their median
 
     def _median(self, field: str) -> float | None:
         values = [getattr(s, field) for s in self.step_times]
@@ -392,7 +393,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
 
     name = torch.cuda.get_device_name(device) if cuda else cpu_name()
     return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,
-                    transfer, interrupted, torch.get_num_threads(), trace)
+                    transfer, interrupted, torch.get_num_threads(), trace, tuple(profiled))
 
 
 __all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs"]
