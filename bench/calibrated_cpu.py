@@ -69,7 +69,7 @@ def one_round(names, steps: int, warmup: int) -> tuple[dict, object]:
 
 
 def _print_round(i: int, seconds: float, cal, results: dict, ratios: dict) -> None:
-    print(f"round {i + 1} ({seconds:.0f} s; calibrated fp32 {cal.matmul_flops_per_s['float32'] / 1e9:.1f} GFLOP/s, "
+    print(f"round {i + 1} ({seconds:.0f} s, calibration {cal.seconds:.0f} s; calibrated fp32 {cal.matmul_flops_per_s['float32'] / 1e9:.1f} GFLOP/s, "
           f"per-op {1e6 * (cal.dispatch_s_per_op or 0):.2f} µs, DRAM {cal.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
           + (f"; {len(cal.warnings)} warnings" if cal.warnings else "") + ")")

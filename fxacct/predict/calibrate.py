@@ -231,13 +231,14 @@ def measure_bandwidth(kind: str, budget_s: float = BUDGET_S, warnings: list | No
     return out, max(spreads)
 
 
-def conv_curve(times: dict, small: tuple, trivial_s: float) -> tuple[dict[str, float], float]:
+def conv_curve(times: dict, small: tuple, trivial_s: float, fit: bool = True) -> tuple[dict[str, float], float]:
     """({str(channels): FLOP/s}, latency s) from {(channels, side): (FLOPs, seconds)}: the fixed
     cost per call fit through the first class at ``small`` and at its CONV_SHAPES side
     (microbench.fit_latency), less the trivial op's time (the per-op overhead holds that); each
-    class's rate is its FLOPs over its time less that latency (at most half its time)."""
+    class's rate is its FLOPs over its time less that latency (at most half its time). ``fit``
+    False (the two points were not stable): no latency, the plain rates."""
     first = microbench.CONV_SHAPES[0]
-    _, latency = microbench.fit_latency(times[small], times[first])
+    _, latency = microbench.fit_latency(times[small], times[first]) if fit else (0.0, 0.0)
     latency = max(0.0, latency - trivial_s)
     return {str(c): times[c, side][0] / max(times[c, side][1] - latency, times[c, side][1] / 2)
             for c, side in microbench.CONV_SHAPES}, latency
@@ -248,12 +249,13 @@ def measure_convolutions(kind: str, trivial_s: float, budget_s: float = BUDGET_S
     spread) of float32 3×3 convolutions (conv_curve), forward and backward (input and weight gradients)."""
     curves, latency, spreads = {}, {}, []
     for backward, op in ((False, "aten.convolution.default"), (True, "aten.convolution_backward.default")):
-        times = {}
+        times, ok = {}, []
         for channels, side in microbench.CONV_SHAPES + (microbench.CONV_SMALL,):
             rate, t = microbench.convolution(kind, channels, side, budget_s / 4, backward=backward)
             times[channels, side] = (rate * t.seconds, t.seconds)
             spreads.append(t.spread)
-        curves[backward], latency[op] = conv_curve(times, microbench.CONV_SMALL, trivial_s)
+            ok.append(t.stable or (channels, side) not in (microbench.CONV_SMALL, microbench.CONV_SHAPES[0]))
+        curves[backward], latency[op] = conv_curve(times, microbench.CONV_SMALL, trivial_s, all(ok))
     return curves[False], curves[True], latency, max(spreads)
 
 

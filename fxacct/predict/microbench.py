@@ -298,16 +298,18 @@ def _kernel_cases(kind: str, side: int = 32) -> dict:
 def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float]:
     """({str(aten op): bytes/s}, {str(aten op): seconds per call}, largest spread): the rate at
     which each kernel of _kernel_cases moves the bytes the roofline counts for it (its arithmetic
-    included) and its fixed cost per call, fit (fit_latency) through its times at KERNEL_SIDES."""
+    included) and its fixed cost per call, fit (fit_latency) through its times at KERNEL_SIDES when
+    both were stable (a fit through noise is noise; else the larger case's rate and no latency)."""
     timer = timer or Timer(kind)
     points, spreads = {}, []
     for side in KERNEL_SIDES:
         for op, args in _kernel_cases(kind, side).items():
             nbytes = _moved(args, op(*args))
             t = stable(timer, lambda op=op, args=args: op(*args), budget_s)
-            points.setdefault(str(op), []).append((nbytes, t.seconds))
+            points.setdefault(str(op), []).append((nbytes, t.seconds, t.stable))
             spreads.append(t.spread)
-    fits = {op: fit_latency(min(p), max(p)) for op, p in points.items()}
+    fits = {op: fit_latency(*[(w, s) for w, s, _ in sorted(p)]) if all(ok for *_, ok in p)
+            else (max(p)[0] / max(p)[1], 0.0) for op, p in points.items()}  # unstable points: no fit
     return {op: r for op, (r, _) in fits.items()}, {op: lat for op, (_, lat) in fits.items()}, max(spreads)
 
 
