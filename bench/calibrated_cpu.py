@@ -69,8 +69,9 @@ def one_round(names, steps: int, warmup: int) -> tuple[dict, object]:
 
 
 def _print_round(i: int, seconds: float, cal, results: dict, ratios: dict) -> None:
-    print(f"round {i + 1} ({seconds:.0f} s; calibrated fp32 {cal.matmul_flops_per_s['float32'] / 1e9:.1f} GFLOP/s, "
-          f"per-op {1e6 * (cal.dispatch_s_per_op or 0):.2f} µs, DRAM {cal.bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+    print(f"round {i + 1} ({seconds:.0f} s, calibration {cal.seconds:.0f} s; calibrated fp32 {cal.matmul_flops_per_s['float32'] / 1e9:.1f} GFLOP/s, "
+          f"per-op {1e6 * (cal.dispatch_s_per_op or 0):.2f} µs, DRAM {cal.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
           + (f"; {len(cal.warnings)} warnings" if cal.warnings else "") + ")")
     for name, res in results.items():
         parts = []
@@ -107,7 +108,8 @@ def main() -> int:
         step, best = statistics.median(by["step"]), statistics.median(by["fastest"])
         inside += LOW <= step <= HIGH
         fastest += LOW <= best <= HIGH
-        print(f"  {name:<14} step {step:.2f} " + ("ok " if LOW <= step <= HIGH else "OUT")
+        print(f"  {name:<14} step {step:.2f} [{min(by['step']):.2f}–{max(by['step']):.2f}] "
+              + ("ok " if LOW <= step <= HIGH else "OUT")
               + " (" + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in by.items() if k != "step") + ")")
     print(f"{inside} of {len(ratios)} within {LOW}–{HIGH} (median step); {fastest} of {len(ratios)} by the fastest step")
     return 0

@@ -307,3 +307,48 @@ def test_the_report_says_what_was_stored(cache):
     assert "convolution float32" in text and "8 channels" in text
     assert "per-op overhead" in text and "2 µs" in text and "3.0%" in text
     assert "warning: matmul float32: rejected" in text and str(path) in text
+
+
+def test_latency_and_rate_come_from_two_points_of_one_op():
+    # t = 10 µs + work / 1e9: at 1e6 → 1.01 ms, at 4e6 → 4.01 ms; the fit returns both
+    from fxacct.predict.microbench import fit_latency
+
+    rate, latency = fit_latency((1e6, 1.01e-3), (4e6, 4.01e-3))
+    assert rate == pytest.approx(1e9) and latency == pytest.approx(1e-5)
+    # a larger point no slower than the small one (noise): its own rate, no latency
+    assert fit_latency((1e6, 2e-3), (4e6, 2e-3)) == (2e9, 0.0)
+    # a line through the origin or below it: no latency, the large point's rate
+    assert fit_latency((1e6, 1e-3), (4e6, 5e-3)) == (8e8, 0.0)
+
+
+def test_convolution_curve_subtracts_the_fitted_latency():
+    # times as t = 50 µs + F / rate, rate 1e9 FLOP/s at 8 channels, 4e9 at 32, 8e9 at 128; the
+    # trivial op takes 2 µs, which the per-op overhead already holds: latency 48 µs per call.
+    # FLOPs 2·8·C²·9·side²: (8, 8) 589,824; (8, 32) 9,437,184; (32, 32) 150,994,944; (128, 16) 603,979,776
+    from fxacct.predict import microbench
+
+    assert microbench.CONV_SHAPES == ((8, 32), (32, 32), (128, 16)) and microbench.CONV_SMALL == (8, 8)
+    flops = {(8, 8): 589824, (8, 32): 9437184, (32, 32): 150994944, (128, 16): 603979776}
+    rate = {8: 1e9, 32: 4e9, 128: 8e9}
+    times = {(c, s): (f, 50e-6 + f / rate[c]) for (c, s), f in flops.items()}
+    curve, latency = calibrate.conv_curve(times, (8, 8), 2e-6)
+    assert latency == pytest.approx(48e-6)
+    # each class: F / (t − 48 µs) = F / (2 µs + F / rate), close to the rate for these sizes
+    assert curve == pytest.approx({str(c): flops[c, s] / (2e-6 + flops[c, s] / rate[c]) for c, s in microbench.CONV_SHAPES})
+
+
+def test_the_tiny_step_overhead_per_phase_is_its_fastest_time_over_its_ops():
+    # splits (forward, backward, optimizer) of three steps; ops 10, 20, 40 per phase:
+    # forward min(3, 2, 4) ms / 10, backward min(6, 8, 7) ms / 20, optimizer min(9, 9, 5) ms / 40
+    from fxacct.predict import microbench
+
+    splits = [(3e-3, 6e-3, 9e-3), (2e-3, 8e-3, 9e-3), (4e-3, 7e-3, 5e-3)]
+    assert microbench.phase_overheads(splits, (10, 20, 40)) == pytest.approx(
+        {"forward": 2e-4, "backward": 3e-4, "optimizer": 1.25e-4})
+    assert microbench.phase_overheads([], (10, 20, 40)) == {}
+    # the tiny step's phases dispatch ops of their own: the forward its Linear and ReLU layers,
+    # the backward their gradients, AdamW its per-parameter updates
+    tiny = microbench._Tiny("cpu")
+    tiny()
+    fwd, bwd, opt = tiny.ops_by_phase()
+    assert fwd >= 2 * microbench.TINY_LAYERS and bwd >= 2 * microbench.TINY_LAYERS and opt >= 2 * microbench.TINY_LAYERS

@@ -284,3 +284,42 @@ def test_a_calibrated_kernel_runs_at_its_measured_rate():
     pr = predict_profile(p, from_calibration(cal))
     (pool,) = [o for o in pr.ops if o.op == "aten.max_pool2d_with_indices.default"]
     assert pool.bytes == 896 and pool.seconds == pytest.approx(896e-6) and pool.bound == MEMORY
+
+
+def test_a_convolution_backward_uses_its_own_curve_and_every_call_pays_its_latency():
+    # the Conv2d(8 -> 8) of the test above on (1, 8, 4, 4), input without grad: the backward computes
+    # the weight gradient only, 18,432 FLOPs (as the forward). Calibrated: forward 1e6 FLOP/s at 8
+    # channels, backward 2e6, latencies 1 ms (forward) and 3 ms (backward); memory free, no overhead.
+    # forward 18,432 / 1e6 + 1e-3 = 19.432 ms; backward 18,432 / 2e6 + 3e-3 = 12.216 ms
+    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.roofline import from_calibration
+
+    cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
+                      convolution_by_channels={"float32": {"8": 1e6}},
+                      convolution_backward_by_channels={"float32": {"8": 2e6}},
+                      op_latency_s={"aten.convolution.default": 1e-3, "aten.convolution_backward.default": 3e-3})
+    p = profile_meta(on_meta(nn.Conv2d, 8, 8, 3, padding=1, bias=False), (meta_input(1, 8, 4, 4),), optimizer="none")
+    pr = predict_profile(p, from_calibration(cal))
+    (fwd,) = [o for o in pr.ops if o.op == "aten.convolution.default"]
+    (bwd,) = [o for o in pr.ops if o.op == "aten.convolution_backward.default"]
+    assert fwd.seconds == pytest.approx(19.432e-3)
+    assert bwd.flops == 18432 and bwd.seconds == pytest.approx(12.216e-3)
+
+
+def test_the_per_op_overhead_by_phase_is_each_phase_ops_times_its_own():
+    # closed form: overhead 1 ms per forward (and loss) op, 2 ms per backward op, none for the
+    # optimizer's (none here): the step is the bare step plus 1 ms × forward and loss ops + 2 ms ×
+    # backward ops, the ops counted per phase from the graph itself
+    import dataclasses
+
+    p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")
+    gpu = from_gpu(get_device("h100"))
+    count = {ph: sum(1 for n in p.capture.graph.nodes if n.op == "call_function" and n.meta["fxacct"].phase == ph)
+             for ph in PHASES}
+    bare = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=0.0))
+    paid = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=5.0, overhead_by_phase={
+        "forward": 1e-3, "backward": 2e-3}))
+    assert count["forward"] and count["loss"] and count["backward"]
+    expected = 1e-3 * (count["forward"] + count["loss"]) + 2e-3 * count["backward"]
+    assert paid.overhead_s == pytest.approx(expected)
+    assert paid.step_s == pytest.approx(bare.step_s + expected)

@@ -27,16 +27,23 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   and a warning says so (issue 10: a busy machine once stored 0.002 TFLOP/s for the fp32 square
   beside 161 GFLOP/s for a skinny product, and every prediction used it).
 - convolution FLOP/s (float32) by channel count: 3×3 convolutions C → C for C in 8, 32, 128
-  (microbench.CONV_SHAPES); a convolution with few channels runs far below the matmul rate on a CPU.
+  (microbench.CONV_SHAPES), forward and backward (aten.convolution_backward, input and weight
+  gradients) apart; a convolution with few channels runs far below the matmul rate on a CPU. Each
+  also has a fixed cost per call (oneDNN's set-up: measured here ~50 µs forward, ~140 µs backward,
+  most of a small convolution's time): fit through the 8-channel class at two image sides
+  (microbench.fit_latency), stored in ``op_latency_s`` less the trivial op's time (the per-op
+  overhead holds that), and taken out of each class's rate (conv_curve).
 - per-op overhead in seconds: a loop of training steps of a tiny model (8 × Linear(4, 4) + ReLU,
   AdamW; microbench._Tiny), each op on a few elements, over the aten ops a step dispatches: what
   every op pays besides its FLOPs and bytes (Python, dispatch, autograd, allocation, a CUDA
   launch), paid as a real step pays it; and the same under torch.profiler, which `--runtime` runs
   the model under (it records every op: about 2 µs more). A small model's step is mostly this
-  (issue 10: a small CNN was 4.7× slower than a roofline without it).
+  (issue 10: a small CNN was 4.7× slower than a roofline without it). Also per phase
+  (``dispatch_s_by_phase``: forward, backward, optimizer), the fastest of each over the steps.
 - training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
   (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward) on 1 MiB
-  activations, each as the bytes the roofline counts for it over its time (microbench.kernels).
+  and 64 KiB activations, each as the bytes the roofline counts for it over its time, and its
+  fixed cost per call fit through the two (microbench.kernels; in ``op_latency_s`` as above).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,
@@ -101,6 +108,9 @@ class Calibration:
     warnings: list = field(default_factory=list)  # figures rejected, measurements that stayed unstable
     profiled_dispatch_s_per_op: float | None = None  # the same under torch.profiler (runtime mode)
     kernel_bytes_per_s: dict = field(default_factory=dict)  # str(aten op) -> bytes/s it moves
+    convolution_backward_by_channels: dict = field(default_factory=dict)  # dtype -> {str(channels): FLOP/s}
+    op_latency_s: dict = field(default_factory=dict)  # str(aten op) -> fixed seconds per call beyond dispatch
+    dispatch_s_by_phase: dict = field(default_factory=dict)  # "forward", "backward", "optimizer" -> s per op
 
 
 def cache_dir() -> Path:
@@ -221,14 +231,32 @@ def measure_bandwidth(kind: str, budget_s: float = BUDGET_S, warnings: list | No
     return out, max(spreads)
 
 
-def measure_convolutions(kind: str, budget_s: float = BUDGET_S) -> tuple[dict[str, float], float]:
-    """({str(channels): FLOP/s} of float32 3×3 convolutions, the largest spread)."""
-    out, spreads = {}, []
-    for channels, side in microbench.CONV_SHAPES:
-        rate, t = microbench.convolution(kind, channels, side, budget_s / 3)
-        out[str(channels)] = rate
-        spreads.append(t.spread)
-    return out, max(spreads)
+def conv_curve(times: dict, small: tuple, trivial_s: float, fit: bool = True) -> tuple[dict[str, float], float]:
+    """({str(channels): FLOP/s}, latency s) from {(channels, side): (FLOPs, seconds)}: the fixed
+    cost per call fit through the first class at ``small`` and at its CONV_SHAPES side
+    (microbench.fit_latency), less the trivial op's time (the per-op overhead holds that); each
+    class's rate is its FLOPs over its time less that latency (at most half its time). ``fit``
+    False (the two points were not stable): no latency, the plain rates."""
+    first = microbench.CONV_SHAPES[0]
+    _, latency = microbench.fit_latency(times[small], times[first]) if fit else (0.0, 0.0)
+    latency = max(0.0, latency - trivial_s)
+    return {str(c): times[c, side][0] / max(times[c, side][1] - latency, times[c, side][1] / 2)
+            for c, side in microbench.CONV_SHAPES}, latency
+
+
+def measure_convolutions(kind: str, trivial_s: float, budget_s: float = BUDGET_S) -> tuple[dict, dict, dict, float]:
+    """(forward {str(channels): FLOP/s}, backward the same, {str(aten op): latency s}, the largest
+    spread) of float32 3×3 convolutions (conv_curve), forward and backward (input and weight gradients)."""
+    curves, latency, spreads = {}, {}, []
+    for backward, op in ((False, "aten.convolution.default"), (True, "aten.convolution_backward.default")):
+        times, ok = {}, []
+        for channels, side in microbench.CONV_SHAPES + (microbench.CONV_SMALL,):
+            rate, t = microbench.convolution(kind, channels, side, budget_s / 4, backward=backward)
+            times[channels, side] = (rate * t.seconds, t.seconds)
+            spreads.append(t.spread)
+            ok.append(t.stable or (channels, side) not in (microbench.CONV_SMALL, microbench.CONV_SHAPES[0]))
+        curves[backward], latency[op] = conv_curve(times, microbench.CONV_SMALL, trivial_s, all(ok))
+    return curves[False], curves[True], latency, max(spreads)
 
 
 def _unstable(spread: dict) -> list[str]:
@@ -247,22 +275,25 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
         for key in DTYPES[kind]:
             say(f"matmul {key}")
             rates[key], sizes[key], by_dim[key], spread[f"matmul {key}"] = _matmul(kind, key, budget_s, warnings)
+        trivial_s, _ = microbench.trivial(kind, budget_s / 6)
         say("convolution float32")
-        conv, spread["convolution float32"] = measure_convolutions(kind, budget_s)
+        conv, conv_bwd, latency, spread["convolution float32"] = measure_convolutions(kind, trivial_s, budget_s)
         say("per-op dispatch overhead")
-        dispatch_s, t = microbench.dispatch(kind, budget_s / 3)
+        dispatch_s, t, dispatch_by_phase = microbench.dispatch(kind, budget_s / 3)
         spread["per-op overhead"] = t.spread
-        profiled_s, t = microbench.dispatch(kind, budget_s / 3, profiled=True)
+        profiled_s, t, _ = microbench.dispatch(kind, budget_s / 3, profiled=True)
         spread["per-op overhead under torch.profiler"] = t.spread
         say("training kernels")
-        kernel_rates, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
+        kernel_rates, kernel_latency, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
+        latency.update({op: max(0.0, s - trivial_s) for op, s in kernel_latency.items()})
         say("memory bandwidth")
         curve, spread["memory bandwidth"] = measure_bandwidth(kind, budget_s, warnings)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
                        curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
                        time.perf_counter() - t0, {"float32": conv}, dispatch_s, spread,
-                       warnings + _unstable(spread), profiled_s, kernel_rates)
+                       warnings + _unstable(spread), profiled_s, kernel_rates, {"float32": conv_bwd}, latency,
+                       dispatch_by_phase)
 
 
 def save(cal: Calibration) -> Path:
@@ -329,9 +360,14 @@ def parse(data) -> Calibration:
         _rates(f"matmul_by_min_dim[{key!r}]", by_dim, keys_are_ints=True)
     _positive("bandwidth_bytes_per_s", cal.bandwidth_bytes_per_s)
     _rates("bandwidth_by_bytes", cal.bandwidth_by_bytes, keys_are_ints=True)
-    for key, by_channels in cal.convolution_by_channels.items():
-        _rates(f"convolution_by_channels[{key!r}]", by_channels, keys_are_ints=True)
+    for name in ("convolution_by_channels", "convolution_backward_by_channels"):
+        for key, by_channels in getattr(cal, name).items():
+            _rates(f"{name}[{key!r}]", by_channels, keys_are_ints=True)
+    if not isinstance(cal.op_latency_s, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in cal.op_latency_s.values()):
+        raise ValueError("op_latency_s is not a mapping of op names to seconds >= 0")
     _rates("kernel_bytes_per_s", cal.kernel_bytes_per_s)
+    _rates("dispatch_s_by_phase", cal.dispatch_s_by_phase)
     for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op"):
         if getattr(cal, name) is not None:
             _positive(name, getattr(cal, name))

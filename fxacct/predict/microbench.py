@@ -24,6 +24,10 @@ TINY_LAYERS = 8  # Linear + ReLU pairs of the tiny model whose training step tim
 # convolution: 3×3, stride 1, padding 1, batch 8, on (channels, image side): the channel counts of
 # small CNNs (8-32) up to a ResNet stage (128); the image shrinks as channels grow, as in a CNN
 CONV_SHAPES = ((8, 32), (32, 32), (128, 16))
+# the first class again on an image 16× smaller: the two fix a convolution's fixed cost per call
+# (fit_latency), which a small convolution mostly is
+CONV_SMALL = (8, 8)
+KERNEL_SIDES = (32, 8)  # image side of the training-kernel cases: 1 MiB and 64 KiB activations
 
 
 class Timer:
@@ -116,14 +120,46 @@ def skinny(kind: str, dtype_key: str, d: int, n: int, budget_s: float, timer=Non
     return 2 * d * n * n / t.seconds, t
 
 
-def convolution(kind: str, channels: int, side: int, budget_s: float, timer=None) -> tuple[float, Timing]:
+def convolution(kind: str, channels: int, side: int, budget_s: float, timer=None,
+                backward: bool = False) -> tuple[float, Timing]:
     """(FLOP/s, timing) of a float32 3×3 convolution, batch 8, channels → channels on side×side
-    images (stride 1, padding 1: the output is side×side): 2·8·C·C·9·side² FLOPs."""
+    images (stride 1, padding 1: the output is side×side): 2·8·C·C·9·side² FLOPs; ``backward``:
+    its aten.convolution_backward for the input and weight gradients, twice those FLOPs
+    (fxacct.costs.matmul.convolution_backward)."""
     timer = timer or Timer(kind)
+    aten = torch.ops.aten
     x = torch.randn(8, channels, side, side, device=kind)
     w = torch.randn(channels, channels, 3, 3, device=kind)
-    t = stable(timer, lambda: torch.nn.functional.conv2d(x, w, padding=1), budget_s)
-    return 2 * 8 * channels * channels * 9 * side * side / t.seconds, t
+    conv = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    if backward:
+        g = aten.convolution.default(*conv)
+        t = stable(timer, lambda: aten.convolution_backward.default(g, *conv[:2], [0], *conv[3:], [True, True, False]),
+                   budget_s)
+    else:
+        t = stable(timer, lambda: aten.convolution.default(*conv), budget_s)
+    return (2 if backward else 1) * 2 * 8 * channels * channels * 9 * side * side / t.seconds, t
+
+
+def trivial(kind: str, budget_s: float, timer=None) -> tuple[float, Timing]:
+    """(seconds, timing) of the smallest op, a 2×2 add: the share of an op's fixed cost that the
+    per-op overhead (dispatch) already holds."""
+    timer = timer or Timer(kind)
+    a = torch.ones(2, 2, device=kind)
+    t = stable(timer, lambda: torch.add(a, a), budget_s)
+    return t.seconds, t
+
+
+def fit_latency(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(rate, latency) of t = latency + work / rate through two (work, seconds) points of one op, the
+    latency at least 0: the fixed cost per call and the rate of the work beyond it (the α-β model of
+    Hockney, Parallel Computing 20, 1994). A large point no slower than the small one (noise) gives
+    the large point's own rate and no latency."""
+    (w0, t0), (w1, t1) = small, large
+    if t1 <= t0 or w1 <= w0:
+        return w1 / t1, 0.0
+    rate = (w1 - w0) / (t1 - t0)
+    latency = t0 - w0 / rate
+    return (rate, latency) if latency > 0 else (w1 / t1, 0.0)
 
 
 class _Tiny:
@@ -139,11 +175,47 @@ class _Tiny:
         self.optimizer = torch.optim.AdamW(self.model.parameters())
         self.x = torch.randn(2, 4, device=kind)
 
+        self.kind, self.loss, self.splits = kind, None, []  # splits: (forward, backward, optimizer) s per step
+
+    def forward(self) -> None:
+        self.loss = self.model(self.x).float().sum()
+
+    def backward(self) -> None:
+        self.loss.backward()
+        self.loss = None
+
+    def optimize(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _mark(self) -> float:
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def __call__(self) -> None:
         with torch.enable_grad():
-            self.model(self.x).float().sum().backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            marks = [self._mark()]
+            for phase in (self.forward, self.backward, self.optimize):
+                phase()
+                marks.append(self._mark())
+        self.splits.append(tuple(b - a for a, b in zip(marks, marks[1:])))
+
+    def ops_by_phase(self) -> tuple[int, int, int]:
+        """The aten ops each phase dispatches (count_ops), of one steady-state step."""
+        with torch.enable_grad():
+            return tuple(count_ops(phase) for phase in (self.forward, self.backward, self.optimize))
+
+
+TINY_PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_overheads(splits: list, ops: tuple) -> dict:
+    """{phase: seconds per op}: the fastest of each phase over the timed steps' splits, over the
+    ops that phase dispatches; {} when no step was timed."""
+    if not splits:
+        return {}
+    return {name: min(s[i] for s in splits) / n for i, (name, n) in enumerate(zip(TINY_PHASES, ops)) if n}
 
 
 def count_ops(fn) -> int:
@@ -162,11 +234,13 @@ def count_ops(fn) -> int:
     return Count.n
 
 
-def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing]:
-    """(seconds per op, timing): the time of a tiny training step (_Tiny) over the aten ops it
-    dispatches: what every op costs besides its arithmetic and memory traffic (Python, dispatch,
-    autograd, allocation, a kernel launch). ``profiled``: the same under torch.profiler as
-    `--runtime` runs it (CPU activity and memory events), which records every op."""
+def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing, dict]:
+    """(seconds per op, timing, {phase: seconds per op}): the time of a tiny training step (_Tiny)
+    over the aten ops it dispatches: what every op costs besides its arithmetic and memory traffic
+    (Python, module calls, dispatch, autograd, allocation, a kernel launch), for the whole step and
+    per phase (phase_overheads: the forward's module calls and autograd recording, the backward
+    engine, the optimizer's loop cost an op differently). ``profiled``: the same under
+    torch.profiler (CPU activity and memory events), which records every op."""
     import contextlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -176,12 +250,14 @@ def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> 
     timer = timer or Timer(kind)
     step = _Tiny(kind)
     step()  # the optimizer state: a steady-state step follows
-    ops = count_ops(step)
+    by_phase = step.ops_by_phase()
+    ops = sum(by_phase)
+    step.splits.clear()
     tp.quiet_kineto()
     context = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else contextlib.nullcontext()
     with context:
         t = stable(timer, step, budget_s)
-    return t.seconds / ops, t
+    return t.seconds / ops, t, phase_overheads(step.splits, by_phase)
 
 
 def _moved(args, out) -> int:
@@ -192,14 +268,14 @@ def _moved(args, out) -> int:
     return sum(t.nbytes for t in {id(t): t for t in flat}.values())
 
 
-def _kernel_cases(kind: str) -> dict:
+def _kernel_cases(kind: str, side: int = 32) -> dict:
     """{aten op: (args)} of the non-matmul training kernels a CPU runs far below its streaming
-    rate (issue 10: in the small CNN, max-pool and batch norm took most of the forward), on 1 MiB
-    float32 activations: (8, 32, 32, 32) images, (2048, 128) rows."""
+    rate (issue 10: in the small CNN, max-pool and batch norm took most of the forward), on float32
+    activations of 8 × 32 × side² elements (side 32: 1 MiB): (8, 32, side, side) images, (2·side², 128) rows."""
     aten = torch.ops.aten
-    x = torch.randn(8, 32, 32, 32, device=kind)
+    x = torch.randn(8, 32, side, side, device=kind)
     c = torch.ones(32, device=kind)
-    rows, w = torch.randn(2048, 128, device=kind), torch.ones(128, device=kind)
+    rows, w = torch.randn(2 * side * side, 128, device=kind), torch.ones(128, device=kind)
     y, mean, invstd = aten.native_batch_norm.default(x, c, c, c.clone(), c.clone(), True, 0.1, 1e-5)
     pooled, idx = aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
     _, rmean, rstd = aten.native_layer_norm.default(rows, [128], w, w, 1e-5)
@@ -219,17 +295,22 @@ def _kernel_cases(kind: str) -> dict:
     }
 
 
-def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
-    """({str(aten op): bytes/s}, largest spread): the rate at which each kernel of _kernel_cases
-    moves the bytes the roofline counts for it (its arithmetic included)."""
+def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float]:
+    """({str(aten op): bytes/s}, {str(aten op): seconds per call}, largest spread): the rate at
+    which each kernel of _kernel_cases moves the bytes the roofline counts for it (its arithmetic
+    included) and its fixed cost per call, fit (fit_latency) through its times at KERNEL_SIDES when
+    both were stable (a fit through noise is noise; else the larger case's rate and no latency)."""
     timer = timer or Timer(kind)
-    out, spreads = {}, []
-    for op, args in _kernel_cases(kind).items():
-        nbytes = _moved(args, op(*args))
-        t = stable(timer, lambda op=op, args=args: op(*args), budget_s)
-        out[str(op)] = nbytes / t.seconds
-        spreads.append(t.spread)
-    return out, max(spreads)
+    points, spreads = {}, []
+    for side in KERNEL_SIDES:
+        for op, args in _kernel_cases(kind, side).items():
+            nbytes = _moved(args, op(*args))
+            t = stable(timer, lambda op=op, args=args: op(*args), budget_s)
+            points.setdefault(str(op), []).append((nbytes, t.seconds, t.stable))
+            spreads.append(t.spread)
+    fits = {op: fit_latency(*[(w, s) for w, s, _ in sorted(p)]) if all(ok for *_, ok in p)
+            else (max(p)[0] / max(p)[1], 0.0) for op, p in points.items()}  # unstable points: no fit
+    return {op: r for op, (r, _) in fits.items()}, {op: lat for op, (_, lat) in fits.items()}, max(spreads)
 
 
 def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[float, Timing]:
@@ -248,4 +329,4 @@ def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[floa
 
 
 __all__ = ["Timer", "Timing", "best_of", "stable", "square", "skinny", "convolution", "dispatch", "bandwidth",
-           "count_ops", "kernels", "CONV_SHAPES", "STABLE_REL", "MAX_ROUNDS"]
+           "count_ops", "kernels", "trivial", "fit_latency", "CONV_SHAPES", "CONV_SMALL", "STABLE_REL", "MAX_ROUNDS"]

@@ -39,14 +39,18 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 - Per-op overhead: every op (a view too: it is dispatched) but the state init also costs a fixed
   ``op_overhead_s``, added to its time and reported as its own line (ops × overhead): on a GPU of the
   table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
-  device the measured cost of a tiny op (fxacct.predict.calibrate). A small model's step is mostly
+  device the measured cost of a tiny op in a training step, by the op's phase (forward with the
+  loss, backward, optimizer: fxacct.predict.calibrate ``dispatch_s_by_phase``). A small model's step is mostly
   this (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
 - A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
   their backward: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
   a CPU these run far below the streaming rate (measured here: max-pool 0.7 GB/s, batch norm
   3.3 GB/s, against ~20 GB/s for a copy of the same size).
 - Convolutions on a calibrated device run at the rate measured for their channel count (the
-  smaller of in and out channels, log-linear between the calibrated ones), else at P_mm.
+  smaller of in and out channels, log-linear between the calibrated ones; the backward at its
+  own), else at P_mm.
+- An op with a calibrated fixed cost per call (convolutions and the kernels above:
+  fxacct.predict.calibrate ``op_latency_s``) adds it to its time: the α of t = α + work / rate.
 - No overlap between ops.
 
 Attribution is the annotation's (fxacct.account.annotate): each op's time goes to its owner, the
@@ -90,12 +94,20 @@ class DeviceModel:
     overhead_source: str = ""
     conv_curves: dict = dataclasses.field(default_factory=dict)  # dtype key -> ((channels, FLOP/s), ...)
     kernel_rates: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> bytes/s (calibrated)
+    conv_backward_curves: dict = dataclasses.field(default_factory=dict)  # as conv_curves, for the backward
+    op_latency: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> fixed s per call (calibrated)
+    overhead_by_phase: dict = dataclasses.field(default_factory=dict)  # PHASES key -> s per op (else op_overhead_s)
+
+    def overhead(self, phase: str) -> float:
+        """Seconds of per-op overhead of an op of ``phase`` (the loss's ops are the forward's)."""
+        return self.overhead_by_phase.get(FORWARD if phase == LOSS else phase, self.op_overhead_s)
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes/s when streaming over a footprint of ``nbytes``."""
         return _log_linear(self.bandwidth_curve, nbytes) if self.bandwidth_curve else self.bandwidth_bytes_per_s
 
-    def matmul_peak(self, dtype: torch.dtype | None, convolution: bool = False, min_dim: int | None = None) -> float:
+    def matmul_peak(self, dtype: torch.dtype | None, convolution: bool = False, min_dim: int | None = None,
+                    backward: bool = False) -> float:
         key = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
         if key.startswith("float8"):
             key = "float8"
@@ -103,7 +115,10 @@ class DeviceModel:
             key = "tf32"
         if key not in self.matmul_flops_per_s:
             key = "float32"
-        curve = (self.conv_curves if convolution else self.matmul_curves).get(key)
+        curves = self.matmul_curves
+        if convolution:
+            curves = self.conv_backward_curves if backward and key in self.conv_backward_curves else self.conv_curves
+        curve = curves.get(key)
         if min_dim and curve:
             return _log_linear(curve, min_dim)
         return self.matmul_flops_per_s[key]
@@ -145,7 +160,11 @@ def from_calibration(cal, profiled: bool = False) -> DeviceModel:
                        overlap=cal.kind != "cpu", op_overhead_s=overhead or 0.0,
                        overhead_source=(f"{what}, calibrated {cal.measured_at}" if overhead
                                         else "not calibrated (a profile from before fxacct measured it)"),
-                       conv_curves=conv, kernel_rates=dict(cal.kernel_bytes_per_s))
+                       conv_curves=conv, kernel_rates=dict(cal.kernel_bytes_per_s),
+                       conv_backward_curves={key: tuple(sorted((int(c), r) for c, r in by.items()))
+                                             for key, by in cal.convolution_backward_by_channels.items()},
+                       op_latency=dict(cal.op_latency_s),
+                       overhead_by_phase={} if profiled else dict(cal.dispatch_s_by_phase))
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -262,10 +281,11 @@ def min_dim(node: fx.Node) -> int | None:
 
 def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceModel,
                convolution: bool = False, bandwidth: float | None = None,
-               smallest: int | None = None) -> tuple[float, str]:
+               smallest: int | None = None, backward: bool = False) -> tuple[float, str]:
     """(seconds, bound) of one op: max(compute, memory) of the roofline; ``bandwidth`` in bytes/s
-    (default: the device's DRAM figure); ``smallest``: the matmul's smallest dimension."""
-    compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution, smallest)
+    (default: the device's DRAM figure); ``smallest``: the matmul's smallest dimension;
+    ``backward``: a convolution's backward (its own calibrated curve)."""
+    compute = ((flops.matmul + flops.attention) / device.matmul_peak(dtype, convolution, smallest, backward)
                + flops.other / device.other_flops_per_s)
     memory = nbytes / (bandwidth or device.bandwidth_bytes_per_s)
     bound = COMPUTE if compute >= memory else MEMORY
@@ -275,7 +295,7 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
 def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset, bandwidth: float) -> OpTime:
     """One op's roofline time, attributed to the owner the annotation decided."""
     outputs = tensor_metas(node.meta.get("val"))
-    overhead = device.op_overhead_s
+    overhead = device.overhead(cost.phase)
     if cost.kind == "view":
         seconds, bound, nbytes = 0.0, FREE, 0
     elif cost.phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
@@ -288,8 +308,10 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
         if kernel:  # a calibrated kernel: its own measured rate, arithmetic included
             seconds, bound = nbytes / kernel, MEMORY
         else:
-            seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device,
-                                        "convolution" in str(node.target), bandwidth, smallest)
+            target = str(node.target)
+            seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device, "convolution" in target,
+                                        bandwidth, smallest, "convolution_backward" in target)
+        seconds += device.op_latency.get(str(node.target), 0.0)
     owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
     return OpTime(node.name, str(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
                   nbytes * cost.repeat, (seconds + overhead) * cost.repeat, bound, overhead * cost.repeat,

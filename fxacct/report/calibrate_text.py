@@ -22,13 +22,21 @@ def _rows(cal) -> list[list[str]]:
         rows.append([f"matmul {key}", f"{rate / 1e12:.3f} TFLOP/s",
                      f"{cal.sizes.get(key, '-')}² operands" + (f"; skinny: {skinny}" if skinny else ""),
                      _spread(cal, f"matmul {key}")])
-    for key, by_channels in cal.convolution_by_channels.items():
-        for channels, rate in by_channels.items():
-            rows.append([f"convolution {key}", f"{rate / 1e12:.3f} TFLOP/s", f"3×3, {channels} channels",
-                         _spread(cal, f"convolution {key}")])
+    for what, curves in (("convolution", cal.convolution_by_channels),
+                         ("convolution backward", getattr(cal, "convolution_backward_by_channels", {}))):
+        for key, by_channels in curves.items():
+            for channels, rate in by_channels.items():
+                rows.append([f"{what} {key}", f"{rate / 1e12:.3f} TFLOP/s", f"3×3, {channels} channels",
+                             _spread(cal, f"convolution {key}")])
     if cal.dispatch_s_per_op is not None:
-        rows.append(["per-op overhead", format_ms(1e3 * cal.dispatch_s_per_op), "a loop of tiny ops",
+        rows.append(["per-op overhead", format_ms(1e3 * cal.dispatch_s_per_op), "a tiny model's training step",
                      _spread(cal, "per-op overhead")])
+    for phase, seconds in getattr(cal, "dispatch_s_by_phase", {}).items():
+        rows.append([f"per-op overhead, {phase}", format_ms(1e3 * seconds), "the same step's phase",
+                     _spread(cal, "per-op overhead")])
+    for op, seconds in getattr(cal, "op_latency_s", {}).items():
+        rows.append([f"latency {op.removeprefix('aten.').removesuffix('.default')}", format_ms(1e3 * seconds),
+                     "fixed cost per call, beyond the per-op overhead", "-"])
     if getattr(cal, "profiled_dispatch_s_per_op", None) is not None:
         rows.append(["per-op overhead, profiled", format_ms(1e3 * cal.profiled_dispatch_s_per_op),
                      "the same under torch.profiler (--runtime)", _spread(cal, "per-op overhead under torch.profiler")])
@@ -51,5 +59,6 @@ def render_calibration(cal, path) -> str:
         "spread = (slowest - fastest) / fastest round; 1 multiply-add = 2 FLOPs; GB/s = 1e9 B/s",
         *[f"warning: {w}" for w in cal.warnings],
         f"stored {path}: predictions for this {'CPU' if cal.kind == 'cpu' else 'GPU'} use these figures "
-        "(matmul by smallest dimension, convolution by channels, per-op overhead, bandwidth by footprint)",
+        "(matmul by smallest dimension, convolution by channels, per-op overhead by phase, latencies, "
+        "bandwidth by footprint)",
     ]) + "\n"

@@ -57,6 +57,9 @@ def runtime(result) -> dict:
         "op_level_peak_ratio": _ratio(m.op_level_peak_bytes, c.predicted_peak_bytes),
         "model_flops": c.model_flops, "mfu_peak_flops_per_s": c.peak_flops_per_s, "mfu_peak_source": c.peak_source,
         "step_times_ms": [_ms(s.step_s) for s in m.step_times],
+        # the median step under the profiler, whose module and node times the rows give
+        "profiled_step_ms": _ms(sorted(s.step_s for s in m.profiled_step_times)[(len(m.profiled_step_times) - 1) // 2])
+        if m.profiled_step_times else None,
         "transfer": None if t is None else {"bytes": t.bytes, "pageable_ms": _ms(t.pageable_s),
                                             "pinned_ms": _ms(t.pinned_s)},
         "join": None if m.join is None else {"matched_nodes": m.join.matched, "forward_nodes": m.join.expected,

@@ -62,7 +62,8 @@ def overhead_line(prediction: Prediction, total: float) -> str:
     d = prediction.device
     if not d.op_overhead_s:
         return f"  per-op overhead: none counted ({d.overhead_source or 'not known for this device'})"
-    return (f"  per-op overhead: {prediction.overhead_ops:,} ops × {format_ms(1e3 * d.op_overhead_s)} = "
+    each = prediction.overhead_s / prediction.overhead_ops if prediction.overhead_ops else d.op_overhead_s
+    return (f"  per-op overhead: {prediction.overhead_ops:,} ops × {format_ms(1e3 * each)} = "
             f"{ms(prediction.overhead_s)} ({100 * prediction.overhead_s / total:.1f}% of the time; "
             f"{d.overhead_source})")
 
@@ -109,8 +110,8 @@ def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = N
     what = "inference steps (forward, eval, no_grad)" if m.inference else "training steps"
     lines = [
         f"runtime on {m.device} ({m.device_name}, {m.threads} threads): {m.steps} timed {what} after "
-        f"{m.warmup} warm-up; step and phase times are medians, module and node times those of the median "
-        "step; torch.profiler's overhead included",
+        f"{m.warmup} warm-up; step and phase times are medians of plain steps, module and node times those "
+        "of the median of as many steps under torch.profiler (its overhead included)",
         f"predicted for: {p.device.name} ({p.device.source})" if p is not None else
         "predicted for: nothing (this device is not calibrated: run `fxacct calibrate --device "
         f"{m.device.split(':')[0]}`)",

@@ -1,5 +1,5 @@
-"""Runtime mode: run the real model under torch.profiler and put measured time and memory beside
-fxacct's prediction.
+"""Runtime mode: run the real model (timed plain, then under torch.profiler) and put measured time
+and memory beside fxacct's prediction.
 
     >>> r = fxacct.runtime.run(config, RuntimeOptions(device="cpu", steps=10, warmup=3))
     >>> r.measured.step_s, r.comparison.predicted["step"], r.measured.peak_bytes
@@ -52,7 +52,7 @@ def run(config: Config, options: RuntimeOptions = RuntimeOptions(),
     device = resolve_device(options.device)
     config = prediction_config(config, device)
     profile = fxacct.profile(config)
-    model = for_local(device.type, config.gpu, profiled=True)  # the run is timed under torch.profiler
+    model = for_local(device.type, config.gpu)  # the step is timed plain (fxacct.runtime.run)
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory
     peak = memory.peak_inference if options.inference else memory.rank_peak

@@ -7,14 +7,15 @@ inputs come from the ``--input`` specs (random values, integers below ``<N``), t
 accounts: forward (under autocast with ``--amp``) and the loss (fxacct.trace.loss, ``--loss``;
 its target drawn once, at the first step, and kept like an input), ``loss.backward()``, the
 optimizer's ``step()`` and ``zero_grad(set_to_none=True)``; with ``inference``, a forward under
-``eval()`` and ``no_grad()``. ``warmup`` steps run first, unprofiled (the optimizer state is then
-allocated, caches and kernels are warm); the timed steps run under ``torch.profiler`` with CPU
-(and CUDA) activities and memory profiling, and one more step, untimed, under the storage tracker.
+``eval()`` and ``no_grad()``. ``warmup`` steps run first (the optimizer state is then allocated,
+caches and kernels are warm); then the timed steps, plain (no profiler, no hooks: the step the
+user's own loop runs); then as many under ``torch.profiler`` with CPU (and CUDA) activities, memory
+profiling and a range per module call; and one more step, untimed, under the storage tracker.
 
 Timing: ``time.perf_counter`` around each phase on CPU; CUDA events on CUDA, synchronized at the
-end of each step. The profiler's own overhead (a few µs per op) is inside every figure. Step and
-phase times are low medians over the timed steps (each an actual step's value); module and node
-times are those of the median step (fxacct.runtime.join), so they add up within it.
+end of each step. Step and phase times are low medians over the plain steps (each an actual
+step's value); module and node times are those of the median profiled step (fxacct.runtime.join),
+so they add up within it, and include the profiler's overhead (a few µs per op).
 
 Peak memory, two figures, both for a steady-state step (parameters, buffers, inputs and optimizer
 state resident, gradients None when it begins):
@@ -82,6 +83,7 @@ class Measured:
     interrupted: bool
     threads: int  # torch.get_num_threads()
     trace_events: tuple = ()  # the profiler's Chrome trace events, when asked for
+    profiled_step_times: tuple = ()  # the steps under the profiler: module and node times are of their median
 
     def _median(self, field: str) -> float | None:
         values = [getattr(s, field) for s in self.step_times]
@@ -318,6 +320,22 @@ def _op_level_peak(step: _Step, progress) -> int:
     return tracker.peak_bytes
 
 
+def _timed_steps(step: _Step, clock: _Clock, steps: int, prof, times: list, profiled: list, progress) -> None:
+    """``steps`` plain steps, timed into ``times``: the step time the user's own training loop sees
+    (no profiler, no module hooks); then as many under ``prof`` (torch.profiler) with a range per
+    module call, timed into ``profiled``: the steps the join and the CPU allocator peak read."""
+    progress("timed", 0, steps)
+    for i in range(steps):
+        times.append(step(clock))
+        progress("timed", i + 1, steps)
+    progress("profiled", 0, steps)
+    with prof, module_ranges(step.model):
+        for i in range(steps):
+            with record_function(STEP):
+                profiled.append(step(clock))
+            progress("profiled", i + 1, steps)
+
+
 def measure(config: Config, device: torch.device, steps: int, warmup: int, node_rows=(),
             inference: bool = False, keep_trace: bool = False,
             progress: Callable[[str, int, int], None] | None = None) -> Measured:
@@ -335,6 +353,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     clock = _Clock(device)
     interrupted = False
     times: list[StepTime] = []
+    profiled: list[StepTime] = []  # the steps under the profiler, for the join and the allocator peak
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = None
     progress = progress or (lambda phase, done, total: None)
@@ -349,22 +368,18 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             baseline = StorageTracker().track(model, step.optimizer, args, kwargs, step.target).live_bytes
-            progress("timed", 0, steps)
-            with profile(activities=activities, profile_memory=True) as prof, module_ranges(model):
-                for i in range(steps):
-                    with record_function(STEP):
-                        times.append(step(clock))
-                    progress("timed", i + 1, steps)
+            prof = profile(activities=activities, profile_memory=True)
+            _timed_steps(step, clock, steps, prof, times, profiled, progress)
     except KeyboardInterrupt:
         interrupted = True
     peak, source = None, "none"
     if cuda and times:
         peak, source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
-    elif prof is not None and times:
+    elif prof is not None and profiled:
         peak, source = _cpu_allocator_peak(prof, baseline), "profiler memory events + resident bytes"
     joined, trace = None, ()
-    if prof is not None and times:
-        joined = join(prof.events(), node_rows, device_time=cuda, step=median_step(times))
+    if prof is not None and profiled:
+        joined = join(prof.events(), node_rows, device_time=cuda, step=median_step(profiled))
         if keep_trace:
             trace = _chrome_trace(prof)
     op_peak = None
@@ -374,15 +389,11 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
                 op_peak = _op_level_peak(step, progress)
         except KeyboardInterrupt:
             interrupted = True
-    name = torch.cuda.get_device_name(device) if cuda else _cpu_name()
-    return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,
-                    transfer, interrupted, torch.get_num_threads(), trace)
-
-
-def _cpu_name() -> str:
     from fxacct.predict.calibrate import cpu_name
 
-    return cpu_name()
+    name = torch.cuda.get_device_name(device) if cuda else cpu_name()
+    return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,
+                    transfer, interrupted, torch.get_num_threads(), trace, tuple(profiled))
 
 
 __all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs"]
