@@ -178,14 +178,9 @@ def _bisect(planner: Planner, group: list[Layout], probed: dict) -> None:
             return
 
 
-def _search_group(planner: Planner, group: list[Layout], top: Candidate, best: float) -> dict:
-    """Every layout of a group whose largest micro-batch (``top``, probed) is over memory."""
+def _search_group(planner: Planner, group: list[Layout], top: Candidate) -> dict:
+    """Every layout of a group, given its largest micro-batch's account (``top``)."""
     probed = {group[-1]: top}
-    if best and (top.tokens_per_s or 0.0) <= best:
-        bound = f"{top.tokens_per_s:,.0f}" if top.tokens_per_s else "-"
-        return {lay: Candidate(lay, rejected=f"not searched: at most {bound} tokens/s (micro-batch "
-                                             f"{top.micro_batch}), below a layout that fits") if lay is not group[-1]
-                else top for lay in group}
     if top.over_memory and len(group) > 1:
         first = probed[group[0]] = planner.probe(group[0])
         if first.fits:
@@ -196,8 +191,8 @@ def _search_group(planner: Planner, group: list[Layout], top: Candidate, best: f
     return {**probed, **slower, **_others(group, probed, planner.capacity)}
 
 
-def search(planner: Planner, layouts: list[Layout]) -> dict:
-    """{layout: Candidate} for every layout (the search of the module docstring, steps 1-3)."""
+def _groups(planner: Planner, layouts: list[Layout]) -> tuple[dict, dict]:
+    """({layout: Candidate} rejected before tracing, one row per mesh; {group: its layouts by micro-batch})."""
     out, groups, meshes = {}, {}, {}
     for lay in layouts:
         key = (lay.pp, lay.fsdp, lay.tp)
@@ -209,14 +204,33 @@ def search(planner: Planner, layouts: list[Layout]) -> dict:
                 out[row] = Candidate(row, rejected=meshes[key])
         if not meshes[key]:
             groups.setdefault(lay.group, []).append(lay)
-    tops = {g: planner.probe(lays[-1]) for g, lays in groups.items()}  # lays are by micro-batch
+    return out, groups
+
+
+def search(planner: Planner, layouts: list[Layout]) -> dict:
+    """{layout: Candidate} for every layout (the search of the module docstring, steps 1-3). The
+    largest micro-batch without checkpointing bounds the same mesh with it too (recomputing only
+    adds time): if it fits, checkpointing is only slower; if not, it bounds both groups."""
+    out, groups = _groups(planner, layouts)
+    tops = {g: planner.probe(lays[-1]) for g, lays in groups.items() if not g[3]}
+
+    def bound(g) -> float:
+        t = tops.get(g[:3] + (False,))
+        return (t.tokens_per_s or 0.0) if t is not None and t.over_memory else float("inf")
+
     best = max((c.tokens_per_s or 0.0 for c in tops.values() if c.fits), default=0.0)
-    for g in sorted(groups, key=lambda g: -(tops[g].tokens_per_s or 0.0)):
-        lays, top = groups[g], tops[g]
-        if top.fits or not top.over_memory:
-            got = {lays[-1]: top, **_others(lays, {lays[-1]: top}, planner.capacity)}
+    for g in sorted(groups, key=lambda g: (-bound(g), g[3])):
+        lays, off = groups[g], tops.get(g[:3] + (False,))
+        if g[3] and off is not None and off.fits:
+            got = {lay: Candidate(lay, dominated=f"fits; ckpt off at micro-batch {off.micro_batch} is faster")
+                   for lay in lays}
+        elif best and bound(g) <= best:
+            got = {lay: Candidate(lay, rejected=f"not searched: at most {bound(g):,.0f} tokens/s (mb {off.micro_batch}, "
+                                                "ckpt off), below a layout that fits") for lay in lays}
+            if not g[3]:
+                got[lays[-1]] = off
         else:
-            got = _search_group(planner, lays, top, best)
+            got = _search_group(planner, lays, tops.get(g) or planner.probe(lays[-1]))
         out.update(got)
         best = max([best] + [c.tokens_per_s or 0.0 for c in got.values() if c.fits])
     return out
