@@ -14,6 +14,9 @@ How a layout is judged, cheapest first:
    smaller ones are only slower; if not, its throughput bounds the whole group's from above, and a
    group whose bound is below the best layout found is not searched. Otherwise micro-batch 1 is
    tried (over memory: the whole group is), then the largest that fits is found by bisection.
+   Without checkpointing, the largest micro-batch also bounds the same mesh with it (recomputing
+   only adds time). Pipeline groups are the exception: more micro-batches shrink the bubble, so
+   every micro-batch that fits is traced and none bounds another.
 4. The best layouts are confirmed by a full trace each (``confirm``), whose numbers replace the
    screen's; a layout that turns out not to fit is rejected and the next one confirmed.
 
@@ -155,12 +158,12 @@ def _others(group: list[Layout], probed: dict, capacity: int) -> dict:
         if lay in probed:
             continue
         if fit is not None and lay.micro_batch < fit:
-            out[lay] = Candidate(lay, dominated=f"fits; micro-batch {fit} is faster")
+            out[lay] = Candidate(lay, dominated=f"slower than mb {fit}")
         elif over is not None and lay.micro_batch > over.micro_batch:
-            out[lay] = Candidate(lay, rejected=f"over memory: micro-batch {over.micro_batch} already is, "
-                                               f"by {format_bytes(over.peak_bytes - capacity)}")
+            out[lay] = Candidate(lay, rejected=f"over memory (mb {over.micro_batch} is, by "
+                                               f"{format_bytes(over.peak_bytes - capacity)})")
         elif failed is not None:
-            out[lay] = Candidate(lay, rejected=f"as micro-batch {failed.micro_batch}: {failed.rejected}")
+            out[lay] = Candidate(lay, rejected=f"as mb {failed.micro_batch}: {failed.rejected}")
     return out
 
 
@@ -185,8 +188,11 @@ def _search_group(planner: Planner, group: list[Layout], top: Candidate) -> dict
         first = probed[group[0]] = planner.probe(group[0])
         if first.fits:
             _bisect(planner, group, probed)
+    if group[0].pp > 1:  # the bubble shrinks with more micro-batches: every one that fits is traced
+        fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
+        probed.update({lay: planner.probe(lay) for lay in group if lay not in probed and lay.micro_batch < fit})
     fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
-    slower = {lay: replace(c, dominated=f"fits; micro-batch {fit} is faster")
+    slower = {} if group[0].pp > 1 else {lay: replace(c, dominated=f"slower than mb {fit}")
               for lay, c in probed.items() if c.fits and lay.micro_batch < fit}
     return {**probed, **slower, **_others(group, probed, planner.capacity)}
 
@@ -216,17 +222,19 @@ def search(planner: Planner, layouts: list[Layout]) -> dict:
 
     def bound(g) -> float:
         t = tops.get(g[:3] + (False,))
-        return (t.tokens_per_s or 0.0) if t is not None and t.over_memory else float("inf")
+        if t is None or not t.over_memory or g[0] > 1:  # pp: more micro-batches, a smaller bubble
+            return float("inf")
+        return t.tokens_per_s or 0.0
 
     best = max((c.tokens_per_s or 0.0 for c in tops.values() if c.fits), default=0.0)
     for g in sorted(groups, key=lambda g: (-bound(g), g[3])):
         lays, off = groups[g], tops.get(g[:3] + (False,))
         if g[3] and off is not None and off.fits:
-            got = {lay: Candidate(lay, dominated=f"fits; ckpt off at micro-batch {off.micro_batch} is faster")
+            got = {lay: Candidate(lay, dominated="slower than ckpt off")
                    for lay in lays}
         elif best and bound(g) <= best:
-            got = {lay: Candidate(lay, rejected=f"not searched: at most {bound(g):,.0f} tokens/s (mb {off.micro_batch}, "
-                                                "ckpt off), below a layout that fits") for lay in lays}
+            got = {lay: Candidate(lay, rejected=f"not searched: at most {bound(g):,.0f} tokens/s "
+                                                f"(mb {off.micro_batch}, ckpt off)") for lay in lays}
             if not g[3]:
                 got[lays[-1]] = off
         else:
