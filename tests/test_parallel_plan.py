@@ -75,6 +75,19 @@ def test_screen_extrapolates_exactly_to_a_full_trace(mesh, ckpt):
     assert a.peak_bytes < full.peak_bytes  # the extrapolation is not the trivial one
 
 
+def test_screen_peak_is_a_lower_bound_where_the_peak_moves():
+    """Under autocast with checkpointing, the 10-block peak is reached at a moment that grows faster
+    per block than the moment of the 3- and 4-block peaks: the extrapolated peak is below the full
+    trace's (the oracle), the FLOPs still equal."""
+    cfg = llama("fsdp=4", kwargs=dict(n_layers=10, dim=256, hidden=512, vocab_size=1000, max_seq=128), batch=2,
+                amp=torch.bfloat16, checkpoint=("layers.*",))
+    full = point(profile_parallel(cfg, with_inference=False))
+    a = point(profile_parallel(cfg, truncated_loader(3), with_inference=False))
+    b = point(profile_parallel(cfg, truncated_loader(4), with_inference=False))
+    got = extrapolate(a, b, 3, 10)
+    assert got.peak_bytes < full.peak_bytes and got.model_flops == full.model_flops
+
+
 def test_parameters_alone_reject_before_any_trace(monkeypatch):
     """The small Llama (vocab 512, dim 64, 2 blocks, 4 heads, 2 kv heads, hidden 128) has
     512·64 (embedding) + 2 × (64 + 64·64 + 2·64·32 + 64·64 + 64 + 3·64·128) (blocks: 36,992 each)

@@ -5,8 +5,9 @@ How a layout is judged, cheapest first:
 
 1. Exact rejections before any trace (fxacct.parallel.layouts.exact_rejection).
 2. The screen (fxacct.parallel.screen): one rank's account from two traces of the model cut to 3
-   and 4 repeated blocks, extrapolated to all of them (exact integers). Pipeline layouts are
-   traced in full (each stage one rank, fxacct.parallel.pipeline).
+   and 4 repeated blocks, extrapolated to all of them: FLOPs and bytes exact, the peak a lower
+   bound (so "over memory" from the screen is a sound rejection, "fits" needs step 4). Pipeline
+   layouts are traced in full (each stage one rank, fxacct.parallel.pipeline).
 3. Within a group (the same pp, fsdp, tp and checkpointing), the per-rank peak grows with the
    micro-batch, and in the roofline model a micro-batch of A× the examples never takes more than
    A× the time (the weights' bytes do not grow with it; collectives and the optimizer step run once
@@ -60,7 +61,7 @@ class Candidate:
 
     @property
     def over_memory(self) -> bool:
-        return self.rejected is not None and self.rejected.startswith("over memory by ")
+        return self.rejected is not None and self.rejected.startswith("over memory by")
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,9 @@ class Planner:
         c = Candidate(lay, peak, step_s, self.global_batch * tokens / step_s if tokens else None,
                       flops_per_s / self.peak_flops, source)
         if peak > self.capacity:
-            return replace(c, rejected=f"over memory by {format_bytes(peak - self.capacity)} ({peak / self.capacity:.2f}×)")
+            least = " at least" if source == "screen" else ""  # the screen's peak is a lower bound
+            return replace(c, rejected=f"over memory by{least} {format_bytes(peak - self.capacity)} "
+                                       f"({peak / self.capacity:.2f}×)")
         return c
 
 
@@ -161,6 +164,7 @@ def _others(group: list[Layout], probed: dict, capacity: int) -> dict:
             out[lay] = Candidate(lay, dominated=f"slower than mb {fit}")
         elif over is not None and lay.micro_batch > over.micro_batch:
             out[lay] = Candidate(lay, rejected=f"over memory (mb {over.micro_batch} is, by "
+                                               f"{'≥ ' if over.source == 'screen' else ''}"
                                                f"{format_bytes(over.peak_bytes - capacity)})")
         elif failed is not None:
             out[lay] = Candidate(lay, rejected=f"as mb {failed.micro_batch}: {failed.rejected}")
@@ -181,19 +185,20 @@ def _bisect(planner: Planner, group: list[Layout], probed: dict) -> None:
             return
 
 
-def _search_group(planner: Planner, group: list[Layout], top: Candidate) -> dict:
-    """Every layout of a group, given its largest micro-batch's account (``top``)."""
-    probed = {group[-1]: top}
-    if top.over_memory and len(group) > 1:
-        first = probed[group[0]] = planner.probe(group[0])
-        if first.fits:
+def _search_group(planner: Planner, group: list[Layout]) -> dict:
+    """Every layout of a group (by micro-batch): micro-batch 1 first (over memory: all are), then
+    the largest, then bisection between them."""
+    probed = {group[0]: planner.probe(group[0])}
+    if probed[group[0]].fits and len(group) > 1:
+        top = probed[group[-1]] = planner.probe(group[-1])
+        if top.over_memory:
             _bisect(planner, group, probed)
     if group[0].pp > 1:  # the bubble shrinks with more micro-batches: every one that fits is traced
         fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
         probed.update({lay: planner.probe(lay) for lay in group if lay not in probed and lay.micro_batch < fit})
     fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
     slower = {} if group[0].pp > 1 else {lay: replace(c, dominated=f"slower than mb {fit}")
-              for lay, c in probed.items() if c.fits and lay.micro_batch < fit}
+                                         for lay, c in probed.items() if c.fits and lay.micro_batch < fit}
     return {**probed, **slower, **_others(group, probed, planner.capacity)}
 
 
@@ -214,47 +219,50 @@ def _groups(planner: Planner, layouts: list[Layout]) -> tuple[dict, dict]:
 
 
 def search(planner: Planner, layouts: list[Layout]) -> dict:
-    """{layout: Candidate} for every layout (the search of the module docstring, steps 1-3). The
-    largest micro-batch without checkpointing bounds the same mesh with it too (recomputing only
-    adds time): if it fits, checkpointing is only slower; if not, it bounds both groups."""
+    """{layout: Candidate} for every layout (the search of the module docstring, steps 1-3). A
+    mesh's group without checkpointing goes first: where it fits at a micro-batch, checkpointing
+    at that micro-batch only adds time (the recompute)."""
     out, groups = _groups(planner, layouts)
-    tops = {g: planner.probe(lays[-1]) for g, lays in groups.items() if not g[3]}
-
-    def bound(g) -> float:
-        t = tops.get(g[:3] + (False,))
-        if t is None or not t.over_memory or g[0] > 1:  # pp: more micro-batches, a smaller bubble
-            return float("inf")
-        return t.tokens_per_s or 0.0
-
-    best = max((c.tokens_per_s or 0.0 for c in tops.values() if c.fits), default=0.0)
-    for g in sorted(groups, key=lambda g: (-bound(g), g[3])):
-        lays, off = groups[g], tops.get(g[:3] + (False,))
-        if g[3] and off is not None and off.fits:
-            got = {lay: Candidate(lay, dominated="slower than ckpt off")
-                   for lay in lays}
-        elif best and bound(g) <= best:
-            got = {lay: Candidate(lay, rejected=f"not searched: at most {bound(g):,.0f} tokens/s "
-                                                f"(mb {off.micro_batch}, ckpt off)") for lay in lays}
-            if not g[3]:
-                got[lays[-1]] = off
+    for g in sorted(groups, key=lambda g: (g[0], g[2], g[3])):
+        lays = groups[g]
+        off = {lay.micro_batch for lay, c in out.items() if lay.group == g[:3] + (False,) and c.fits}
+        if g[3] and off and g[0] == 1:
+            got = {lay: Candidate(lay, dominated=f"slower than ckpt off at mb {max(off)}") for lay in lays
+                   if lay.micro_batch <= max(off)}
+            rest = [lay for lay in lays if lay.micro_batch > max(off)]
+            got.update(_search_group(planner, rest) if rest else {})
         else:
-            got = _search_group(planner, lays, tops.get(g) or planner.probe(lays[-1]))
+            got = _search_group(planner, lays)
         out.update(got)
-        best = max([best] + [c.tokens_per_s or 0.0 for c in got.values() if c.fits])
     return out
 
 
 def _ranked(cands) -> list[Candidate]:
-    return sorted((c for c in cands if c.fits), key=lambda c: -(c.tokens_per_s or 0.0))
+    """By tokens/s, highest first; equal to 9 digits (a screen and its full trace differ in float
+    rounding only), the traced first."""
+    return sorted((c for c in cands if c.fits), key=lambda c: (-float(f"{c.tokens_per_s or 0.0:.9g}"),
+                                                                c.source != "traced"))
 
 
 def confirm(planner: Planner, out: dict, n: int) -> None:
-    """The top n fitting layouts traced in full (in place); one that then does not fit drops out."""
+    """The top n fitting layouts traced in full (in place). The screen's peak is a lower bound
+    (fxacct.parallel.screen), so one may turn out over memory: it is rejected, and the next
+    smaller micro-batch of its group is traced in full in its place."""
     while True:
         pending = [c for c in _ranked(out.values())[:n] if c.source == "screen"]
         if not pending:
             return
-        out[pending[0].layout] = planner.probe(pending[0].layout, full=True)
+        lay = pending[0].layout
+        c = out[lay] = planner.probe(lay, full=True)
+        while not c.fits and c.over_memory:
+            smaller = [x for x in out if x.group == lay.group and x.micro_batch < lay.micro_batch]
+            if not smaller:
+                break
+            lay = max(smaller, key=lambda x: x.micro_batch)
+            c = out[lay] = planner.probe(lay, full=True)
+        if c.fits and lay.pp == 1:
+            out.update({x: Candidate(x, dominated=f"slower than mb {lay.micro_batch}") for x in out
+                        if x.group == lay.group and x.micro_batch < lay.micro_batch})
 
 
 def plan(config, gpus: int, global_batch: int, confirm_top: int = 1) -> PlanResult:

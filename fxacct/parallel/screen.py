@@ -1,15 +1,17 @@
 """The planner's cheap screen: one rank's account of a layout from two short traces.
 
 Rule (affine in the number of repeated blocks). Truncate the model to its first k and k+1
-repeated blocks (the container that holds them, a ModuleList / ModuleDict / Sequential found by
-fxacct.parallel.engine.repeated_blocks, is shortened; everything else is kept) and trace one rank
-of each. Every per-rank figure f read here (FLOPs, bytes, collective wire bytes, the training
-peak, the predicted step time) is then f(L) = f(k) + (L − k)·(f(k+1) − f(k)) for the L blocks of
-the whole model: each block adds the same ops, the same saved activations, the same FSDP2
-gathers and reduce-scatters, and the peak (reached in the backward with the saved activations
-of every block live) moves by one block's worth. k = SCREEN_BLOCKS, so the first and last
-blocks, where FSDP2's prefetching differs, are in both traces. The integers are exact (a test
-holds them equal to a full trace); the time is a critical path of floats, equal up to rounding.
+repeated blocks (the container that holds them, a ModuleList / ModuleDict / Sequential found as
+fxacct.parallel.engine.repeated_blocks finds them, is shortened; everything else is kept) and
+trace one rank of each. FLOPs, bytes (parameters, gradients, optimizer state, saved activations)
+and collective wire bytes are sums over ops, and each block adds the same ops:
+f(L) = f(k) + (L − k)·(f(k+1) − f(k)) for the L blocks of the whole model, exactly. The peak is a
+maximum over the step of bytes live at once; at each moment those grow by a fixed amount per
+block (k = 3, so that the first, a middle and the last block, where FSDP2's prefetching
+differs, are in both traces), so the peak is the largest of such affine functions of L: convex,
+and the same extrapolation is a lower bound on it, exact while the moment of the peak stays the
+same kind (the tests hold both: equal on fp32 models, below the full trace where autocast moves
+the peak at 10 blocks). The predicted time is a critical path of floats: equal up to rounding.
 The model's forward must run whatever blocks the container holds (torchtitan's and Hugging
 Face's loop over it); a model that does not is traced in full instead.
 """
