@@ -156,3 +156,15 @@ def test_plan_cli_table_fits_the_width_and_json():
 def test_layout_mesh_names():
     assert Layout(1, 1, 8, 1, 1, False).mesh == "tp=8"
     assert Layout(2, 4, 1, 1, 1, False).mesh == "pp=2,fsdp=4"
+
+
+def test_mesh_profile_applies_checkpointing():
+    """Under --mesh, --checkpoint 'layers.*' wraps the blocks as on one device: FSDP2 shards
+    parameters, not work, so the backward re-runs exactly the recompute FLOPs of the single-device
+    profile with the same flag (the oracle: no mesh, no fake process group), and fewer activation
+    bytes are saved than without it."""
+    plain = fxacct.profile(llama("fsdp=2", batch=2))
+    ckpt = fxacct.profile(llama("fsdp=2", batch=2, checkpoint=("layers.*",)))
+    single = fxacct.profile(fxacct.Config(target=LLAMA, batch=2, checkpoint=("layers.*",)))
+    assert ckpt.accounting.totals.recompute_flops == single.accounting.totals.recompute_flops > 0
+    assert ckpt.accounting.totals.activation_bytes < plain.accounting.totals.activation_bytes

@@ -10,14 +10,12 @@ How a layout is judged, cheapest first:
    layouts are traced in full (each stage one rank, fxacct.parallel.pipeline).
 3. Within a group (the same pp, fsdp, tp and checkpointing), the per-rank peak grows with the
    micro-batch, and in the roofline model a micro-batch of A× the examples never takes more than
-   A× the time (the weights' bytes do not grow with it; collectives and the optimizer step run once
-   instead of A times). So the largest micro-batch (one per step) is tried first: if it fits, the
-   smaller ones are only slower; if not, its throughput bounds the whole group's from above, and a
-   group whose bound is below the best layout found is not searched. Otherwise micro-batch 1 is
-   tried (over memory: the whole group is), then the largest that fits is found by bisection.
-   Without checkpointing, the largest micro-batch also bounds the same mesh with it (recomputing
-   only adds time). Pipeline groups are the exception: more micro-batches shrink the bubble, so
-   every micro-batch that fits is traced and none bounds another.
+   A× the time (the weights' bytes do not grow with it; collectives and the optimizer step run
+   once instead of A times). So micro-batch 1 is tried first (over memory: the whole group is),
+   then the largest (it fits: the smaller ones are only slower), then the largest that fits is
+   found by bisection. Without checkpointing first: where a mesh fits at a micro-batch without
+   it, checkpointing at that micro-batch or below only adds the recompute. Pipeline groups are
+   the exception: more micro-batches shrink the bubble, so every one that fits is traced.
 4. The best layouts are confirmed by a full trace each (``confirm``), whose numbers replace the
    screen's; a layout that turns out not to fit is rejected and the next one confirmed.
 
