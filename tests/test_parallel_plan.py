@@ -168,3 +168,27 @@ def test_mesh_profile_applies_checkpointing():
     single = fxacct.profile(fxacct.Config(target=LLAMA, batch=2, checkpoint=("layers.*",)))
     assert ckpt.accounting.totals.recompute_flops == single.accounting.totals.recompute_flops > 0
     assert ckpt.accounting.totals.activation_bytes < plain.accounting.totals.activation_bytes
+
+
+def test_confirm_falls_back_to_a_smaller_micro_batch_when_the_full_trace_is_over():
+    """The screen's peak is a lower bound: when the full trace of the screen's best layout is over
+    memory, it is rejected and the next smaller micro-batch of its group is traced in full."""
+    from fxacct.parallel.planner import Candidate, confirm
+
+    lays = [Layout(1, 8, 1, mb, 4 // mb, True) for mb in (1, 2, 4)]
+    other = Layout(1, 4, 2, 4, 1, True)
+    out = {lays[0]: Candidate(lays[0], dominated="slower than mb 4"),
+           lays[1]: Candidate(lays[1], dominated="slower than mb 4"),
+           lays[2]: Candidate(lays[2], 70, 1.0, 400.0, source="screen"),
+           other: Candidate(other, 60, 2.0, 200.0, source="screen")}
+
+    class Stub:  # full traces: micro-batch 4 is over (peak 90 > 80), micro-batch 2 fits
+        def probe(self, lay, full=False):
+            assert full
+            if lay.micro_batch == 4:
+                return Candidate(lay, 90, 1.0, 400.0, source="traced", rejected="over memory by 10 B", over_bytes=10)
+            return Candidate(lay, 50, 1.2, 300.0, source="traced")
+
+    confirm(Stub(), out, 1)
+    assert out[lays[2]].over_memory and out[lays[1]].fits and out[lays[1]].source == "traced"
+    assert out[lays[0]].dominated == "slower than mb 2" and out[other].source == "screen"

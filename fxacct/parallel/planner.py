@@ -44,6 +44,7 @@ class Candidate:
     source: str = "-"  # "traced" (a full trace), "screen" (extrapolated), "-" (no trace of its own)
     rejected: str | None = None  # why it does not fit or cannot run, None if it does
     dominated: str | None = None  # fits, but a layout of its group is faster (not traced)
+    over_bytes: int | None = None  # peak − capacity when over memory (a lower bound from the screen)
 
     @property
     def fits(self) -> bool:
@@ -59,7 +60,7 @@ class Candidate:
 
     @property
     def over_memory(self) -> bool:
-        return self.rejected is not None and self.rejected.startswith("over memory by")
+        return self.over_bytes is not None
 
 
 @dataclass(frozen=True)
@@ -144,11 +145,11 @@ class Planner:
         if peak > self.capacity:
             least = " at least" if source == "screen" else ""  # the screen's peak is a lower bound
             return replace(c, rejected=f"over memory by{least} {format_bytes(peak - self.capacity)} "
-                                       f"({peak / self.capacity:.2f}×)")
+                                       f"({peak / self.capacity:.2f}×)", over_bytes=peak - self.capacity)
         return c
 
 
-def _others(group: list[Layout], probed: dict, capacity: int) -> dict:
+def _others(group: list[Layout], probed: dict) -> dict:
     """The untraced layouts of a group: below the largest that fits (slower), above one over
     memory (over too), or, where the group failed, the same reason."""
     fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=None)
@@ -163,7 +164,7 @@ def _others(group: list[Layout], probed: dict, capacity: int) -> dict:
         elif over is not None and lay.micro_batch > over.micro_batch:
             out[lay] = Candidate(lay, rejected=f"over memory (mb {over.micro_batch} is, by "
                                                f"{'≥ ' if over.source == 'screen' else ''}"
-                                               f"{format_bytes(over.peak_bytes - capacity)})")
+                                               f"{format_bytes(over.over_bytes)})")
         elif failed is not None:
             out[lay] = Candidate(lay, rejected=f"as mb {failed.micro_batch}: {failed.rejected}")
     return out
@@ -197,7 +198,7 @@ def _search_group(planner: Planner, group: list[Layout]) -> dict:
     fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
     slower = {} if group[0].pp > 1 else {lay: replace(c, dominated=f"slower than mb {fit}")
                                          for lay, c in probed.items() if c.fits and lay.micro_batch < fit}
-    return {**probed, **slower, **_others(group, probed, planner.capacity)}
+    return {**probed, **slower, **_others(group, probed)}
 
 
 def _groups(planner: Planner, layouts: list[Layout]) -> tuple[dict, dict]:
