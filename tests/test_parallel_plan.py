@@ -140,11 +140,11 @@ def test_plan_pipeline_layouts_carry_the_bubble():
 
 def test_plan_cli_table_fits_the_width_and_json():
     args = ["plan", LLAMA, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--parallelize", PARALLELIZE]
-    r = CliRunner().invoke(cli, args, catch_exceptions=False, env={"COLUMNS": "100"})
+    r = CliRunner().invoke(cli, args, catch_exceptions=False, env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0].startswith("fxacct plan: 4 × h100, global batch 8, 2 repeated blocks; ")
-    assert max(len(line) for line in lines[1:]) <= 100
+    assert max(len(line) for line in lines[1:]) <= 80
     ranked = [line.split()[1] for line in lines[3:] if line.split()[0].isdigit()]
     assert set(ranked) == {"fsdp=2,tp=2", "fsdp=4"}
     r = CliRunner().invoke(cli, args + ["--format", "json"], catch_exceptions=False)

@@ -28,7 +28,7 @@ def render_plan(result, gpus: int, global_batch: int, gpu: str, width: int | Non
     rows = [_row(i, c) for i, c in enumerate(cands)]
     head = (f"fxacct plan: {gpus} × {gpu}, global batch {global_batch}, {result.blocks} repeated blocks; "
             f"{result.traces} traces")
-    table = fit_table(HEADERS, rows, width, text_columns=(10, 1), optional=(9, 8),
+    table = fit_table(HEADERS, rows, width, text_columns=(10, 1), optional=(9, 8, 6),
                       colalign=("left", "left") + ("right",) * 8 + ("left",))
     return "\n".join([wrap_lines(head, width), table, wrap_lines(LEGEND, width)]) + "\n"
 
