@@ -182,6 +182,10 @@ MESH_OPTIONS = (
 )
 
 
+CONFIRM = click.option("--confirm", type=click.IntRange(min=0), default=1, show_default=True, metavar="N",
+                       help="Trace the N best layouts in full (the others are screened from short traces).")
+
+
 def mesh_options(fn):
     """The --mesh flags, their own section of --help."""
     return group("Device mesh (many GPUs)", *MESH_OPTIONS)(fn)
@@ -261,5 +265,5 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
+           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none", "optim_args"]

@@ -9,27 +9,31 @@ import click
 from fxacct.parallel.planner import plan
 from fxacct.report.plan_text import plan_json, render_plan
 from fxacct_cli.main import cli, examples, write_output
-from fxacct_cli.options import (DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group, mesh_options, model_options,
-                                to_config, with_mesh)
+from fxacct_cli.options import (CONFIRM, DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group, mesh_options,
+                                model_options, terminal_width, to_config, with_mesh)
 
 
 @cli.command("plan", epilog=examples(
     "fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize",
+    "fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize "
+    "--pp-split examples/llama.py:pipeline_stage",
     "fxacct plan examples/gpt2.py:GPT --gpus 4 --gpu h100 --global-batch 32 --format json -o plan.json"))
 @model_options
 @mesh_options
 @group("Plan", click.option("--gpus", type=int, required=True, help="GPUs in the job (required)."),
        click.option("--global-batch", type=int, required=True,
-                    help="Examples per step over the whole job (required)."))
+                    help="Examples per step over the whole job (required)."), CONFIRM)
 @group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
-def plan_command(fmt, gpus, global_batch, output, **options):
-    """Rank the fsdp × tp layouts of --gpus GPUs for MODEL by predicted throughput, among those that
-    fit, and say why the others were rejected.
+def plan_command(fmt, gpus, global_batch, confirm, output, **options):
+    """Rank the layouts of --gpus GPUs for MODEL (pp with --pp-split, fsdp, tp, micro-batch,
+    activation checkpointing of the repeated blocks off and on) by predicted throughput, among those
+    that fit, and say why the others were rejected.
 
     \b
     Exit codes: 0 success; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
     """
     config = with_mesh(to_config(**options), **{**options, "mesh": f"fsdp={gpus}"})  # each layout replaces it
-    cands = plan(config, gpus, global_batch)
-    text = (json.dumps(plan_json(cands), indent=2) + "\n") if fmt == "json" else render_plan(cands, gpus, global_batch, config.gpu)
+    result = plan(config, gpus, global_batch, confirm)
+    text = (json.dumps(plan_json(result), indent=2) + "\n") if fmt == "json" else \
+        render_plan(result, gpus, global_batch, config.gpu, terminal_width())
     write_output(text, output)

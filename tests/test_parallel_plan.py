@@ -1,48 +1,194 @@
-"""`fxacct plan`: layouts that divide the GPUs and the batch, ranked by predicted throughput among
-those that fit, each rejected one with its reason."""
+"""`fxacct plan`: layouts that divide the GPUs and the batch, rejected by exact bounds before any
+trace, screened from two short traces (extrapolated in the number of blocks, held equal to a full
+trace here), the best confirmed by a full trace, ranked by predicted throughput."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+import math
+from dataclasses import fields, replace
 
+import pytest
+import torch
 from click.testing import CliRunner
 
 import fxacct
-from fxacct.parallel.planner import layouts, plan
+from fxacct.parallel.layouts import Layout, enumerate_layouts
+from fxacct.parallel.planner import plan
+from fxacct.parallel.profile import profile_parallel
+from fxacct.parallel.screen import extrapolate, point, truncate, truncated_loader
 from fxacct.predict import devices
+from fxacct.profile import load_model
 from fxacct_cli.main import cli
 from helpers import ROOT, target
 
+LLAMA = target("examples/llama.py:Llama")
+PARALLELIZE = target("examples/llama.py:parallelize")
+
+
+def llama(mesh="fsdp=8", **kw) -> fxacct.Config:
+    return fxacct.Config(target=LLAMA, gpu="h100", mesh=mesh, parallelize=PARALLELIZE, find_max_batch=False, **kw)
+
 
 def test_layouts_divide_gpus_and_batch():
-    """8 GPUs on 8-GPU nodes: tp ∈ {1, 2, 4, 8}, fsdp = 8 / tp; global batch 16 over fsdp ranks:
-    16/8 = 2, 16/4 = 4, 16/2 = 8, 16/1 = 16. A batch of 12 does not divide over 8 ranks (0)."""
-    assert layouts(8, 16, 8) == [("fsdp=8", 2), ("fsdp=4,tp=2", 4), ("fsdp=2,tp=4", 8), ("tp=8", 16)]
-    assert layouts(8, 12, 8)[0] == ("fsdp=8", 0)
-    assert [m for m, _ in layouts(16, 16, 4)] == ["fsdp=16", "fsdp=8,tp=2", "fsdp=4,tp=4"]  # tp within a node
+    """8 GPUs on 8-GPU nodes: tp ∈ {1, 2, 4, 8}, fsdp = 8 / tp; global batch 16 over the fsdp ranks:
+    16/8 = 2, 16/4 = 4, 16/2 = 8, 16/1 = 16 per rank, each split into every divisor as micro-batch,
+    checkpointing off and on: (2 + 3 + 4 + 5) × 2 = 28 layouts."""
+    lays = enumerate_layouts(8, 16, 8, pipeline=False)
+    assert len(lays) == 28
+    assert [(x.micro_batch, x.accumulation) for x in lays if x.mesh == "fsdp=2,tp=4" and not x.checkpoint] == \
+        [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert {x.mesh for x in lays} == {"fsdp=8", "fsdp=4,tp=2", "fsdp=2,tp=4", "tp=8"}
+    assert {x.micro_batch for x in enumerate_layouts(8, 12, 8, False) if x.mesh == "fsdp=8"} == {0}  # 12 / 8
+    assert [x.mesh for x in enumerate_layouts(16, 16, 4, False) if x.micro_batch == 1 and not x.checkpoint] == \
+        ["fsdp=16", "fsdp=8,tp=2", "fsdp=4,tp=4"]  # tp within a node of 4
+    # with a pipeline split, 4 GPUs: pp ∈ {1, 2, 4} × tp dividing what is left
+    assert {x.mesh for x in enumerate_layouts(4, 4, 8, True)} == {
+        "fsdp=4", "fsdp=2,tp=2", "tp=4", "pp=2,fsdp=2", "pp=2,tp=2", "pp=4"}
 
 
-def test_plan_ranks_fitting_layouts_and_says_why_others_fail(monkeypatch):
-    # a GPU of 3 MiB: fsdp=8 (micro-batch 2, peak 2.18 MiB) fits; fsdp=4,tp=2 (micro-batch 4) does not
-    monkeypatch.setitem(devices.DEVICES, "h100", replace(devices.DEVICES["h100"], capacity_reported=3 * 2**20))
-    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), gpu="h100", mesh="fsdp=8",
-                        parallelize=target("examples/llama.py:parallelize"), find_max_batch=False)
-    cands = plan(cfg, 8, 16)
+def test_truncate_keeps_the_first_blocks_of_any_container():
+    seq = torch.nn.Sequential(torch.nn.Embedding(4, 2), *[torch.nn.Linear(2, 2) for _ in range(5)], torch.nn.ReLU())
+    truncate(seq, 3)
+    assert [type(m).__name__ for m in seq] == ["Embedding", "Linear", "Linear", "Linear", "ReLU"]
+    assert [n for n, _ in seq.named_children()] == ["0", "1", "2", "3", "4"]
+    model = load_model(fxacct.Config(target=LLAMA, kwargs={"n_layers": 5}))[0]  # layers: a ModuleDict
+    truncate(model, 2)
+    assert list(model.layers) == ["0", "1"] and model.output is not None
+
+
+@pytest.mark.parametrize("mesh,ckpt", [("fsdp=4", ()), ("fsdp=2,tp=2", ("layers.*",))])
+def test_screen_extrapolates_exactly_to_a_full_trace(mesh, ckpt):
+    """The oracle is a full trace of the 6-block model: every integer of one rank's account
+    (peak, FLOPs, bytes, collective bytes) is equal; the predicted times equal up to rounding."""
+    cfg = llama(mesh, kwargs={"n_layers": 6}, batch=2, checkpoint=ckpt)
+    full = point(profile_parallel(cfg, with_inference=False))
+    a = point(profile_parallel(cfg, truncated_loader(3), with_inference=False))
+    b = point(profile_parallel(cfg, truncated_loader(4), with_inference=False))
+    got = extrapolate(a, b, 3, 6)
+    for f in fields(got):
+        want, have = getattr(full, f.name), getattr(got, f.name)
+        if isinstance(want, int):
+            assert have == want, f.name
+        else:
+            assert math.isclose(have, want, rel_tol=1e-9), f.name
+    assert a.peak_bytes < full.peak_bytes  # the extrapolation is not the trivial one
+
+
+def test_screen_peak_is_a_lower_bound_where_the_peak_moves():
+    """Under autocast with checkpointing, the 10-block peak is reached at a moment that grows faster
+    per block than the moment of the 3- and 4-block peaks: the extrapolated peak is below the full
+    trace's (the oracle), the FLOPs still equal."""
+    cfg = llama("fsdp=4", kwargs=dict(n_layers=10, dim=256, hidden=512, vocab_size=1000, max_seq=128), batch=2,
+                amp=torch.bfloat16, checkpoint=("layers.*",))
+    full = point(profile_parallel(cfg, with_inference=False))
+    a = point(profile_parallel(cfg, truncated_loader(3), with_inference=False))
+    b = point(profile_parallel(cfg, truncated_loader(4), with_inference=False))
+    got = extrapolate(a, b, 3, 10)
+    assert got.peak_bytes < full.peak_bytes and got.model_flops == full.model_flops
+
+
+def test_parameters_alone_reject_before_any_trace(monkeypatch):
+    """The small Llama (vocab 512, dim 64, 2 blocks, 4 heads, 2 kv heads, hidden 128) has
+    512·64 (embedding) + 2 × (64 + 64·64 + 2·64·32 + 64·64 + 64 + 3·64·128) (blocks: 36,992 each)
+    + 64 (norm) + 512·64 (output) = 139,584 parameters, 558,336 B in fp32: 69,792 B per GPU of 8."""
+    monkeypatch.setitem(devices.DEVICES, "h100", replace(devices.DEVICES["h100"], capacity_reported=60_000))
+    result = plan(llama(), 8, 16)
+    assert result.traces == 0
+    why = {c.mesh: c.rejected for c in result.candidates}
+    assert why["fsdp=8"] == "over memory by at least 9.56 KiB: parameters alone, 69,792 B per GPU"
+    assert why["fsdp=2,tp=4"].startswith("tp=4 does not divide the model's n_kv_heads=2")  # heads come first
+    assert len(result.candidates) == 4  # one row per mesh: no reason depends on the micro-batch
+
+
+def test_plan_ranks_fitting_layouts_and_confirms_the_best(monkeypatch):
+    """A GPU of 3.5 MiB for the 5-block Llama on 8 GPUs, global batch 16: the best layout's figures are
+    those of a full profile of its mesh and micro-batch (the oracle: fxacct.profile)."""
+    monkeypatch.setitem(devices.DEVICES, "h100", replace(devices.DEVICES["h100"], capacity_reported=int(3.5 * 2**20)))
+    result = plan(llama(kwargs={"n_layers": 5}), 8, 16)
+    cands = result.candidates
     fit = [c for c in cands if c.fits]
-    assert [c.mesh for c in fit] == ["fsdp=8"] and fit[0].peak_bytes <= 3 * 2**20
-    why = {c.mesh: c.rejected for c in cands if not c.fits}
-    assert why["fsdp=4,tp=2"].startswith("over memory by ")
-    assert "does not divide the model's n_kv_heads=2" in why["fsdp=2,tp=4"]
-    assert "does not divide the model's n_heads=4" in why["tp=8"]
-    assert cands[0] is fit[0]
+    assert fit and cands[0] is fit[0] and fit[0].source == "traced"
+    assert [c.tokens_per_s for c in fit] == sorted((c.tokens_per_s for c in fit), reverse=True)
+    top = fit[0]
+    prof = fxacct.profile(llama(top.mesh, kwargs={"n_layers": 5}, batch=top.micro_batch,
+                                checkpoint=("layers.*",) if top.layout.checkpoint else ()))
+    extra = prof.memory.grad_bytes if top.layout.accumulation > 1 else 0
+    assert top.peak_bytes == prof.memory.rank_peak.bytes + extra <= int(3.5 * 2**20)
+    assert math.isclose(top.step_s, top.layout.accumulation * prof.parallel.time.step_s, rel_tol=1e-12)
+    why = {(c.mesh, c.micro_batch, c.layout.checkpoint): c.rejected or c.dominated for c in cands if not c.fits}
+    assert why[("fsdp=2,tp=4", 0, False)].startswith("tp=4 does not divide the model's n_kv_heads=2")
+    assert any(w.startswith("over memory by ") for w in why.values())
+    assert all(c.peak_bytes > int(3.5 * 2**20) for c in cands if c.over_memory)
 
 
-def test_plan_cli_table():
-    r = CliRunner().invoke(cli, ["plan", str(ROOT / "examples/llama.py") + ":Llama", "--gpus", "4", "--gpu", "h100",
-                                 "--global-batch", "8", "--parallelize", str(ROOT / "examples/llama.py") + ":parallelize"],
-                           catch_exceptions=False)
+def test_plan_pipeline_layouts_carry_the_bubble():
+    """With --pp-split, pp=2 layouts are planned; the step is (M + P − 1) × the slowest stage's
+    micro-step: pp=2,fsdp=2 at global batch 4 has 2 examples per rank, micro-batch 1, M = 2."""
+    cfg = replace(llama(pp_split=target("examples/llama.py:pipeline_stage")), mesh="fsdp=4")
+    cands = plan(cfg, 4, 4, confirm_top=0).candidates
+    pipe = {(c.micro_batch, c.layout.checkpoint): c for c in cands if c.mesh == "pp=2,fsdp=2" and c.step_s}
+    assert pipe, [(c.mesh, c.rejected) for c in cands]
+    c = next(iter(pipe.values()))
+    m = c.layout.accumulation
+    stages = fxacct.profile(llama("pp=2,fsdp=2", batch=c.micro_batch, microbatches=m,
+                                  pp_split=cfg.pp_split, checkpoint=("layers.*",) if c.layout.checkpoint else ())
+                            ).parallel.pipeline.stages
+    slowest = max(s.profile.parallel.time.step_s for s in stages)
+    assert math.isclose(c.step_s, (m + 2 - 1) * slowest, rel_tol=1e-12)
+
+
+def test_plan_cli_table_fits_the_width_and_json():
+    args = ["plan", LLAMA, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--parallelize", PARALLELIZE]
+    r = CliRunner().invoke(cli, args, catch_exceptions=False, env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
-    assert lines[0] == "fxacct plan: 4 × h100, global batch 8"
+    assert lines[0].startswith("fxacct plan: 4 × h100, global batch 8, 2 repeated blocks; ")
+    assert max(len(line) for line in lines[1:]) <= 80
     ranked = [line.split()[1] for line in lines[3:] if line.split()[0].isdigit()]
-    assert sorted(ranked) == ["fsdp=2,tp=2", "fsdp=4"]
+    assert set(ranked) == {"fsdp=2,tp=2", "fsdp=4"}
+    r = CliRunner().invoke(cli, args + ["--format", "json"], catch_exceptions=False)
+    doc = json.loads(r.output)
+    assert doc["blocks"] == 2 and doc["layouts"][0]["fits"] and doc["layouts"][0]["source"] == "traced"
+    assert {row["mesh"] for row in doc["layouts"]} == {"fsdp=4", "fsdp=2,tp=2", "tp=4"}
+
+
+def test_layout_mesh_names():
+    assert Layout(1, 1, 8, 1, 1, False).mesh == "tp=8"
+    assert Layout(2, 4, 1, 1, 1, False).mesh == "pp=2,fsdp=4"
+
+
+def test_mesh_profile_applies_checkpointing():
+    """Under --mesh, --checkpoint 'layers.*' wraps the blocks as on one device: FSDP2 shards
+    parameters, not work, so the backward re-runs exactly the recompute FLOPs of the single-device
+    profile with the same flag (the oracle: no mesh, no fake process group), and fewer activation
+    bytes are saved than without it."""
+    plain = fxacct.profile(llama("fsdp=2", batch=2))
+    ckpt = fxacct.profile(llama("fsdp=2", batch=2, checkpoint=("layers.*",)))
+    single = fxacct.profile(fxacct.Config(target=LLAMA, batch=2, checkpoint=("layers.*",)))
+    assert ckpt.accounting.totals.recompute_flops == single.accounting.totals.recompute_flops > 0
+    assert ckpt.accounting.totals.activation_bytes < plain.accounting.totals.activation_bytes
+
+
+def test_confirm_falls_back_to_a_smaller_micro_batch_when_the_full_trace_is_over():
+    """The screen's peak is a lower bound: when the full trace of the screen's best layout is over
+    memory, it is rejected and the next smaller micro-batch of its group is traced in full."""
+    from fxacct.parallel.planner import Candidate, confirm
+
+    lays = [Layout(1, 8, 1, mb, 4 // mb, True) for mb in (1, 2, 4)]
+    other = Layout(1, 4, 2, 4, 1, True)
+    out = {lays[0]: Candidate(lays[0], dominated="slower than mb 4"),
+           lays[1]: Candidate(lays[1], dominated="slower than mb 4"),
+           lays[2]: Candidate(lays[2], 70, 1.0, 400.0, source="screen"),
+           other: Candidate(other, 60, 2.0, 200.0, source="screen")}
+
+    class Stub:  # full traces: micro-batch 4 is over (peak 90 > 80), micro-batch 2 fits
+        def probe(self, lay, full=False):
+            assert full
+            if lay.micro_batch == 4:
+                return Candidate(lay, 90, 1.0, 400.0, source="traced", rejected="over memory by 10 B", over_bytes=10)
+            return Candidate(lay, 50, 1.2, 300.0, source="traced")
+
+    confirm(Stub(), out, 1)
+    assert out[lays[2]].over_memory and out[lays[1]].fits and out[lays[1]].source == "traced"
+    assert out[lays[0]].dominated == "slower than mb 2" and out[other].source == "screen"

@@ -1,76 +1,283 @@
-"""``fxacct plan``: the layouts of N GPUs that divide the GPUs and the global batch, each traced
-once as one rank of the model parallelized by the engine (fxacct.parallel.profile), ranked by
-predicted throughput among those that fit, and why the others were rejected.
+"""``fxacct plan``: the layouts of N GPUs (fxacct.parallel.layouts), ranked by predicted
+throughput among those that fit, and why the others were rejected.
 
-A layout is ``fsdp=F,tp=T`` with F·T = N GPUs (T at most a node, inner: within it), the global
-batch split over the F data-parallel ranks (each rank's micro-batch is global ÷ F; a tp group
-shares one), and activation checkpointing off. Pipeline stages and checkpointing are not
-enumerated yet."""
+How a layout is judged, cheapest first:
+
+1. Exact rejections before any trace (fxacct.parallel.layouts.exact_rejection).
+2. The screen (fxacct.parallel.screen): one rank's account from two traces of the model cut to 3
+   and 4 repeated blocks, extrapolated to all of them: FLOPs and bytes exact, the peak a lower
+   bound (so "over memory" from the screen is a sound rejection, "fits" needs step 4). Pipeline
+   layouts are traced in full (each stage one rank, fxacct.parallel.pipeline).
+3. Within a group (the same pp, fsdp, tp and checkpointing), the per-rank peak grows with the
+   micro-batch, and in the roofline model a micro-batch of A× the examples never takes more than
+   A× the time (the weights' bytes do not grow with it; collectives and the optimizer step run
+   once instead of A times). So micro-batch 1 is tried first (over memory: the whole group is),
+   then the largest (it fits: the smaller ones are only slower), then the largest that fits is
+   found by bisection. Without checkpointing first: where a mesh fits at a micro-batch without
+   it, checkpointing at that micro-batch or below only adds the recompute. Pipeline groups are
+   the exception: more micro-batches shrink the bubble, so every one that fits is traced.
+4. The best layouts are confirmed by a full trace each (``confirm``), whose numbers replace the
+   screen's; a layout that turns out not to fit is rejected and the next one confirmed.
+
+A step of A micro-batches takes A × the traced micro-step (its optimizer step included each time:
+an upper bound) — with pp, (M + P − 1) × the slowest stage's micro-step (the schedule's bubble,
+fxacct.parallel.pipeline). With A > 1 the rank's gradients are added to the traced peak (they are
+kept between micro-batches; counted in full on top of the peak: an upper bound)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from fxacct.errors import FxacctError, UsageError
+from fxacct.parallel.layouts import Layout, enumerate_layouts, exact_rejection, model_facts
+from fxacct.parallel.screen import SCREEN_BLOCKS, Point, point, screen
+from fxacct.units import format_bytes
 
 
 @dataclass(frozen=True)
 class Candidate:
-    mesh: str
-    micro_batch: int
-    peak_bytes: int | None = None
-    capacity_bytes: int | None = None
+    layout: Layout
+    peak_bytes: int | None = None  # per rank, for the whole step
     step_s: float | None = None
     tokens_per_s: float | None = None  # the job's
     mfu: float | None = None
+    source: str = "-"  # "traced" (a full trace), "screen" (extrapolated), "-" (no trace of its own)
     rejected: str | None = None  # why it does not fit or cannot run, None if it does
+    dominated: str | None = None  # fits, but a layout of its group is faster (not traced)
+    over_bytes: int | None = None  # peak − capacity when over memory (a lower bound from the screen)
 
     @property
     def fits(self) -> bool:
-        return self.rejected is None
+        return self.rejected is None and self.dominated is None
+
+    @property
+    def mesh(self) -> str:
+        return self.layout.mesh
+
+    @property
+    def micro_batch(self) -> int:
+        return self.layout.micro_batch
+
+    @property
+    def over_memory(self) -> bool:
+        return self.over_bytes is not None
 
 
-def layouts(gpus: int, global_batch: int, gpus_per_node: int) -> list[tuple[str, int]]:
-    """(mesh, micro-batch per rank) for every tp dividing min(gpus, gpus_per_node) and gpus."""
-    out = []
-    for tp in range(1, min(gpus, gpus_per_node) + 1):
-        if gpus % tp:
+@dataclass(frozen=True)
+class PlanResult:
+    candidates: tuple[Candidate, ...]  # the fitting ones by throughput, then the rest
+    traces: int  # traces run (screen and confirmation)
+    blocks: int  # the model's repeated blocks
+
+
+class Planner:
+    """The search of one ``plan`` call, with its cache of traces (one per distinct per-rank shape:
+    mesh, micro-batch, checkpointing and block count)."""
+
+    def __init__(self, config, gpus: int, global_batch: int):
+        from fxacct.predict.devices import get_device
+
+        self.config, self.gpus, self.global_batch = config, gpus, global_batch
+        device = get_device(config.gpu)
+        self.capacity = device.capacity_reported
+        dtype = config.amp or config.dtype
+        self.peak_flops = device.matmul_peak(dtype) if dtype is not None else device.peak_flops["float32"]
+        self.facts, self.model = model_facts(replace(config, mesh=None, parallelize=None, pp_split=None))
+        self.ckpt = config.checkpoint or ((f"{self.facts.container}.*",) if self.facts.container else ())
+        self.cache: dict[tuple, object] = {}
+
+    def layout_config(self, lay: Layout):
+        return replace(self.config, mesh=lay.mesh, batch=lay.micro_batch, find_max_batch=False,
+                       checkpoint=self.ckpt if lay.checkpoint else (),
+                       checkpoint_policy=self.config.checkpoint_policy if lay.checkpoint else None,
+                       microbatches=lay.accumulation if lay.pp > 1 else None)
+
+    def _trace(self, cfg, loader) -> Point:
+        from fxacct.parallel.profile import profile_parallel
+
+        key = (cfg.mesh, cfg.batch, cfg.checkpoint, getattr(loader, "blocks", None))
+        if key not in self.cache:
+            self.cache[key] = point(profile_parallel(cfg, loader, with_inference=False))
+        return self.cache[key]
+
+    def _pipeline(self, cfg):
+        from fxacct.profile import profile
+
+        key = (cfg.mesh, cfg.batch, cfg.checkpoint, cfg.microbatches)
+        if key not in self.cache:
+            self.cache[key] = profile(cfg).parallel.pipeline
+        return self.cache[key]
+
+    def probe(self, lay: Layout, full: bool = False) -> Candidate:
+        """The layout's account: screened, or ``full``: one trace of the whole model."""
+        cfg = self.layout_config(lay)
+        try:
+            if lay.pp > 1:
+                return self._pipeline_candidate(lay, self._pipeline(cfg))
+            if full:
+                return self._candidate(lay, self._trace(cfg, None), "traced")
+            source = "traced" if self.facts.blocks <= SCREEN_BLOCKS + 1 else "screen"
+            return self._candidate(lay, screen(cfg, self.facts.blocks, self._trace), source)
+        except UsageError as e:  # no plan for tp, an optimizer that cannot step on the shards, ...
+            return Candidate(lay, rejected=str(e))
+        except FxacctError as e:
+            return Candidate(lay, rejected=f"the model failed: {e}")
+
+    def _candidate(self, lay: Layout, p: Point, source: str) -> Candidate:
+        a = lay.accumulation
+        peak = p.peak_bytes + (p.grad_bytes if a > 1 else 0)
+        return self._judge(lay, peak, a * p.step_s, p.tokens_per_example, p.model_flops / p.step_s, source)
+
+    def _pipeline_candidate(self, lay: Layout, pipe) -> Candidate:
+        stages = pipe.stages
+        if any(s.profile.parallel is None or s.profile.parallel.time is None for s in stages):
+            return Candidate(lay, rejected="pp without fsdp or tp: plan times a stage as a rank of a mesh")
+        a = lay.accumulation
+        peak = max(s.peak_bytes + (s.profile.memory.grad_bytes if a > 1 else 0) for s in stages)
+        slowest = max(s.profile.parallel.time.step_s for s in stages)
+        flops = stages[0].profile.accounting.totals.model_flops / stages[0].profile.parallel.time.step_s
+        tokens = stages[0].profile.accounting.totals.tokens_per_example or 0
+        return self._judge(lay, peak, (a + lay.pp - 1) * slowest, tokens, flops, "traced")
+
+    def _judge(self, lay, peak: int, step_s: float, tokens: int, flops_per_s: float, source: str) -> Candidate:
+        c = Candidate(lay, peak, step_s, self.global_batch * tokens / step_s if tokens else None,
+                      flops_per_s / self.peak_flops, source)
+        if peak > self.capacity:
+            least = " at least" if source == "screen" else ""  # the screen's peak is a lower bound
+            return replace(c, rejected=f"over memory by{least} {format_bytes(peak - self.capacity)} "
+                                       f"({peak / self.capacity:.2f}×)", over_bytes=peak - self.capacity)
+        return c
+
+
+def _others(group: list[Layout], probed: dict) -> dict:
+    """The untraced layouts of a group: below the largest that fits (slower), above one over
+    memory (over too), or, where the group failed, the same reason."""
+    fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=None)
+    over = min((c for c in probed.values() if c.over_memory), key=lambda c: c.micro_batch, default=None)
+    failed = next((c for c in probed.values() if c.rejected and not c.over_memory), None)
+    out = {}
+    for lay in group:
+        if lay in probed:
             continue
-        fsdp = gpus // tp
-        mesh = ",".join(f"{n}={s}" for n, s in (("fsdp", fsdp), ("tp", tp)) if s > 1) or "fsdp=1"
-        out.append((mesh, global_batch // fsdp if global_batch % fsdp == 0 else 0))
+        if fit is not None and lay.micro_batch < fit:
+            out[lay] = Candidate(lay, dominated=f"slower than mb {fit}")
+        elif over is not None and lay.micro_batch > over.micro_batch:
+            out[lay] = Candidate(lay, rejected=f"over memory (mb {over.micro_batch} is, by "
+                                               f"{'≥ ' if over.source == 'screen' else ''}"
+                                               f"{format_bytes(over.over_bytes)})")
+        elif failed is not None:
+            out[lay] = Candidate(lay, rejected=f"as mb {failed.micro_batch}: {failed.rejected}")
     return out
 
 
-def evaluate(config, mesh: str, micro_batch: int) -> Candidate:
-    from fxacct.predict.devices import get_device
-    from fxacct.profile import profile
-
-    capacity = get_device(config.gpu).capacity_reported
-    if micro_batch < 1:
-        return Candidate(mesh, 0, rejected="the global batch does not divide over the data-parallel ranks")
-    if mesh == "fsdp=1":
-        return Candidate(mesh, micro_batch, rejected="one GPU: no layout to plan")
-    try:
-        p = profile(replace(config, mesh=mesh, batch=micro_batch, find_max_batch=False))
-    except UsageError as e:  # tp beyond the heads, no plan for tp, ...
-        return Candidate(mesh, micro_batch, rejected=str(e))
-    except FxacctError as e:
-        return Candidate(mesh, micro_batch, rejected=f"the model failed: {e}")
-    peak = p.memory.peak_train.bytes
-    t, th = p.parallel.time, p.parallel.throughput
-    c = Candidate(mesh, micro_batch, peak, capacity, t.step_s if t else None, th.tokens_per_s_job, th.mfu)
-    if peak > capacity:
-        return replace(c, rejected=f"over memory by {peak - capacity:,} B ({peak / capacity:.2f}× the GPU)")
-    return c
+def _bisect(planner: Planner, group: list[Layout], probed: dict) -> None:
+    """group[0] fits and group[-1] does not: the largest fitting micro-batch between them."""
+    lo, hi = 0, len(group) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        c = probed[group[mid]] = planner.probe(group[mid])
+        if c.fits:
+            lo = mid
+        elif c.over_memory:
+            hi = mid
+        else:
+            return
 
 
-def plan(config, gpus: int, global_batch: int) -> tuple[Candidate, ...]:
-    """Every layout, the fitting ones first by tokens/s (highest first), then the rejected."""
+def _search_group(planner: Planner, group: list[Layout]) -> dict:
+    """Every layout of a group (by micro-batch): micro-batch 1 first (over memory: all are), then
+    the largest, then bisection between them."""
+    probed = {group[0]: planner.probe(group[0])}
+    if probed[group[0]].fits and len(group) > 1:
+        top = probed[group[-1]] = planner.probe(group[-1])
+        if top.over_memory:
+            _bisect(planner, group, probed)
+    if group[0].pp > 1:  # the bubble shrinks with more micro-batches: every one that fits is traced
+        fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
+        probed.update({lay: planner.probe(lay) for lay in group if lay not in probed and lay.micro_batch < fit})
+    fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
+    slower = {} if group[0].pp > 1 else {lay: replace(c, dominated=f"slower than mb {fit}")
+                                         for lay, c in probed.items() if c.fits and lay.micro_batch < fit}
+    return {**probed, **slower, **_others(group, probed)}
+
+
+def _groups(planner: Planner, layouts: list[Layout]) -> tuple[dict, dict]:
+    """({layout: Candidate} rejected before tracing, one row per mesh; {group: its layouts by micro-batch})."""
+    out, groups, meshes = {}, {}, {}
+    for lay in layouts:
+        key = (lay.pp, lay.fsdp, lay.tp)
+        if key not in meshes:
+            meshes[key] = exact_rejection(lay, planner.facts, planner.model, planner.gpus, planner.global_batch,
+                                          planner.capacity)
+            if meshes[key]:  # no reason depends on the micro-batch or checkpointing: one row per mesh
+                row = replace(lay, micro_batch=0, accumulation=0, checkpoint=False)
+                out[row] = Candidate(row, rejected=meshes[key])
+        if not meshes[key]:
+            groups.setdefault(lay.group, []).append(lay)
+    return out, groups
+
+
+def search(planner: Planner, layouts: list[Layout]) -> dict:
+    """{layout: Candidate} for every layout (the search of the module docstring, steps 1-3). A
+    mesh's group without checkpointing goes first: where it fits at a micro-batch, checkpointing
+    at that micro-batch only adds time (the recompute)."""
+    out, groups = _groups(planner, layouts)
+    for g in sorted(groups, key=lambda g: (g[0], g[2], g[3])):
+        lays = groups[g]
+        off = {lay.micro_batch for lay, c in out.items() if lay.group == g[:3] + (False,) and c.fits}
+        if g[3] and off and g[0] == 1:
+            got = {lay: Candidate(lay, dominated=f"slower than ckpt off at mb {max(off)}") for lay in lays
+                   if lay.micro_batch <= max(off)}
+            rest = [lay for lay in lays if lay.micro_batch > max(off)]
+            got.update(_search_group(planner, rest) if rest else {})
+        else:
+            got = _search_group(planner, lays)
+        out.update(got)
+    return out
+
+
+def _ranked(cands) -> list[Candidate]:
+    """By tokens/s, highest first; equal to 9 digits (a screen and its full trace differ in float
+    rounding only), the traced first."""
+    return sorted((c for c in cands if c.fits), key=lambda c: (-float(f"{c.tokens_per_s or 0.0:.9g}"),
+                                                                c.source != "traced"))
+
+
+def confirm(planner: Planner, out: dict, n: int) -> None:
+    """The top n fitting layouts traced in full (in place). The screen's peak is a lower bound
+    (fxacct.parallel.screen), so one may turn out over memory: it is rejected, and the next
+    smaller micro-batch of its group is traced in full in its place."""
+    while True:
+        pending = [c for c in _ranked(out.values())[:n] if c.source == "screen"]
+        if not pending:
+            return
+        lay = pending[0].layout
+        c = out[lay] = planner.probe(lay, full=True)
+        while not c.fits and c.over_memory:
+            smaller = [x for x in out if x.group == lay.group and x.micro_batch < lay.micro_batch]
+            if not smaller:
+                break
+            lay = max(smaller, key=lambda x: x.micro_batch)
+            c = out[lay] = planner.probe(lay, full=True)
+        if c.fits and lay.pp == 1:
+            out.update({x: Candidate(x, dominated=f"slower than mb {lay.micro_batch}") for x in out
+                        if x.group == lay.group and x.micro_batch < lay.micro_batch})
+
+
+def plan(config, gpus: int, global_batch: int, confirm_top: int = 1) -> PlanResult:
+    """Every layout: the fitting ones by tokens/s (highest first), then those that fit but are
+    slower than another micro-batch of theirs, then the rejected, in enumeration order."""
     if config.gpu is None:
         raise UsageError("fxacct plan needs --gpu NAME (capacity, peak FLOP/s and links)")
     if gpus < 2 or global_batch < 1:
         raise UsageError("--gpus must be at least 2 and --global-batch positive")
-    cands = [evaluate(config, mesh, mb) for mesh, mb in layouts(gpus, global_batch, config.gpus_per_node)]
-    fit = sorted((c for c in cands if c.fits), key=lambda c: -(c.tokens_per_s or 0.0))
-    return tuple(fit + [c for c in cands if not c.fits])
+    if confirm_top < 0:
+        raise UsageError(f"--confirm must be 0 or more, got {confirm_top}")
+    planner = Planner(config, gpus, global_batch)
+    layouts = enumerate_layouts(gpus, global_batch, config.gpus_per_node, config.pp_split is not None)
+    out = search(planner, layouts)
+    confirm(planner, out, confirm_top)
+    cands = sorted(out.values(), key=lambda c: (c.layout.pp, c.layout.tp, c.layout.checkpoint, c.layout.micro_batch))
+    ranked = _ranked(cands)
+    rest = [c for c in cands if c.dominated] + [c for c in cands if c.rejected]
+    return PlanResult(tuple(ranked + rest), len(planner.cache), planner.facts.blocks)

@@ -28,9 +28,10 @@ class ParallelAccount:
         return sum(r.wire_bytes for r in self.rows)
 
 
-def profile_parallel(config, loader=None):
+def profile_parallel(config, loader=None, with_inference: bool = True):
     """``loader(config) -> (model on meta, args, kwargs, _)``, default fxacct.profile.load_model
-    (fxacct.parallel.pipeline passes one stage's)."""
+    (fxacct.parallel.pipeline passes one stage's). ``with_inference=False`` skips the inference
+    forward (its peak is then None): the planner's screen reads only the training step."""
     from fxacct.account.accounting import account
     from fxacct.account.annotate import annotate
     from fxacct.memory import account as memory_account
@@ -47,15 +48,17 @@ def profile_parallel(config, loader=None):
         cap = unsave_resized(cap, resizes)
         annotate(cap.graph, config.causal_attention)
         found = mark(cap.graph, mesh_groups(mesh, spec))
-        model_i, args_i, kwargs_i, _ = load_model(config)
-        inference, resizes_i = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
-        alias_waits(inference)
+        inference = None
+        if with_inference:
+            model_i, args_i, kwargs_i, _ = load_model(config)
+            inference, resizes_i = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
+            alias_waits(inference)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
     acct = account(cap, config.batch, tokens, config.count_recompute)
     memory = memory_account.assemble(
         cap, acct, model, config.dtype,
         walk(with_resizes(lifetimes(cap), cap.graph, resizes)) if cap.has_backward else None,
-        walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)))
+        walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)) if inference is not None else None)
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config))

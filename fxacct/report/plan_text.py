@@ -1,25 +1,42 @@
-"""The table of ``fxacct plan``: layouts that fit, by predicted throughput, then the rejected."""
+"""The table of ``fxacct plan``: layouts that fit, by predicted throughput, then the others with
+why. One line per layout, fitted to the width (fxacct.report.width)."""
 
 from __future__ import annotations
 
-from fxacct.report.tables import tabulate
+from fxacct.report.width import fit_table, wrap_lines
 from fxacct.units import format_bytes
 
-
-def render_plan(cands, gpus: int, global_batch: int, gpu: str) -> str:
-    rows = []
-    for i, c in enumerate(cands):
-        rows.append([str(i + 1) if c.fits else "-", c.mesh, str(c.micro_batch) if c.micro_batch else "-",
-                     format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-",
-                     f"{1e3 * c.step_s:.2f}" if c.step_s is not None else "-",
-                     f"{c.tokens_per_s:,.0f}" if c.tokens_per_s is not None else "-",
-                     f"{c.mfu:.1%}" if c.mfu is not None else "-", "fits" if c.fits else c.rejected])
-    head = ["rank", "mesh", "micro-batch", "peak / GPU", "step ms", "tokens/s (job)", "MFU", "verdict"]
-    return "\n".join([f"fxacct plan: {gpus} × {gpu}, global batch {global_batch}",
-                      tabulate(rows, headers=head, colalign=("left",) * 8)]) + "\n"
+HEADERS = ["#", "mesh", "mb", "×mb", "ckpt", "peak/GPU", "step ms", "tokens/s", "MFU", "from", "verdict"]
+LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; tokens/s: the job's; from: a full trace "
+          "or the screen (two short traces, extrapolated)")
+SOURCES = {"traced": "trace", "screen": "screen", "-": "-"}
 
 
-def plan_json(cands) -> list[dict]:
-    return [{"mesh": c.mesh, "micro_batch": c.micro_batch, "peak_bytes": c.peak_bytes, "step_ms":
-             None if c.step_s is None else 1e3 * c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
-             "fits": c.fits, "rejected": c.rejected} for c in cands]
+def _row(i: int, c) -> list[str]:
+    lay = c.layout
+    verdict = "fits" if c.fits else (c.dominated or c.rejected)
+    return [str(i + 1) if c.fits else "-", lay.mesh, str(lay.micro_batch) if lay.micro_batch else "-",
+            str(lay.accumulation) if lay.accumulation else "-", ("on" if lay.checkpoint else "off") if lay.micro_batch else "-",
+            format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-",
+            f"{1e3 * c.step_s:,.1f}" if c.step_s is not None else "-",
+            f"{c.tokens_per_s:,.0f}" if c.tokens_per_s is not None else "-",
+            f"{c.mfu:.1%}" if c.mfu is not None else "-", SOURCES[c.source], verdict]
+
+
+def render_plan(result, gpus: int, global_batch: int, gpu: str, width: int | None = None) -> str:
+    cands = result.candidates
+    rows = [_row(i, c) for i, c in enumerate(cands)]
+    head = (f"fxacct plan: {gpus} × {gpu}, global batch {global_batch}, {result.blocks} repeated blocks; "
+            f"{result.traces} traces")
+    table = fit_table(HEADERS, rows, width, text_columns=(10, 1), optional=(9, 8, 6),
+                      colalign=("left", "left") + ("right",) * 8 + ("left",))
+    return "\n".join([wrap_lines(head, width), table, wrap_lines(LEGEND, width)]) + "\n"
+
+
+def plan_json(result) -> dict:
+    return {"blocks": result.blocks, "traces": result.traces, "layouts": [
+        {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
+         "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
+         "checkpoint": c.layout.checkpoint, "peak_bytes": c.peak_bytes,
+         "step_ms": None if c.step_s is None else 1e3 * c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
+         "source": c.source, "fits": c.fits, "dominated": c.dominated, "rejected": c.rejected} for c in result.candidates]}

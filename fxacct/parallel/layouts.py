@@ -1,0 +1,105 @@
+"""The layouts ``fxacct plan`` considers, and the exact reasons to reject one before any trace.
+
+A layout of N GPUs is pp × fsdp × tp = N (tp within a node: tp divides min(N, GPUs per node);
+pp only with a pipeline split), a micro-batch and activation checkpointing off or on. The global
+batch is split over the fsdp (data-parallel) ranks: each holds global ÷ fsdp examples per step,
+run as A = that ÷ micro-batch micro-batches (gradient accumulation; with pp, the pipeline's M = A
+micro-batches).
+
+Rejected before tracing, each by an exact argument: tp not dividing a head count the model
+declares (tensor parallelism splits heads); the global batch not dividing over the fsdp ranks;
+more pipeline stages than repeated blocks; and the parameters alone above the GPU: the ranks
+hold every parameter between them, so some rank holds at least (parameter bytes) ÷ N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxacct.errors import UsageError
+from fxacct.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    fsdp: int
+    tp: int
+    micro_batch: int  # examples per micro-batch on one rank (0: the batch does not divide)
+    accumulation: int  # micro-batches per step (gradient accumulation; with pp the schedule's M)
+    checkpoint: bool  # activation checkpointing of every repeated block
+
+    @property
+    def mesh(self) -> str:
+        dims = [(n, s) for n, s in (("pp", self.pp), ("fsdp", self.fsdp), ("tp", self.tp)) if s > 1]
+        return ",".join(f"{n}={s}" for n, s in dims) or "fsdp=1"
+
+    @property
+    def group(self) -> tuple[int, int, int, bool]:
+        """The layouts that differ only by micro-batch: their peak grows with it."""
+        return self.pp, self.fsdp, self.tp, self.checkpoint
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner reads from the model built once on meta."""
+
+    blocks: int  # repeated blocks (fxacct.parallel.screen.block_count)
+    container: str  # their container's name ("layers"): checkpointing wraps "layers.*"
+    param_bytes: int  # every parameter, in the traced dtype
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline: bool) -> list[Layout]:
+    """Every layout, in (pp, tp, checkpointing, micro-batch) order."""
+    out = []
+    for pp in divisors(gpus) if pipeline else [1]:
+        for tp in divisors(min(gpus // pp, gpus_per_node)):
+            if (gpus // pp) % tp:
+                continue
+            fsdp = gpus // (pp * tp)
+            per_rank = global_batch // fsdp if global_batch % fsdp == 0 else 0
+            for ckpt in (False, True):
+                if not per_rank:
+                    out.append(Layout(pp, fsdp, tp, 0, 0, ckpt))
+                    continue
+                out += [Layout(pp, fsdp, tp, mb, per_rank // mb, ckpt) for mb in divisors(per_rank)]
+    return [lay for lay in out if lay.pp * lay.fsdp * lay.tp > 1]
+
+
+def model_facts(config) -> tuple[ModelFacts, object]:
+    """(facts, the model on meta) from one build of config.target."""
+    from fxacct.parallel.screen import block_container
+    from fxacct.profile import load_model
+
+    model = load_model(config)[0]
+    found = block_container(model)
+    name = next((n for n, m in model.named_modules() if found and m is found[0]), "")
+    size = config.dtype.itemsize if config.dtype is not None else None
+    total = sum(p.numel() * (size if size and p.is_floating_point() else p.element_size())
+                for p in model.parameters())
+    return ModelFacts(len(found[1]) if found else 0, name, total), model
+
+
+def exact_rejection(layout: Layout, facts: ModelFacts, model, gpus: int, global_batch: int,
+                    capacity: int) -> str | None:
+    """Why the layout cannot run or fit, from arguments that need no trace; None if none applies."""
+    from fxacct.parallel.engine import check_heads
+    from fxacct.parallel.mesh import MeshSpec
+
+    if layout.micro_batch == 0:
+        return f"the global batch {global_batch} does not divide over {layout.fsdp} data-parallel ranks"
+    if layout.pp > max(facts.blocks, 1):
+        return f"pp={layout.pp} is more stages than the model's {facts.blocks} repeated blocks"
+    try:
+        check_heads(model, MeshSpec((("tp", layout.tp),)))
+    except UsageError as e:
+        return str(e).removeprefix("--mesh ")
+    floor = -(-facts.param_bytes // gpus)
+    if floor > capacity:
+        return (f"over memory by at least {format_bytes(floor - capacity)}: parameters alone, "
+                f"{floor:,} B per GPU")
+    return None
