@@ -57,6 +57,9 @@ def test_text_table_sums_to_its_total():
     (["--mesh", "tp=2"], "carries no tensor-parallel plan"),
     (["--parallelize", PAR], "--parallelize needs --mesh"),
     (["--mesh", "fsdp=2", "--world-size", "2", "--shard", "zero3"], "--mesh and --shard zero3"),
+    # tp alone leaves the norms plain tensors; AdamW(foreach=True), CUDA's default under --gpu, raises
+    # on that mix in eager PyTorch too ("got mixed torch.Tensor and DTensor")
+    (["--mesh", "tp=2", "--parallelize", PAR, "--gpu", "h100"], "mix DTensor and plain tensors"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     r = _invoke(LLAMA, *args)

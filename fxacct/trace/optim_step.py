@@ -124,6 +124,11 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
         try:
             opt.step()
         except Exception as e:
+            if optimizer.args.get("foreach") and _mixes_dtensor(stepped):
+                raise UsageError(f"{type(opt).__name__}'s foreach step (PyTorch's default on CUDA) cannot take "
+                                 "parameters that mix DTensor and plain tensors, as on a GPU: make every parameter "
+                                 "a DTensor in your parallelize (e.g. Replicate the unsharded ones) or give "
+                                 "--optim-arg foreach=False") from e
             if optimizer.args:  # a value its constructor accepted but its step cannot use
                 raise UsageError(f"{type(opt).__name__}.step() failed with options {optimizer.args}: "
                                  f"{describe_exception(e)}; check --optim-arg") from e
@@ -135,3 +140,14 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
         states += [(v, count) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         recorder.repeats.append((start, len(recorder.records), count))
     return states, masters
+
+
+def _mixes_dtensor(params) -> bool:
+    """Some parameters are DTensors (tensor parallel) and some plain tensors: torch's foreach kernels
+    group by device and dtype only, and a DTensor op refuses plain tensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    kinds = {isinstance(p, DTensor) for p in params}
+    return kinds == {True, False}
