@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from fxacct.trace import torch_private as tp
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
@@ -20,13 +21,19 @@ def _is_label(v) -> bool:
 
 def _attrs(module: torch.nn.Module) -> tuple:
     """Plain attributes of every submodule: values compared by ==, objects by identity; an int
-    appears as its type only (a possible label, see _labels_are_proven)."""
+    appears as its type only (a possible label, see _labels_are_proven). FSDP2's per-module state
+    (fully_shard's, under --mesh) appears as the kinds of state it holds: it acts in hooks around
+    the block's forward, which run for every block, replayed or not; what it changes inside (the
+    gathered parameters' dtypes, shapes and placements) is checked at each call (fxacct.trace.replay)."""
     out = []
+    composable = tp.composable_state_keys()
     for name, m in module.named_modules():
         for k, v in sorted(vars(m).items()):
             if k in _SKIP_ATTRS:
                 continue
-            if _is_label(v):
+            if k in composable and isinstance(v, dict):
+                out.append((name, k, tuple((getattr(f, "__name__", f), type(x)) for f, x in v.items())))
+            elif _is_label(v):
                 out.append((name, k, int))
             elif isinstance(v, (int, float, str, bool, type(None), tuple, frozenset)):
                 out.append((name, k, v))

@@ -203,3 +203,16 @@ from torch import overrides as _overrides  # noqa: E402
 # The TorchFunctionModes active on this thread, outermost first (the backward engine runs
 # activation checkpointing's recompute without them: fxacct.trace.checkpointing re-enters them).
 function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "torch.overrides")
+
+
+def composable_state_keys() -> frozenset:
+    """The attribute names under which torch.distributed's composable APIs (``fully_shard``) keep
+    each module's state and registry (torch/distributed/_composable/contract.py, ``STATE_KEY`` and
+    ``REGISTRY_KEY``): dicts of per-module objects. Empty while that module is not loaded (no
+    module can carry them then)."""
+    import sys
+
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    if contract is None:
+        return frozenset()
+    return frozenset(k for k in (getattr(contract, "STATE_KEY", None), getattr(contract, "REGISTRY_KEY", None)) if k)
