@@ -1,7 +1,7 @@
 """Repeated blocks traced once: the forward of an inference capture replays a proven template.
 
-A model's stack of identical blocks (the items of a ModuleList or Sequential) costs the same op
-for op; tracing each on fake tensors is most of fxacct's time on a 70B model. Here the first two
+A model's stack of identical blocks (the items of a ModuleList, Sequential or ModuleDict) costs
+the same op for op; tracing each on fake tensors is most of fxacct's time on a 70B model. Here the first two
 blocks of a run are traced, their recorded ops compared, and, only when they match, every later
 block whose inputs match too is *replayed*: the template's records are appended again with the
 block's own module names, parameters, inputs and fresh storages, and the block returns new fake
@@ -150,10 +150,13 @@ class BlockReplay(ForwardPatches):
         leaves, span.output_spec = tp.tree_flatten(output)
         span.output = [self._describe(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         if pos < 2:
-            state["spans"].append((fqn, span))
+            state["spans"].append((pos, fqn, span))
             if pos == 1:
-                (fqn0, span0), (fqn1, span1) = state["spans"]
-                state["spans"] = []
+                spans, state["spans"] = state["spans"], []
+                if [p for p, _, _ in spans] != [0, 1]:  # called out of order: no template
+                    state["ok"] = False
+                    return output
+                (_, fqn0, span0), (_, fqn1, span1) = spans
                 if span0.param_meta == span1.param_meta and \
                         self._normalized(span0, fqn0) == self._normalized(span1, fqn1):
                     state["template"], state["template_fqn"] = span1, fqn1

@@ -1,12 +1,14 @@
-"""Which blocks may share one template: runs of consecutive blocks of a ModuleList or Sequential
-that are identical before any op is compared (the rule, labels included, is documented in
-fxacct.trace.replay's docstring; the ops themselves are compared there and in replay_train)."""
+"""Which blocks may share one template: runs of consecutive blocks of a ModuleList, Sequential
+or ModuleDict (in insertion order: torchtitan keys its layers "0".."n-1") that are identical
+before any op is compared (the rule, labels included, is documented in fxacct.trace.replay's
+docstring; the ops themselves are compared there and in replay_train)."""
 
 from __future__ import annotations
 
 import torch
 
 from fxacct.trace import torch_private as tp
+
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
@@ -108,9 +110,10 @@ def find_runs(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]
         owners.setdefault(id(p), set()).add(name)
     runs = []
     for name, container in model.named_modules():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
             continue
-        items = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(container)]
+        keyed = container.items() if isinstance(container, torch.nn.ModuleDict) else enumerate(container)
+        items = [(f"{name}.{k}" if name else str(k), m) for k, m in keyed]
         run: list = []
         for fqn, m in items + [(None, None)]:
             if m is not None and run and _signature(m) == _signature(run[0][1]) and _own_params(m, fqn, owners):
