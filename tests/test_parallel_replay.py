@@ -20,6 +20,8 @@ CASES = [
     (LLAMA, dict(n_layers=4), "tp=2", "examples/llama.py:parallelize_sp"),
     (LIST_LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "tests/models/llama_list.py:parallelize"),
     (LIST_LLAMA, dict(n_layers=4), "tp=2", "tests/models/llama_list.py:parallelize_sp"),
+    (LIST_LLAMA, dict(n_layers=4), "tp=2", "tests/models/llama_list.py:parallelize"),
+    (LIST_LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "tests/models/llama_list.py:parallelize_sp"),
     (LIST_LLAMA, dict(n_layers=4, hidden=96), "fsdp=4", "tests/models/llama_list.py:parallelize"),
     (GPT, GPT_KW, "fsdp=4", None),
     (GPT, GPT_KW, "fsdp=2", None),
@@ -58,5 +60,4 @@ def test_mesh_same_account_both_ways(rel, kwargs, mesh, par, replayed):
     assert a.memory.rank_peak == b.memory.rank_peak
     assert a.parallel.rows == b.parallel.rows
     assert a.parallel.collectives == b.parallel.collectives
-    if rel != LLAMA:  # a ModuleList of 4 identical blocks: the last two replay in the inference forward
-        assert replayed == [2]
+    assert replayed == [2]  # 4 identical blocks: the inference forward traces two and replays two
