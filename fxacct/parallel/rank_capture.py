@@ -75,7 +75,7 @@ def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = Fals
             dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
             optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
             master_weights=config.master_weights, cuda=config.gpu is not None,
-            # the inference forward replays repeated blocks (FSDP2's hooks run around each block's
-            # forward, so its gathers and frees stay recorded); the training step traces every one
-            dedup=config.dedup and inference, prepared=prepared))
+            # repeated blocks replay (FSDP2's hooks run around each block's forward and backward,
+            # replayed or not, so its gathers, frees and reduce-scatters stay recorded)
+            dedup=config.dedup, prepared=prepared))
     return cap, prepared.resizes.events
