@@ -19,6 +19,14 @@ autocast's cache until the region ends, outside the block, so a probe cannot see
 replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``). The inputs the template saved for backward are saved by
 `_ReplayFn` too, so they live as they would. `--no-dedup` traces every block;
 tests check both ways agree.
+
+Under --mesh (fxacct.parallel) the blocks may be FSDP2-wrapped: FSDP2 gathers a block's parameters
+in its pre-forward hook and frees them after, so such blocks are probed one at a time inside their
+own calls (the first two calls make the template; the first block is traced, the others replay).
+FSDP2's hooks still run around every block, replayed or not: its gathers, frees, backward
+prefetches and reduce-scatters are recorded as they happen. A DTensor parameter's gradient is
+made a DTensor of the probe's gradient placements; a block whose input autograd saves only
+through a DTensor (sequence parallelism) is traced in full.
 """
 
 from __future__ import annotations
@@ -147,7 +155,7 @@ class TrainReplay(ForwardPatches):
             out_leaves, out_spec = tp.tree_flatten(output)
             outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
             if not outs or any(not x.requires_grad for x in outs) \
-                    or any(tp.storage_key(x) in self.saved.wrapped for x in inputs):
+                    or any(self.storages.id_of(x) in self.saved.wrapped for x in inputs):
                 return None  # (an input autograd saved as a DTensor's shard: a lifetime not the template's)
             if any(getattr(x, TAG, None) is None or not getattr(x, TAG).is_record for x in outs):
                 return None  # an input handed back as an output: not a fresh tensor
