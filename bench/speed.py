@@ -10,6 +10,10 @@ alternate in pairs so both see the same machine load, and the ratio is taken per
 Targets (issue 2): median ratio fxacct / FlopCounterMode ≤ 1.0; 70B at T=4096 under 1 GiB RSS.
 Issue 11: the Hugging Face LlamaForCausalLM at Llama-2-70B dimensions (T=2048, use_cache=False)
 ≤ 0.8 (its blocks replay although each carries its own ``layer_idx``).
+
+Issue 9 (``--only llama2-70b-mesh``): examples/llama.py at Llama-2-70B dimensions (T=4096) under
+``--mesh fsdp=8,tp=8`` with its own ``parallelize``, paired against the same model's
+single-device profile (both through ``fxacct.profile``, as the CLI runs them): target ≤ 1.5.
 """
 
 from __future__ import annotations
@@ -56,10 +60,27 @@ else:
 print(total)
 '''
 
+# issue 9: one process profiles examples/llama.py at 70B dimensions, single-device or under a mesh
+MESH_CHILD = r'''
+import sys
+sys.path[:0] = [{root!r}]
+import fxacct
+example = {root!r} + "/examples/llama.py"
+kw = dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden=28672, max_seq=4096)
+mesh = {mesh!r}
+p = fxacct.profile(fxacct.Config(target=example + ":Llama", batch=1, kwargs=kw, mesh=mesh,
+                                 parallelize=example + ":parallelize" if mesh else None))
+print(p.accounting.totals.model_flops)
+'''
+MESH = "fsdp=8,tp=8"
+
 
 def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
     """(CPU seconds, peak RSS bytes, FLOPs printed) of one whole process."""
-    code = CHILD.format(here=str(HERE), root=str(ROOT), shape=shape, T=T, tool=tool)
+    if shape.endswith("-mesh"):
+        code = MESH_CHILD.format(root=str(ROOT), mesh=MESH if tool == "mesh" else None)
+    else:
+        code = CHILD.format(here=str(HERE), root=str(ROOT), shape=shape, T=T, tool=tool)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = proc.stdout.read()
     err = proc.stderr.read()
@@ -73,9 +94,11 @@ def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b"), default=None)
+    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b", MESH_CASE), default=None)
     args = ap.parse_args()
     cases = [("llama2-7b", 2048), ("llama2-70b", 4096), ("hf-llama2-70b", 2048)]
+    if args.only == MESH_CASE:  # opt-in: two 70B profiles per pair
+        return mesh_main(args.pairs)
     rows = []
     for shape, T in cases:
         if args.only and shape != args.only:
@@ -94,6 +117,23 @@ def main() -> None:
           f"{'fxacct RSS MiB':>15} {'FlopCounter RSS MiB':>20}")
     for name, a, b, r, ra, rb in rows:
         print(f"{name:<20} {a:>12.2f} {b:>18.2f} {r:>24.3f} {ra / 2**20:>15.0f} {rb / 2**20:>20.0f}")
+
+
+MESH_CASE = "llama2-70b-mesh"
+
+
+def mesh_main(pairs: int) -> None:
+    """Issue 9: the --mesh profile against the same model's single-device one, paired."""
+    ratios, mesh_cpu, single_cpu, mesh_rss, single_rss = [], [], [], [], []
+    for _ in range(pairs):
+        a_cpu, a_rss, _ = run("mesh", MESH_CASE, 4096)
+        b_cpu, b_rss, _ = run("single", MESH_CASE, 4096)
+        ratios.append(a_cpu / b_cpu)
+        mesh_cpu.append(a_cpu), single_cpu.append(b_cpu), mesh_rss.append(a_rss), single_rss.append(b_rss)
+    print(f"{'case':<28} {'mesh CPU s':>10} {'single CPU s':>13} {'ratio (median of pairs)':>24} "
+          f"{'mesh RSS MiB':>13} {'single RSS MiB':>15}")
+    print(f"{MESH_CASE + ' ' + MESH:<28} {statistics.median(mesh_cpu):>10.2f} {statistics.median(single_cpu):>13.2f} "
+          f"{statistics.median(ratios):>24.3f} {max(mesh_rss) / 2**20:>13.0f} {max(single_rss) / 2**20:>15.0f}")
 
 
 if __name__ == "__main__":

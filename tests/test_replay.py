@@ -259,3 +259,53 @@ def test_hugging_face_llama_replays(dispatched):
         _hf_accounts(model, (dedup,))
         counts.append(dispatched["n"])
     assert counts[0] < counts[1] / 2, counts
+
+
+def _llama_example(layers=6):
+    from fxacct.load.model_spec import build, resolve
+
+    obj, _ = resolve(str(Path(__file__).resolve().parents[1] / "examples/llama.py") + ":Llama")
+    with torch.device("meta"):
+        return build(obj, dict(n_layers=layers), "Llama")
+
+
+def test_module_dict_blocks_form_one_run():
+    """examples/llama.py keeps its layers in a ModuleDict keyed "0".."n-1", as torchtitan does."""
+    assert [[fqn for fqn, _ in run] for run in find_runs(_llama_example())] == [[f"layers.{i}" for i in range(6)]]
+
+
+@pytest.mark.parametrize("config", [{}, {"amp": torch.bfloat16}])
+def test_module_dict_llama_same_account_both_ways(config):
+    idx = torch.empty(2, 64, dtype=torch.long, device="meta")
+    a, b = _accounts(_llama_example(), (idx,), **config)
+    _assert_same(a, b)
+
+
+def test_module_dict_llama_replays(dispatched):
+    idx = torch.empty(2, 64, dtype=torch.long, device="meta")
+    counts = []
+    for dedup in (True, False):
+        dispatched["n"] = 0
+        fxacct.profile_module(_llama_example(8), (idx,), {}, fxacct.Config(batch=2, dedup=dedup))
+        counts.append(dispatched["n"])
+    assert counts[0] < counts[1] / 2, counts
+
+
+class _Reversed(nn.Module):
+    """Calls its blocks last to first: the second block of the run runs before the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))
+
+    def forward(self, x):
+        for block in reversed(self.blocks):
+            x = block(x)
+        return x
+
+
+def test_blocks_called_out_of_order_same_account_both_ways():
+    with torch.device("meta"):
+        model = _Reversed()
+    a, b = _accounts(model, (torch.empty(2, 16, device="meta"),))
+    _assert_same(a, b)

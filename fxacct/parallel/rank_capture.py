@@ -74,6 +74,9 @@ def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = Fals
         cap = capture(model, tuple(args), kwargs, CaptureOptions(
             dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
             optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
-            master_weights=config.master_weights, cuda=config.gpu is not None, dedup=False, prepared=prepared,
+            master_weights=config.master_weights, cuda=config.gpu is not None,
+            # repeated blocks replay (FSDP2's hooks run around each block's forward and backward,
+            # replayed or not, so its gathers, frees and reduce-scatters stay recorded)
+            dedup=config.dedup, prepared=prepared,
             checkpoint=config.checkpoint, checkpoint_policy=config.checkpoint_policy))
     return cap, prepared.resizes.events

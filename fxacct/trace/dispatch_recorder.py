@@ -248,8 +248,13 @@ class SavedTracker:
         self.storages = storages
         self.excluded = excluded
         self.saved: dict[int, tuple[int, torch.dtype]] = {}  # id -> (bytes, dtype)
+        # storage ids of the local shards of DTensors autograd saved (fxacct.trace.replay_train:
+        # a block input saved only through a DTensor makes that block's training step unreplayable)
+        self.wrapped: set[int] = set()
 
     def pack(self, t: torch.Tensor):
+        if tp.local(t) is not t:
+            self.wrapped.add(self.storages.id_of(tp.local(t)))
         sid = self.storages.id_of(t)
         if sid not in self.excluded and sid not in self.saved:
             dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))

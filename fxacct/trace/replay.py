@@ -1,7 +1,7 @@
 """Repeated blocks traced once: the forward of an inference capture replays a proven template.
 
-A model's stack of identical blocks (the items of a ModuleList or Sequential) costs the same op
-for op; tracing each on fake tensors is most of fxacct's time on a 70B model. Here the first two
+A model's stack of identical blocks (the items of a ModuleList, Sequential or ModuleDict) costs
+the same op for op; tracing each on fake tensors is most of fxacct's time on a 70B model. Here the first two
 blocks of a run are traced, their recorded ops compared, and, only when they match, every later
 block whose inputs match too is *replayed*: the template's records are appended again with the
 block's own module names, parameters, inputs and fresh storages, and the block returns new fake
@@ -67,6 +67,7 @@ class _Span:
     spec: object
     params: dict  # name -> fake tensor (reparametrized; resident anyway)
     first_sid: int  # storages with ids from here on were born inside the span
+    param_meta: tuple = ()  # the parameters as the forward sees them (_param_meta)
     output: list | None = None  # leaves: _Tensor or plain values
     output_spec: object = None
 
@@ -127,10 +128,13 @@ class BlockReplay(ForwardPatches):
         params = dict(block.named_parameters())
         params.update(("buffer:" + n, b) for n, b in block.named_buffers())
         span = _Span(len(self.recorder.records), -1, [self._describe(t) for t in tensors], plain, spec, params,
-                     self.storages.next_id)
+                     self.storages.next_id, _param_meta(params))
         return span, tensors
 
     def _call(self, block, fqn, pos, state, original, args, kwargs):
+        if _has_dtensor((args, kwargs)):  # a DTensor between blocks: its shard is no fresh tensor
+            state["ok"] = False
+            return original(*args, **kwargs)
         span, inputs = self._span(block, args, kwargs)
         template = state["template"]
         if pos >= 2 and state["ok"] and template is not None and self._inputs_match(template, span):
@@ -139,15 +143,22 @@ class BlockReplay(ForwardPatches):
             except _Mismatch:
                 state["ok"] = False
         output = original(*args, **kwargs)
+        if _has_dtensor(output):
+            state["ok"] = False
+            return output
         span.end = len(self.recorder.records)
         leaves, span.output_spec = tp.tree_flatten(output)
         span.output = [self._describe(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         if pos < 2:
-            state["spans"].append((fqn, span))
+            state["spans"].append((pos, fqn, span))
             if pos == 1:
-                (fqn0, span0), (fqn1, span1) = state["spans"]
-                state["spans"] = []
-                if self._normalized(span0, fqn0) == self._normalized(span1, fqn1):
+                spans, state["spans"] = state["spans"], []
+                if [p for p, _, _ in spans] != [0, 1]:  # called out of order: no template
+                    state["ok"] = False
+                    return output
+                (_, fqn0, span0), (_, fqn1, span1) = spans
+                if span0.param_meta == span1.param_meta and \
+                        self._normalized(span0, fqn0) == self._normalized(span1, fqn1):
                     state["template"], state["template_fqn"] = span1, fqn1
                 else:
                     state["ok"] = False
@@ -158,7 +169,7 @@ class BlockReplay(ForwardPatches):
         def meta(t: _Tensor):
             return t.shape, t.stride, t.dtype, t.requires_grad
 
-        return (template.spec == span.spec and template.leaves == span.leaves
+        return (template.spec == span.spec and template.leaves == span.leaves and template.param_meta == span.param_meta
                 and [meta(t) for t in template.inputs] == [meta(t) for t in span.inputs])
 
     # -- comparing two traced blocks --------------------------------------------------------
@@ -169,6 +180,7 @@ class BlockReplay(ForwardPatches):
             refs.setdefault(t.ref, Slot("arg", j))
             stores.setdefault(t.storage, Slot("arg", j))
         for name, p in span.params.items():
+            p = tp.local(p)  # a DTensor parameter: its shard on this rank, which the ops read
             refs.setdefault(getattr(p, TAG, None), Slot("param", name))
             stores.setdefault(self.storages.id_of(p), Slot("param", name))
         return refs, stores
@@ -221,7 +233,7 @@ class BlockReplay(ForwardPatches):
             if key.kind == "arg":
                 k_ref[key], k_store[key] = span.inputs[key.key].ref, span.inputs[key.key].storage
             else:
-                p = span.params[key.key]
+                p = tp.local(span.params[key.key])
                 k_ref[key], k_store[key] = getattr(p, TAG, None), self.storages.id_of(p)
         offset = len(rec.records) - template.start
         out_leaves, out_store = [], {}
@@ -283,6 +295,23 @@ class BlockReplay(ForwardPatches):
 
 class _Mismatch(Exception):
     pass
+
+
+def _param_meta(params: dict) -> tuple:
+    """Each parameter and buffer as the block's forward reads it: under --mesh FSDP2 has just
+    gathered them (its mixed-precision policy sets their dtype) and a DTensor's placements decide
+    its local ops, so a block replays only where these equal the template's."""
+    out = []
+    for name, p in params.items():
+        t = tp.local(p)
+        out.append((name, tuple(t.shape), tuple(t.stride()), t.dtype, p.requires_grad,
+                    getattr(p, "placements", None), getattr(p, "device_mesh", None)))
+    return tuple(out)
+
+
+def _has_dtensor(tree) -> bool:
+    """Whether a tensor leaf is a DTensor (--mesh: replay is below the DTensor layer)."""
+    return any(tp.local(x) is not x for x in tp.tree_leaves(tree) if isinstance(x, torch.Tensor))
 
 
 def _relative(module: str, fqn: str) -> str:

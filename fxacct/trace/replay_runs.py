@@ -1,10 +1,13 @@
-"""Which blocks may share one template: runs of consecutive blocks of a ModuleList or Sequential
-that are identical before any op is compared (the rule, labels included, is documented in
-fxacct.trace.replay's docstring; the ops themselves are compared there and in replay_train)."""
+"""Which blocks may share one template: runs of consecutive blocks of a ModuleList, Sequential
+or ModuleDict (in insertion order: torchtitan keys its layers "0".."n-1") that are identical
+before any op is compared (the rule, labels included, is documented in fxacct.trace.replay's
+docstring; the ops themselves are compared there and in replay_train)."""
 
 from __future__ import annotations
 
 import torch
+
+from fxacct.trace import torch_private as tp
 
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
                "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -20,13 +23,19 @@ def _is_label(v) -> bool:
 
 def _attrs(module: torch.nn.Module) -> tuple:
     """Plain attributes of every submodule: values compared by ==, objects by identity; an int
-    appears as its type only (a possible label, see _labels_are_proven)."""
+    appears as its type only (a possible label, see _labels_are_proven). FSDP2's per-module state
+    (fully_shard's, under --mesh) appears as the kinds of state it holds: it acts in hooks around
+    the block's forward, which run for every block, replayed or not; what it changes inside (the
+    gathered parameters' dtypes, shapes and placements) is checked at each call (fxacct.trace.replay)."""
     out = []
+    composable = tp.composable_state_keys()
     for name, m in module.named_modules():
         for k, v in sorted(vars(m).items()):
             if k in _SKIP_ATTRS:
                 continue
-            if _is_label(v):
+            if k in composable and isinstance(v, dict):
+                out.append((name, k, tuple((getattr(f, "__name__", f), type(x)) for f, x in v.items())))
+            elif _is_label(v):
                 out.append((name, k, int))
             elif isinstance(v, (int, float, str, bool, type(None), tuple, frozenset)):
                 out.append((name, k, v))
@@ -101,9 +110,10 @@ def find_runs(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]
         owners.setdefault(id(p), set()).add(name)
     runs = []
     for name, container in model.named_modules():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
             continue
-        items = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(container)]
+        keyed = container.items() if isinstance(container, torch.nn.ModuleDict) else enumerate(container)
+        items = [(f"{name}.{k}" if name else str(k), m) for k, m in keyed]
         run: list = []
         for fqn, m in items + [(None, None)]:
             if m is not None and run and _signature(m) == _signature(run[0][1]) and _own_params(m, fqn, owners):

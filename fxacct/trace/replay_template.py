@@ -34,6 +34,8 @@ class Template:
     storage_bytes: dict  # template storage id -> bytes
     gout_last_use: dict  # incoming gradient j -> index of the last template record reading it
     lingering: dict  # storage alive at the probe's end that is no output or gradient -> last use
+    param_meta: tuple = ()  # the parameters as the probe's forward read them (fxacct.trace.replay._param_meta)
+    grad_layouts: list = ()  # per target: (mesh, placements, shape, stride) of a DTensor gradient, else None
 
 
 def to_template_space(records: list[OpRecord], fqn: str, ext_refs: dict, ext_store: dict) -> list[OpRecord]:
@@ -89,7 +91,7 @@ def find_meta(template: Template, ref: Ref) -> TensorMeta:
     return val[ref.index] if ref.index is not None else val
 
 
-_PROBE_SLOTS = {"probe-in": "in", "probe-gout": "gout"}
+_PROBE_SLOTS = {"probe-in": "in", "probe-gout": "gout", "probe-param": "param"}
 
 
 def norm_refs(a, ext_refs):

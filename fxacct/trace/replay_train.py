@@ -19,11 +19,20 @@ autocast's cache until the region ends, outside the block, so a probe cannot see
 replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``). The inputs the template saved for backward are saved by
 `_ReplayFn` too, so they live as they would. `--no-dedup` traces every block;
 tests check both ways agree.
+
+Under --mesh (fxacct.parallel) the blocks may be FSDP2-wrapped: FSDP2 gathers a block's parameters
+in its pre-forward hook and frees them after, so such blocks are probed one at a time inside their
+own calls (the first two calls make the template; the first block is traced, the others replay).
+FSDP2's hooks still run around every block, replayed or not: its gathers, frees, backward
+prefetches and reduce-scatters are recorded as they happen. A DTensor parameter's gradient is
+made a DTensor of the probe's gradient placements; a block whose input autograd saves only
+through a DTensor (sequence parallelism) is traced in full.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -31,9 +40,9 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
 from fxacct.trace.known_values import VALUE, known
 from fxacct.trace.records import (
-    TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta,
+    TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers,
 )
-from fxacct.trace.replay import ForwardPatches, _Mismatch
+from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
 from fxacct.trace.replay_template import (
     Template, comparable, find_meta, last_uses, lingering, map_to_block, norm_refs, to_template_space,
 )
@@ -60,13 +69,38 @@ class TrainReplay(ForwardPatches):
 
     def _call(self, block, fqn, pos, state, original, args, kwargs):
         leaves, spec = tp.tree_flatten((args, kwargs))
-        if not state["tried"]:
+        if _has_dtensor(leaves):  # a DTensor between blocks: its shard is no fresh tensor
+            state["tried"], state["template"] = True, None
+            return original(*args, **kwargs)
+        if _gathered_in_hooks(block):
+            self._learn_in_place(state, pos, fqn, block, leaves, spec)
+        elif not state["tried"]:
             state["tried"] = True
             state["template"] = self._learn(state["run"], leaves, spec)
         template = state["template"]
-        if template is not None and torch.is_grad_enabled() and self._inputs_match(template, leaves, spec):
+        if template is not None and torch.is_grad_enabled() and self._inputs_match(template, leaves, spec) \
+                and template.param_meta == _param_meta(dict(block.named_parameters())):
             return self._replay(template, block, fqn, leaves)
         return original(*args, **kwargs)
+
+    def _learn_in_place(self, state, pos, fqn, block, leaves, spec) -> None:
+        """FSDP2 gathers a block's parameters in its pre-forward hook and frees them after, so
+        the two blocks are probed one at a time, each inside its own call (then traced as usual):
+        the first two calls, in order, make the template."""
+        if state["tried"] or pos > 1 or not torch.is_grad_enabled():
+            state["tried"] = True
+            return
+        try:
+            probe = self._probe((fqn, block), leaves, spec)
+        except _Mismatch:
+            probe = None
+        if pos == 0:
+            state["first"] = probe
+            return
+        state["tried"] = True
+        first = state.pop("first", None)
+        if first is not None and probe is not None and comparable(first) == comparable(probe):
+            state["template"] = probe
 
     @staticmethod
     def _in_meta(leaves):
@@ -108,7 +142,9 @@ class TrainReplay(ForwardPatches):
         rec = self.recorder
         params = {n: p for n, p in block.named_parameters()}
         first_sid = self.storages.next_id
-        with self._isolated() as records:
+        # the parameters' own refs may be record indices of the step (FSDP2 gathers them there),
+        # which a probe's own records would shadow: inside the probe they are the probe's slots
+        with self._isolated() as records, _tagged({n: tp.local(p) for n, p in params.items()}):
             fresh, inputs = self._fresh_inputs(leaves)
             args, kwargs = tp.tree_unflatten(fresh, spec)
             rec.module_stack.append(fqn)
@@ -118,8 +154,9 @@ class TrainReplay(ForwardPatches):
             fwd_len = len(records)
             out_leaves, out_spec = tp.tree_flatten(output)
             outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
-            if not outs or any(not x.requires_grad for x in outs):
-                return None
+            if not outs or any(not x.requires_grad for x in outs) \
+                    or any(self.storages.id_of(x) in self.saved.wrapped for x in inputs):
+                return None  # (an input autograd saved as a DTensor's shard: a lifetime not the template's)
             if any(getattr(x, TAG, None) is None or not getattr(x, TAG).is_record for x in outs):
                 return None  # an input handed back as an output: not a fresh tensor
             with rec.suppressed():
@@ -134,19 +171,18 @@ class TrainReplay(ForwardPatches):
             deaths = dict(self.storages.deaths)
             saved_now = dict(self.saved.saved)
         # refs and storages in template space
-        ext_refs = {getattr(p, TAG, None): Slot("param", n) for n, p in params.items()}
-        ext_store = {self.storages.id_of(p): Slot("param", n) for n, p in params.items()}
+        # (a DTensor's shard: what the ops read; its refs were the probe's slots, _tagged)
+        ext_store = {self.storages.id_of(tp.local(p)): Slot("param", n) for n, p in params.items()}
         for j, x in enumerate(inputs):
             ext_store.setdefault(self.storages.id_of(x), Slot("in", j))
         for j, g in enumerate(gouts):
             ext_store.setdefault(self.storages.id_of(g), Slot("gout", j))
-        normalized = to_template_space(records, fqn, ext_refs, ext_store)
+        normalized = to_template_space(records, fqn, {}, ext_store)
         born = {sid for sid in range(first_sid, self.storages.next_id)}
         saved_inputs = [j for j, x in enumerate(inputs) if self.storages.id_of(x) in saved_now]
-        grad_refs = []
-        for g in grads:
-            ref = getattr(g, TAG, None) if g is not None else None
-            grad_refs.append(norm_refs(ref, ext_refs) if ref is not None else None)
+        layouts = [_layout(g) for g in grads]  # a DTensor gradient's own placements (Partial, ...)
+        grads = [tp.local(g) for g in grads]
+        grad_refs = [None if getattr(g, TAG, None) is None else norm_refs(getattr(g, TAG), {}) for g in grads]
         return Template(
             fqn, normalized, fwd_len, self._in_meta(leaves),
             [None if isinstance(x, torch.Tensor) else x for x in leaves], spec, out_spec,
@@ -158,6 +194,7 @@ class TrainReplay(ForwardPatches):
             last_uses(normalized, "gout"),
             lingering(normalized, born, deaths, {self.storages.id_of(x) for x in outs},
                        {self.storages.id_of(g) for g in grads if g is not None}),
+            _param_meta(params), layouts,
         )
 
     def _fresh_inputs(self, leaves) -> tuple[list, list]:
@@ -178,10 +215,15 @@ class TrainReplay(ForwardPatches):
     def _replay(self, template: Template, block, fqn: str, leaves):
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         params = dict(block.named_parameters())
+        rec, lo = self.recorder, tp.next_autograd_number()
+        base = len(rec.records)
         flat = _ReplayFn.apply(self, template, block, fqn, inputs, params, *inputs, *params.values())
         flat = list(flat)
         out = [flat.pop(0) if isinstance(x, Slot) and x.kind == "out" else x for x in template.out_leaves]
-        self.recorder.last_seq = tp.next_autograd_number()
+        hi = rec.last_seq = tp.next_autograd_number()
+        if hi != lo:  # the replay's autograd node: what runs under it (FSDP2's backward hooks) is the block's
+            i = base + template.out_refs[0].source  # the op that made the block's output, as in a full trace
+            rec.records[i] = replace(rec.records[i], link=TookSequenceNumbers(lo, hi))
         self.replayed += 1
         return tp.tree_unflatten(out, template.out_spec)
 
@@ -230,9 +272,10 @@ class _ReplayFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, replay: TrainReplay, template: Template, block, fqn, inputs, params, *tensors):
         rec = replay.recorder
-        refs = {Slot("param", n): getattr(p, TAG) for n, p in params.items()}
+        local = {n: tp.local(p) for n, p in params.items()}
+        refs = {Slot("param", n): getattr(p, TAG) for n, p in local.items()}
         refs.update({Slot("in", j): getattr(x, TAG) for j, x in enumerate(inputs)})
-        stores = {Slot("param", n): replay.storages.id_of(p) for n, p in params.items()}
+        stores = {Slot("param", n): replay.storages.id_of(p) for n, p in local.items()}
         stores.update({Slot("in", j): replay.storages.id_of(x) for j, x in enumerate(inputs)})
         base = len(rec.records)
         outs = []
@@ -303,5 +346,49 @@ class _ReplayFn(torch.autograd.Function):
                     else base + last - template.fwd_len
                 replay.lingering.add(stores[sid])
         grads = [results.get(Slot("in", j)) for j in range(ctx.n_inputs)]
-        grads += [results.get(Slot("param", n)) for n in ctx.param_names]
+        layouts = dict(zip(template.targets, template.grad_layouts))
+        with rec.suppressed():
+            grads += [as_layout(results.get(Slot("param", n)), layouts.get(Slot("param", n)))
+                      for n in ctx.param_names]
         return (None, None, None, None, None, None, *grads)
+
+
+@contextlib.contextmanager
+def _tagged(params: dict):
+    """Each parameter tagged as the probe's Slot("probe-param", name) while a probe runs."""
+    before = {n: getattr(p, TAG, None) for n, p in params.items()}
+    for n, p in params.items():
+        setattr(p, TAG, Ref(Slot("probe-param", n)))
+    try:
+        yield
+    finally:
+        for n, p in params.items():
+            setattr(p, TAG, before[n])
+
+
+def _gathered_in_hooks(block) -> bool:
+    """Whether ``block`` is FSDP2-wrapped (``fully_shard``): its parameters are gathered only
+    while its own call runs."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(block, fsdp.FSDPModule)
+
+
+def _layout(grad):
+    if grad is None or tp.local(grad) is grad:
+        return None
+    return grad.device_mesh, grad.placements, tuple(grad.shape), tuple(grad.stride())
+
+
+def as_layout(grad, layout):
+    """``grad`` (a local tensor) as a DTensor of the probe's gradient ``layout`` (None: as it is),
+    its local shard tagged as ``grad`` is."""
+    if grad is None or layout is None:
+        return grad
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = layout
+    out = DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+    setattr(tp.local(out), TAG, getattr(grad, TAG))
+    return out

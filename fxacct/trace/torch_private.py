@@ -223,3 +223,16 @@ def pipeline_order(schedule_cls, stages: int, microbatches: int, per_rank: int =
         order = {rank: schedule_cls._calculate_single_rank_operations(ns, rank) for rank in range(stages)}
     return {rank: [None if a is None else (a.computation_type.value, a.stage_index, a.microbatch_index)
                    for a in actions] for rank, actions in order.items()}
+
+
+def composable_state_keys() -> frozenset:
+    """The attribute names under which torch.distributed's composable APIs (``fully_shard``) keep
+    each module's state and registry (torch/distributed/_composable/contract.py, ``STATE_KEY`` and
+    ``REGISTRY_KEY``): dicts of per-module objects. Empty while that module is not loaded (no
+    module can carry them then)."""
+    import sys
+
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    if contract is None:
+        return frozenset()
+    return frozenset(k for k in (getattr(contract, "STATE_KEY", None), getattr(contract, "REGISTRY_KEY", None)) if k)
