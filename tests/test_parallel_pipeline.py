@@ -185,3 +185,21 @@ def test_stages_passing_several_tensors_are_refused():
                                  "--mesh", "pp=2"], catch_exceptions=False)
     out = r.stderr if hasattr(r, "stderr") else r.output
     assert r.exit_code == 2 and "pipeline stage 0 passes 4 values (tuple) to the next stage" in out, out
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_pipeline_report_fits_the_terminal_and_stderr_stays_quiet(columns):
+    # the per-stage table leaves optional columns out rather than folding numbers across lines, and
+    # torch.export's deprecation notices (the automatic split runs it) do not reach the user
+    gpt = str(ROOT / "examples/gpt2.py") + ":GPT"
+    args = ["-k", "n_layer=2", "-k", "n_embd=64", "-k", "n_head=4", "-k", "vocab_size=1001", "-k", "block_size=32",
+            "--batch", "2", "--mesh", "pp=2", "--microbatches", "4", "--gpu", "h100"]
+    r = CliRunner().invoke(cli, ["profile", gpt, *args], env={"COLUMNS": str(columns)}, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    # a stage row keeps every figure it shows whole: stage, ..., in flight, peak, send, recv
+    for row in lines[at + 2:at + 4]:
+        assert row.split()[0] in ("0", "1") and row.rstrip().endswith("KiB"), row

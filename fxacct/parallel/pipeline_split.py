@@ -14,6 +14,8 @@ builds it.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fxacct.errors import UsageError, classify
@@ -76,8 +78,10 @@ def stage_module(model, args, kwargs, points: list[str], stage: int):
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     try:
-        pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=dict(kwargs) or None,
-                        split_spec={p: SplitPoint.BEGINNING for p in points})
+        with warnings.catch_warnings():  # torch.export's own deprecation notices (pytree LeafSpec) are not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=dict(kwargs) or None,
+                            split_spec={p: SplitPoint.BEGINNING for p in points})
     except Exception as e:
         raise classify(e, f"splitting the model into pipeline stages at {', '.join(points)}") from e
     if pipe.num_stages != len(points) + 1:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from fxacct.report.tables import tabulate
+from fxacct.report.width import fit_table
 from fxacct.units import format_bytes
 
 
@@ -30,18 +31,19 @@ def pipeline_json(pipe) -> dict:
                         "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes} for s in pipe.stages]}
 
 
-def render_pipeline(pipe) -> str:
+def render_pipeline(pipe, width: int | None = None) -> str:
     rows = [[str(s.stage), f"{s.profile.accounting.totals.params:,}",
              f"{s.profile.accounting.totals.forward.total + s.profile.accounting.totals.backward.total:,}",
              format_bytes(s.profile.memory.peak_train.bytes), str(s.in_flight), format_bytes(s.peak_bytes),
              format_bytes(s.send_bytes), format_bytes(s.recv_bytes)] for s in pipe.stages]
-    head = ["stage" if pipe.stages_per_rank == 1 else "rank", "params", "FLOPs / micro-batch", "peak, 1 micro-batch",
+    head = ["stage" if pipe.stages_per_rank == 1 else "rank", "params", "FLOPs / mb", "peak, 1 mb",
             "in flight", "peak", "send / step", "recv / step"]
     layout = f"{len(pipe.stages)} stages" if pipe.stages_per_rank == 1 else \
         f"{len(pipe.stages)} ranks × {pipe.stages_per_rank} stages (params, FLOPs, 1-micro-batch peak: the rank's first)"
     return "\n".join([f"pipeline: {layout}, {pipe.microbatches} micro-batches, {pipe.schedule}; "
-                      f"bubble {pipe.bubble_fraction:.1%} (the report above is stage 0's, one micro-batch)",
-                      tabulate(rows, headers=head)])
+                      f"bubble {pipe.bubble_fraction:.1%} (the report above is stage 0's, one micro-batch; "
+                      "mb: micro-batch)",
+                      fit_table(head, rows, width, optional=(1, 3, 2))])
 
 
 def add_to_document(doc: dict, parallel) -> dict:
@@ -64,8 +66,9 @@ def add_to_document(doc: dict, parallel) -> dict:
     return doc
 
 
-def render_collectives(parallel) -> str:
-    """op × mesh dim × phase: count, output-buffer bytes and wire bytes this rank sends."""
+def render_collectives(parallel, width: int | None = None) -> str:
+    """op × mesh dim × phase: count, output-buffer bytes and wire bytes this rank sends; tables fit
+    ``width`` (fxacct.report.width.fit_table: optional columns left out, numbers never cut)."""
     table: dict[tuple, list[int]] = {}
     for r in parallel.rows:
         acc = table.setdefault((r.op, r.mesh_dim, r.phase), [0, 0, 0])
@@ -75,7 +78,7 @@ def render_collectives(parallel) -> str:
     lines = [f"mesh {parallel.mesh} ({parallel.mesh.world_size} ranks); figures are rank {parallel.rank}'s "
              "(parameters, gradients, optimizer state, activations and peaks above are per rank)"]
     if parallel.pipeline is not None:
-        lines.append(render_pipeline(parallel.pipeline))
+        lines.append(render_pipeline(parallel.pipeline, width))
     if not table:
         return "\n".join(lines + ["collectives: none"])
     timed = parallel.time is not None
@@ -88,8 +91,8 @@ def render_collectives(parallel) -> str:
     rows.append(["total", "", "", f"{total[0]:,}", format_bytes(total[1]), format_bytes(total[2])]
                 + ([f"{sum(ms.values()):.3f}"] if timed else []))
     lines += ["collectives of one step (wire: what this rank sends, ring algorithms):",
-              tabulate(rows, headers=["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"]
-                       + (["predicted ms"] if timed else []))]
+              fit_table(["op", "mesh dim", "phase", "count", "buffer bytes", "wire bytes"]
+                        + (["predicted ms"] if timed else []), rows, width, optional=(4,))]
     return "\n".join(lines + _time_lines(parallel))
 
 

@@ -142,7 +142,7 @@ def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=No
         if p.parallel is not None:
             from fxacct.report.collectives import render_collectives
 
-            parts += ["", render_collectives(p.parallel)]
+            parts += ["", render_collectives(p.parallel, width)]
         if runtime is not None:
             parts += ["", runtime_section(runtime, depth=depth, top=top, width=width)]
     return wrap_lines("\n".join(parts), width) + "\n"
