@@ -111,16 +111,16 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
         require_matplotlib()
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
+    layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
+    layout.update(summary_only=summary_only, width=None if wide else terminal_width())
     if run_options is not None and config.mesh is not None:
-        return _mesh_runtime(config, run_options, fmt, output)
+        return _mesh_runtime(config, run_options, fmt, output, layout)
     if run_options is not None:
         run = _run_runtime(config, run_options)
         result, prediction = run.profile, run.prediction
     else:
         run, result = None, fxacct.profile(config)
         prediction = predict_profile(result)
-    layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
-    layout.update(summary_only=summary_only, width=None if wide else terminal_width())
     _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace)
     if run is not None and run.measured.interrupted:
         click.echo(f"error: interrupted after {run.measured.steps} of {run.measured.steps_requested} timed steps; "
@@ -163,7 +163,7 @@ def _run_runtime(config, options: RuntimeOptions):
         return run(config, options, progress)
 
 
-def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output) -> None:
+def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dict) -> None:
     """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
     from fxacct.parallel.gloo_run import run_mesh
     from fxacct.report.collectives import ranks_json, render_ranks
@@ -179,5 +179,6 @@ def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output) -> None:
         doc["runtime_ranks"] = ranks_json(result.parallel, ranks, peak)
         text = json.dumps(doc, indent=2) + "\n"
     else:
-        text = render_profile_text(result, prediction=prediction) + "\n" + render_ranks(result.parallel, ranks, peak) + "\n"
+        text = (render_profile_text(result, prediction=prediction, **layout) + "\n"
+                + render_ranks(result.parallel, ranks, peak, layout["width"]) + "\n")
     write_output(text, output)

@@ -136,6 +136,9 @@ def test_plan_pipeline_layouts_carry_the_bubble():
                             ).parallel.pipeline.stages
     slowest = max(s.profile.parallel.time.step_s for s in stages)
     assert math.isclose(c.step_s, (m + 2 - 1) * slowest, rel_tol=1e-12)
+    # the stage peaks already replay all M micro-batches, gradients included (held against the real
+    # pipelining run in test_parallel_gloo): the layout's peak is the largest, nothing added
+    assert c.peak_bytes == max(s.peak_bytes for s in stages)
 
 
 def test_plan_cli_table_fits_the_width_and_json():

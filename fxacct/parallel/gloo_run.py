@@ -13,6 +13,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -95,6 +96,9 @@ def _rank_main(rank, world, port, config, out, steps, warmup):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a measuring process: torch's own advice (FSDP2's "returned a view tensor", deprecations) is
+    # not the user's output, and every rank would print it once more
+    warnings.filterwarnings("ignore", module=r"torch(\.|$)")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -1,6 +1,6 @@
 """The layouts ``fxacct plan`` considers, and the exact reasons to reject one before any trace.
 
-A layout of N GPUs is pp × fsdp × tp = N (tp within a node: tp divides min(N, GPUs per node);
+A layout of N GPUs is pp × fsdp × tp = N (tp within a node: tp divides min(N ÷ pp, GPUs per node);
 pp only with a pipeline split), a micro-batch and activation checkpointing off or on. The global
 batch is split over the fsdp (data-parallel) ranks: each holds global ÷ fsdp examples per step,
 run as A = that ÷ micro-batch micro-batches (gradient accumulation; with pp, the pipeline's M = A
@@ -44,7 +44,7 @@ class Layout:
 class ModelFacts:
     """What the planner reads from the model built once on meta."""
 
-    blocks: int  # repeated blocks (fxacct.parallel.screen.block_count)
+    blocks: int  # repeated blocks in the largest container (fxacct.parallel.screen.block_container)
     container: str  # their container's name ("layers"): checkpointing wraps "layers.*"
     param_bytes: int  # every parameter, in the traced dtype
 
@@ -53,8 +53,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline: bool) -> list[Layout]:
-    """Every layout, in (pp, tp, checkpointing, micro-batch) order."""
+def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline: bool,
+                      checkpointing: bool = True) -> list[Layout]:
+    """Every layout, in (pp, tp, checkpointing, micro-batch) order; ``checkpointing``: also with
+    activation checkpointing on (off where the model has no repeated blocks to checkpoint)."""
     out = []
     for pp in divisors(gpus) if pipeline else [1]:
         for tp in divisors(min(gpus // pp, gpus_per_node)):
@@ -62,7 +64,7 @@ def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline
                 continue
             fsdp = gpus // (pp * tp)
             per_rank = global_batch // fsdp if global_batch % fsdp == 0 else 0
-            for ckpt in (False, True):
+            for ckpt in (False, True) if checkpointing else (False,):
                 if not per_rank:
                     out.append(Layout(pp, fsdp, tp, 0, 0, ckpt))
                     continue

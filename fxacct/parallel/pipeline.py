@@ -101,8 +101,11 @@ def _stage_inputs(config, stages: int, points):
         parts.append((inputs, kwargs if s == 0 else {}))
         if s == stages - 1:  # the last stage's output goes to the loss: any form the loss takes
             break
-        with torch.no_grad():
-            out = part(*inputs, **(kwargs if s == 0 else {}))
+        try:
+            with torch.no_grad():
+                out = part(*inputs, **(kwargs if s == 0 else {}))
+        except Exception as e:  # the model's code raised (exit 3), or fxacct's (4): classify decides
+            raise classify(e, f"running pipeline stage {s} on meta") from e
         if not isinstance(out, torch.Tensor):
             n = len(out) if isinstance(out, (tuple, list)) else 1
             raise UsageError(f"pipeline stage {s} passes {n} values ({type(out).__name__}) to the next stage; the "

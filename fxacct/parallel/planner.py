@@ -20,9 +20,11 @@ How a layout is judged, cheapest first:
    screen's; a layout that turns out not to fit is rejected and the next one confirmed.
 
 A step of A micro-batches takes A × the traced micro-step (its optimizer step included each time:
-an upper bound) — with pp, (M + P − 1) × the slowest stage's micro-step (the schedule's bubble,
-fxacct.parallel.pipeline). With A > 1 the rank's gradients are added to the traced peak (they are
-kept between micro-batches; counted in full on top of the peak: an upper bound)."""
+an upper bound), and with A > 1 the rank's gradients are added to the traced peak (they are kept
+between micro-batches; counted in full on top of the peak: an upper bound). With pp the stage
+accounts already hold the whole step (fxacct.parallel.pipeline_memory replays the M micro-batches
+in the schedule's order): the peak is the largest stage's, the step M × the slowest stage's
+micro-step ÷ (1 − the schedule's bubble), (M + P − 1) × that micro-step for GPipe and 1F1B."""
 
 from __future__ import annotations
 
@@ -133,11 +135,16 @@ class Planner:
         if any(s.profile.parallel is None or s.profile.parallel.time is None for s in stages):
             return Candidate(lay, rejected="pp without fsdp or tp: plan times a stage as a rank of a mesh")
         a = lay.accumulation
-        peak = max(s.peak_bytes + (s.profile.memory.grad_bytes if a > 1 else 0) for s in stages)
-        slowest = max(s.profile.parallel.time.step_s for s in stages)
-        flops = stages[0].profile.accounting.totals.model_flops / stages[0].profile.parallel.time.step_s
+        # the stage peaks replay all M micro-batches in the schedule's order, the gradients kept
+        # from the first backward included (fxacct.parallel.pipeline_memory): nothing to add
+        peak = max(s.peak_bytes for s in stages)
+        # each rank works M micro-steps and idles the bubble's share of the step (from the schedule's
+        # own order): step = M × its micro-step ÷ (1 − bubble), the slowest rank's; (M + P − 1) × the
+        # slowest micro-step for GPipe and 1F1B
+        step = max(a * s.profile.parallel.time.step_s for s in stages) / (1 - pipe.bubble_fraction)
+        flops = a * sum(s.profile.accounting.totals.model_flops for s in stages) / len(stages) / step
         tokens = stages[0].profile.accounting.totals.tokens_per_example or 0
-        return self._judge(lay, peak, (a + lay.pp - 1) * slowest, tokens, flops, "traced")
+        return self._judge(lay, peak, step, tokens, flops, "traced")
 
     def _judge(self, lay, peak: int, step_s: float, tokens: int, flops_per_s: float, source: str) -> Candidate:
         c = Candidate(lay, peak, step_s, self.global_batch * tokens / step_s if tokens else None,
@@ -273,8 +280,13 @@ def plan(config, gpus: int, global_batch: int, confirm_top: int = 1) -> PlanResu
         raise UsageError("--gpus must be at least 2 and --global-batch positive")
     if confirm_top < 0:
         raise UsageError(f"--confirm must be 0 or more, got {confirm_top}")
+    if config.pp_schedule == "interleaved-1f1b":  # a rank's account holds its first stage's time only
+        raise UsageError("fxacct plan times --pp-schedule gpipe or 1f1b; profile an interleaved layout with "
+                         "fxacct profile --mesh pp=P,... --pp-schedule interleaved-1f1b")
     planner = Planner(config, gpus, global_batch)
-    layouts = enumerate_layouts(gpus, global_batch, config.gpus_per_node, config.pp_split is not None)
+    # checkpointing on is a layout of its own only where there is something to checkpoint
+    layouts = enumerate_layouts(gpus, global_batch, config.gpus_per_node, config.pp_split is not None,
+                                checkpointing=bool(planner.ckpt))
     out = search(planner, layouts)
     confirm(planner, out, confirm_top)
     cands = sorted(out.values(), key=lambda c: (c.layout.pp, c.layout.tp, c.layout.checkpoint, c.layout.micro_batch))

@@ -113,7 +113,7 @@ def retie(model: torch.nn.Module, aliases: dict[str, str]) -> None:
     """Point every second name at its first name's (now sharded) parameter again."""
     for alias, name in aliases.items():
         owner, _, attr = alias.rpartition(".")
-        model.get_submodule(owner)._parameters[attr] = model.get_parameter(name)
+        setattr(model.get_submodule(owner), attr, model.get_parameter(name))
 
 
 def apply_model_plan(model: torch.nn.Module, tp_mesh) -> None:

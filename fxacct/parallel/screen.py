@@ -87,11 +87,6 @@ def truncate(model: torch.nn.Module, k: int) -> torch.nn.Module:
     return model
 
 
-def block_count(model: torch.nn.Module) -> int:
-    found = block_container(model)
-    return len(found[1]) if found else 0
-
-
 def truncated_loader(k: int):
     """A loader for fxacct.parallel.profile.profile_parallel: the model with k blocks."""
     from fxacct.profile import load_model
@@ -114,4 +109,4 @@ def screen(config, blocks: int, trace) -> Point:
     return extrapolate(a, b, k, blocks)
 
 
-__all__ = ["Point", "point", "extrapolate", "truncate", "block_count", "screen", "SCREEN_BLOCKS"]
+__all__ = ["Point", "point", "extrapolate", "truncate", "screen", "SCREEN_BLOCKS"]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from fxacct.report.tables import tabulate
-from fxacct.report.width import fit_table
+from fxacct.report.width import fit_table, wrap_lines
 from fxacct.units import format_bytes
 
 
@@ -146,8 +146,9 @@ def ranks_json(parallel, ranks, predicted_peak: int | None) -> list[dict]:
             for m in ranks]
 
 
-def render_ranks(parallel, ranks, predicted_peak: int | None) -> str:
-    """The real gloo run, rank by rank: op-level peak and collectives, measured / predicted."""
+def render_ranks(parallel, ranks, predicted_peak: int | None, width: int | None = None) -> str:
+    """The real gloo run, rank by rank: op-level peak and collectives, measured / predicted; the
+    table fits ``width`` (the step time is left out first)."""
     ops = sorted({op for m in ranks for op in m.collectives} | {op for m in ranks for op in _predicted_for(parallel, m.rank)})
     rows = []
     for m in ranks:
@@ -159,6 +160,7 @@ def render_ranks(parallel, ranks, predicted_peak: int | None) -> str:
             pc, pb = predicted.get(op, [0, 0])
             cells.append(f"{c}/{pc} {format_bytes(b)}" + ("" if (c, b) == (pc, pb) else " (differs)"))
         rows.append(cells)
-    head = ["rank", "step ms", "op-level peak", "peak measured/predicted"] + [f"{op} count/predicted, bytes" for op in ops]
-    return "\n".join([f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: rank 0's account)",
-                      tabulate(rows, headers=head)])
+    head = ["rank", "step ms", "op-level peak", "measured/predicted"] + list(ops)
+    return "\n".join([wrap_lines(f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: rank "
+                                 "0's account); per collective: measured count/predicted count, measured bytes", width),
+                      fit_table(head, rows, width, optional=(1,))])

@@ -85,8 +85,8 @@ class TrainReplay(ForwardPatches):
 
     def _learn_in_place(self, state, pos, fqn, block, leaves, spec) -> None:
         """FSDP2 gathers a block's parameters in its pre-forward hook and frees them after, so
-        the two blocks are probed one at a time, each inside its own call (then traced as usual):
-        the first two calls, in order, make the template."""
+        the two blocks are probed one at a time, each inside its own call: the first two calls, in
+        order, make the template (the first is then traced as usual, the second replays)."""
         if state["tried"] or pos > 1 or not torch.is_grad_enabled():
             state["tried"] = True
             return
