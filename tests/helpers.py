@@ -169,3 +169,14 @@ def real_model(rel: str, kwargs: dict, batch: int, dtype: torch.dtype | None = N
         kw = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
               for k, v in kw.items()}
     return model, args, kw
+
+
+def assert_same_account(a, b) -> None:
+    """Two profiles of one model (block replay on and off) agree node for node: totals, nodes,
+    modules, bytes by dtype and both peaks."""
+    assert a.accounting.totals == b.accounting.totals
+    assert a.accounting.nodes == b.accounting.nodes
+    assert a.accounting.modules == b.accounting.modules
+    assert a.memory.by_dtype == b.memory.by_dtype
+    assert a.memory.peak_train == b.memory.peak_train
+    assert a.memory.peak_inference == b.memory.peak_inference

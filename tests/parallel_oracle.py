@@ -130,3 +130,13 @@ def eager_peak(model_fn, parallelize, dims: dict, inputs) -> int:
     finally:
         _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
         dist.destroy_process_group()
+
+
+def predicted_by_op(rows) -> dict[str, list[int]]:
+    """{op: [count, bytes]} of an account's collective rows, the form a gloo rank reports."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        acc = out.setdefault(r.op, [0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+    return out

@@ -10,6 +10,7 @@ import pytest
 import fxacct
 from fxacct.parallel.gloo_run import run_mesh
 from helpers import target
+from parallel_oracle import predicted_by_op
 
 LLAMA = ("examples/llama.py:Llama", {}, "examples/llama.py:parallelize")
 GPT = ("examples/gpt2.py:GPT", dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1001, block_size=32), None)
@@ -23,11 +24,7 @@ def test_real_gloo_run_matches_the_account(model, mesh):
     cfg = fxacct.Config(target=target(rel), batch=2, kwargs=dict(kwargs), mesh=mesh,
                         parallelize=target(par) if par else None)
     p = fxacct.profile(cfg)
-    predicted: dict[str, list[int]] = {}
-    for r in p.parallel.rows:
-        acc = predicted.setdefault(r.op, [0, 0])
-        acc[0] += r.count
-        acc[1] += r.bytes
+    predicted = predicted_by_op(p.parallel.rows)
     ranks = run_mesh(cfg, steps=1, warmup=1)
     assert len(ranks) == p.parallel.mesh.world_size
     for m in ranks:

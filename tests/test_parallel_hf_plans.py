@@ -11,7 +11,7 @@ import torch
 
 import fxacct
 from helpers import target
-from parallel_oracle import eager_collectives, eager_peak, fxacct_collectives, load
+from parallel_oracle import eager_collectives, eager_peak, fxacct_collectives, load, predicted_by_op
 from fxacct.report import document
 
 pytest.importorskip("transformers.distributed.tensor_parallel")
@@ -140,11 +140,7 @@ def test_real_gloo_run_under_transformers_plan(name):
 
     cfg = _config(name, {"fsdp": 2, "tp": 2})
     p = fxacct.profile(cfg)
-    predicted: dict[str, list[int]] = {}
-    for r in p.parallel.rows:
-        acc = predicted.setdefault(r.op, [0, 0])
-        acc[0] += r.count
-        acc[1] += r.bytes
+    predicted = predicted_by_op(p.parallel.rows)
     ranks = run_mesh(cfg, steps=1, warmup=1)
     assert len(ranks) == 4
     peak = p.memory.peak_train.bytes

@@ -10,7 +10,7 @@ import pytest
 import fxacct
 from fxacct.trace import replay as replay_module
 from fxacct.trace import replay_train
-from helpers import target
+from helpers import assert_same_account, target
 
 LLAMA = "examples/llama.py:Llama"
 LIST_LLAMA = "tests/models/llama_list.py:ListLlama"
@@ -57,12 +57,7 @@ def replayed(monkeypatch) -> dict:
 def test_mesh_same_account_both_ways(rel, kwargs, mesh, par, trained, replayed):
     a = _profile(rel, kwargs, mesh, par, True)
     b = _profile(rel, kwargs, mesh, par, False)
-    assert a.accounting.totals == b.accounting.totals
-    assert a.accounting.nodes == b.accounting.nodes
-    assert a.accounting.modules == b.accounting.modules
-    assert a.memory.by_dtype == b.memory.by_dtype
-    assert a.memory.peak_train == b.memory.peak_train
-    assert a.memory.peak_inference == b.memory.peak_inference
+    assert_same_account(a, b)
     assert a.memory.rank_peak == b.memory.rank_peak
     assert a.parallel.rows == b.parallel.rows
     assert a.parallel.collectives == b.parallel.collectives

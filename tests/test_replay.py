@@ -13,6 +13,7 @@ import torch.nn as nn
 import fxacct
 from fxacct.trace import dispatch_recorder as recorder_module
 from fxacct.trace.replay import find_runs
+from helpers import assert_same_account
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from llama_shapes import Llama  # noqa: E402
@@ -24,15 +25,6 @@ def _accounts(model, args, **config):
         out.append(fxacct.profile_module(model, args, {}, fxacct.Config(batch=args[0].shape[0], dedup=dedup,
                                                                          **config)))
     return out
-
-
-def _assert_same(a, b):
-    assert a.accounting.totals == b.accounting.totals
-    assert a.accounting.nodes == b.accounting.nodes
-    assert a.accounting.modules == b.accounting.modules
-    assert a.memory.by_dtype == b.memory.by_dtype
-    assert a.memory.peak_train == b.memory.peak_train
-    assert a.memory.peak_inference == b.memory.peak_inference
 
 
 def _tiny_llama(layers=4):
@@ -47,7 +39,7 @@ def _tiny_llama(layers=4):
 def test_llama_shaped_model_same_account_both_ways(config):
     idx = torch.empty(2, 8, dtype=torch.long, device="meta")
     a, b = _accounts(_tiny_llama(), (idx,), **config)
-    _assert_same(a, b)
+    assert_same_account(a, b)
 
 
 @pytest.mark.parametrize("config", [{"dtype": torch.bfloat16}, {"dtype": torch.bfloat16, "master_weights": True},
@@ -60,7 +52,7 @@ def test_gpt_example_same_account_both_ways(config):
     model = build(obj, dict(n_layer=4, n_head=4, n_embd=64, vocab_size=100, block_size=16), "GPT")
     args, _ = example_inputs(model, module, 2)
     a, b = _accounts(model, args, **config)
-    _assert_same(a, b)
+    assert_same_account(a, b)
 
 
 @pytest.fixture
@@ -185,7 +177,7 @@ def test_labelled_blocks_same_account_both_ways(make, config):
     with torch.device("meta"):
         model = make()
     a, b = _accounts(model, (torch.empty(2, 4, device="meta"),), **config)
-    _assert_same(a, b)
+    assert_same_account(a, b)
 
 
 def test_shared_blocks_are_not_a_run():
@@ -202,7 +194,7 @@ def test_blocks_that_differ_at_run_time_fall_back_to_a_full_trace():
     a = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=True))
     Alternating.calls = 0
     b = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=False))
-    _assert_same(a, b)
+    assert_same_account(a, b)
 
 
 def test_replay_leaves_the_blocks_as_they_were():
@@ -248,7 +240,7 @@ def test_hugging_face_llama_blocks_form_one_run():
 ])
 def test_hugging_face_same_account_both_ways(make, config):
     a, b = _hf_accounts(make(), **config)
-    _assert_same(a, b)
+    assert_same_account(a, b)
 
 
 def test_hugging_face_llama_replays(dispatched):
@@ -278,7 +270,7 @@ def test_module_dict_blocks_form_one_run():
 def test_module_dict_llama_same_account_both_ways(config):
     idx = torch.empty(2, 64, dtype=torch.long, device="meta")
     a, b = _accounts(_llama_example(), (idx,), **config)
-    _assert_same(a, b)
+    assert_same_account(a, b)
 
 
 def test_module_dict_llama_replays(dispatched):
@@ -308,4 +300,4 @@ def test_blocks_called_out_of_order_same_account_both_ways():
     with torch.device("meta"):
         model = _Reversed()
     a, b = _accounts(model, (torch.empty(2, 16, device="meta"),))
-    _assert_same(a, b)
+    assert_same_account(a, b)
