@@ -104,11 +104,11 @@ def test_matmul_classes_never_collide_whatever_the_speed(monkeypatch, seconds, n
     # 3×3 convolutions C -> C, batch 8, side×side: 2·8·C²·9·side² FLOPs
     assert cal.convolution_by_channels == {"float32": {str(c): 2 * 8 * c * c * 9 * side * side / seconds
                                                        for c, side in microbench.CONV_SHAPES}}
-    # a tiny training step "takes" `seconds`: per op, over the aten ops it dispatches (counted apart)
-    tiny = microbench._Tiny("cpu")
-    tiny()  # the first step creates AdamW's state; a steady-state step is counted
-    ops = microbench.count_ops(tiny)
-    assert ops > 8 * 2 * 3 and cal.dispatch_s_per_op == pytest.approx(seconds / ops)
+    # the small training step "takes" `seconds` too (no phase splits: best_of never ran it), as does
+    # the trivial op; whatever the roofline makes of the step, no op costs less than the trivial op,
+    # and a view costs it exactly
+    assert cal.dispatch_s_per_op == pytest.approx(seconds) and cal.view_s_per_op == pytest.approx(seconds)
+    assert cal.dispatch_s_by_phase == {}
     # max-pool 2×2 of (8, 32, 32, 32) float32: reads 8·32·32·32·4 = 1,048,576 B, writes the values
     # 262,144 B and int64 indices 524,288 B: 1,835,008 B per call
     assert cal.kernel_bytes_per_s["aten.max_pool2d_with_indices.default"] == pytest.approx(1835008 / seconds)
@@ -337,18 +337,67 @@ def test_convolution_curve_subtracts_the_fitted_latency():
     assert curve == pytest.approx({str(c): flops[c, s] / (2e-6 + flops[c, s] / rate[c]) for c, s in microbench.CONV_SHAPES})
 
 
-def test_the_tiny_step_overhead_per_phase_is_its_fastest_time_over_its_ops():
-    # splits (forward, backward, optimizer) of three steps; ops 10, 20, 40 per phase:
-    # forward min(3, 2, 4) ms / 10, backward min(6, 8, 7) ms / 20, optimizer min(9, 9, 5) ms / 40
+def test_the_per_op_overhead_is_what_a_measured_time_holds_beyond_the_roofline():
+    # 1 ms measured, 0.4 ms of it the roofline's, over 50 ops: 12 µs per op
     from fxacct.predict import microbench
 
-    splits = [(3e-3, 6e-3, 9e-3), (2e-3, 8e-3, 9e-3), (4e-3, 7e-3, 5e-3)]
-    assert microbench.phase_overheads(splits, (10, 20, 40)) == pytest.approx(
-        {"forward": 2e-4, "backward": 3e-4, "optimizer": 1.25e-4})
-    assert microbench.phase_overheads([], (10, 20, 40)) == {}
-    # the tiny step's phases dispatch ops of their own: the forward its Linear and ReLU layers,
-    # the backward their gradients, AdamW its per-parameter updates
-    tiny = microbench._Tiny("cpu")
-    tiny()
-    fwd, bwd, opt = tiny.ops_by_phase()
-    assert fwd >= 2 * microbench.TINY_LAYERS and bwd >= 2 * microbench.TINY_LAYERS and opt >= 2 * microbench.TINY_LAYERS
+    assert microbench.per_op(1e-3, 4e-4, 50, 1e-6) == pytest.approx(1.2e-5)
+    # a roofline above the measured time says nothing of the overhead: the trivial op's floor
+    assert microbench.per_op(1e-3, 2e-3, 50, 1e-6) == pytest.approx(1e-6)
+    assert microbench.per_op(1e-3, 0.0, 0, 3e-6) == pytest.approx(3e-6)
+
+
+def test_the_small_steps_ops_as_the_prediction_charges_them(cache):
+    # microbench._Tiny: 8 × (Linear(64, 64), ReLU) on 256 rows, the float sum as loss, AdamW.
+    # forward + loss: 8 addmm + 8 relu + the sum and its backward seed (ones_like) = 18 ops that pay
+    # the overhead; views: 8 weight transposes (t) + the seed's expand = 9.
+    # backward: per layer a weight-gradient mm, its bias's sum and ReLU's threshold_backward (8 each),
+    # and the input gradient's mm for every layer but the first (7): 31.
+    # optimizer: AdamW's single-tensor loop per parameter (16: 8 weights, 8 biases): step += 1 and
+    # the denominator's + eps (add_ ×2), weight decay and exp_avg_sq's decay (mul_ ×2), lerp_,
+    # addcmul_, step.item(), sqrt, div, addcdiv_ = 10, so 160; its first step's 32 zeros_like (the
+    # state) are no op of a steady-state step; views: 16 lift_fresh
+    cal = fake_calibration(dispatch_s_per_op=1.0, dispatch_s_by_phase={"forward": 1.0}, view_s_per_op=1.0)
+    seconds, ops, views = calibrate.tiny_roofline(cal)
+    assert (ops["forward"], views["forward"]) == (18, 9)
+    assert ops["backward"] == 31
+    assert (ops["optimizer"], views["optimizer"]) == (160, 16)
+    # the roofline alone, without the overheads the calibration carries: 2·256·64·64 FLOPs per addmm
+    # at 1 MFLOP/s is 2.097152 s each, and no 1 s per op is added
+    assert 8 * 2.097152 <= seconds["forward"] < 8 * 2.097152 + 1
+
+
+def test_calibrate_takes_the_roofline_and_the_views_out_of_the_small_step(monkeypatch):
+    # the small step's phases (median) "take" 1, 2 and 3 ms; its roofline 0.2, 0.5 and 1 ms; ops 10,
+    # 20, 40 and views 5, 10, 20 at the trivial op's 2 µs:
+    # forward (1 − 0.2 − 5·0.002) / 10 = 0.079 ms, backward (2 − 0.5 − 10·0.002) / 20 = 0.074 ms,
+    # optimizer (3 − 1 − 20·0.002) / 40 = 0.049 ms; the step (6 − 1.7 − 35·0.002) / 70 ms
+    from fxacct.predict import microbench
+
+    monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: 2e-6)
+    monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.0))
+    step = microbench.Timing(6e-3, 0.0, 2, True)
+    phases = {"forward": 1e-3, "backward": 2e-3, "optimizer": 3e-3}
+    monkeypatch.setattr(microbench, "dispatch", lambda kind, budget_s, timer=None, profiled=False:
+                        microbench.TinyTiming(step, {} if profiled else phases))
+    monkeypatch.setattr(calibrate, "tiny_roofline", lambda cal: (
+        {"forward": 2e-4, "backward": 5e-4, "optimizer": 1e-3}, {"forward": 10, "backward": 20, "optimizer": 40},
+        {"forward": 5, "backward": 10, "optimizer": 20}))
+    cal = calibrate.calibrate("cpu")
+    assert cal.dispatch_s_by_phase == pytest.approx({"forward": 7.9e-5, "backward": 7.4e-5, "optimizer": 4.9e-5})
+    assert cal.dispatch_s_per_op == pytest.approx((6e-3 - 1.7e-3 - 35 * 2e-6) / 70)
+    assert cal.view_s_per_op == pytest.approx(2e-6)
+    # under the profiler every op pays one figure, views included: (6 − 1.7) / 105 ms
+    assert cal.profiled_dispatch_s_per_op == pytest.approx((6e-3 - 1.7e-3) / 105)
+
+
+def test_a_view_pays_the_view_overhead_and_other_ops_their_phases():
+    # a calibrated CPU whose views cost 1 µs and whose forward ops cost 10 µs: the forward's and
+    # the loss's overhead (the loss pays the forward's) is views × 1 µs + the other ops × 10 µs
+    cal = fake_calibration(dispatch_s_per_op=5e-6, view_s_per_op=1e-6,
+                           dispatch_s_by_phase={"forward": 1e-5, "backward": 1e-5, "optimizer": 1e-5})
+    profile = fxacct.profile(fxacct.Config(target=TWO_LAYER))
+    forward = [op for op in predict_profile(profile, from_calibration(cal)).ops if op.phase in ("forward", "loss")]
+    views = [op for op in forward if op.bound == "free"]
+    assert views and len(views) < len(forward)
+    assert sum(op.overhead_s for op in forward) == pytest.approx(1e-6 * len(views) + 1e-5 * (len(forward) - len(views)))

@@ -33,16 +33,25 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   most of a small convolution's time): fit through the 8-channel class at two image sides
   (microbench.fit_latency), stored in ``op_latency_s`` less the trivial op's time (the per-op
   overhead holds that), and taken out of each class's rate (conv_curve).
-- per-op overhead in seconds: a loop of training steps of a tiny model (8 × Linear(4, 4) + ReLU,
-  AdamW; microbench._Tiny), each op on a few elements, over the aten ops a step dispatches: what
-  every op pays besides its FLOPs and bytes (Python, dispatch, autograd, allocation, a CUDA
-  launch), paid as a real step pays it; and the same under torch.profiler, which `--runtime` runs
-  the model under (it records every op: about 2 µs more). A small model's step is mostly this
-  (issue 10: a small CNN was 4.7× slower than a roofline without it). Also per phase
-  (``dispatch_s_by_phase``: forward, backward, optimizer), the fastest of each over the steps.
+- per-op overhead in seconds: training steps of a small model (8 × (Linear(64, 64), ReLU) on 256
+  rows, AdamW; microbench._Tiny), on the 64 KiB activations a small model's ops work on: each
+  phase's median time over ~100 steps (per-op costs are software's: allocation, page faults, the
+  autograd engine, Python; a typical step pays them as the median step does, which is what the
+  runtime mode measures), less what fxacct's own roofline predicts for that phase on the rates
+  measured here (tiny_roofline: its arithmetic and bytes), less its views at the trivial op's
+  time (a view allocates nothing and runs no kernel: ``view_s_per_op``), over the phase's other
+  ops (``dispatch_s_by_phase``: forward, backward, optimizer), at least the trivial op's time. It
+  is what an op pays besides its FLOPs and bytes, fit where it is most of the time (measured here:
+  ~15 µs forward, ~10 µs backward, ~5 µs optimizer; on a few elements per op, Linear(4, 4), the
+  forward's was 3.5 µs: an op on real activations pays allocation and OpenMP's parallel region
+  too). A small model's step is mostly this (issue 10: a small CNN was 4.7× slower than a roofline
+  without it). Also the whole step under torch.profiler, which `--runtime` runs the model under to
+  join modules (it records every op: views pay as much as any op there).
+- attention's fixed cost per call on the CPU (the fused kernel, forward and backward): fit through
+  two query lengths (microbench.attention), in ``op_latency_s``.
 - training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
-  (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward) on 1 MiB
-  and 64 KiB activations, each as the bytes the roofline counts for it over its time, and its
+  (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward; and
+  dropout's random mask, ~150 M elements/s here) on 1 MiB and 64 KiB activations, each as the bytes the roofline counts for it over its time, and its
   fixed cost per call fit through the two (microbench.kernels; in ``op_latency_s`` as above).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
@@ -64,7 +73,7 @@ import os
 import platform
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -111,6 +120,7 @@ class Calibration:
     convolution_backward_by_channels: dict = field(default_factory=dict)  # dtype -> {str(channels): FLOP/s}
     op_latency_s: dict = field(default_factory=dict)  # str(aten op) -> fixed seconds per call beyond dispatch
     dispatch_s_by_phase: dict = field(default_factory=dict)  # "forward", "backward", "optimizer" -> s per op
+    view_s_per_op: float | None = None  # seconds a view op costs (dispatch alone: the trivial op's time)
 
 
 def cache_dir() -> Path:
@@ -278,22 +288,67 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
         trivial_s, _ = microbench.trivial(kind, budget_s / 6)
         say("convolution float32")
         conv, conv_bwd, latency, spread["convolution float32"] = measure_convolutions(kind, trivial_s, budget_s)
-        say("per-op dispatch overhead")
-        dispatch_s, t, dispatch_by_phase = microbench.dispatch(kind, budget_s / 3)
-        spread["per-op overhead"] = t.spread
-        profiled_s, t, _ = microbench.dispatch(kind, budget_s / 3, profiled=True)
-        spread["per-op overhead under torch.profiler"] = t.spread
+        say("per-op overhead")
+        tiny = microbench.dispatch(kind, budget_s)  # a median over ~100 steps: the steadiest figure
+        spread["per-op overhead"] = tiny.step.spread
+        profiled = microbench.dispatch(kind, budget_s / 3, profiled=True)
+        spread["per-op overhead under torch.profiler"] = profiled.step.spread
         say("training kernels")
         kernel_rates, kernel_latency, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
         latency.update({op: max(0.0, s - trivial_s) for op, s in kernel_latency.items()})
+        say("attention")
+        attention_latency, spread["attention"] = microbench.attention(kind, budget_s / 6)
+        latency.update({op: max(0.0, s - trivial_s) for op, s in attention_latency.items()})
         say("memory bandwidth")
         curve, spread["memory bandwidth"] = measure_bandwidth(kind, budget_s, warnings)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
-    return Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
-                       curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
-                       time.perf_counter() - t0, {"float32": conv}, dispatch_s, spread,
-                       warnings + _unstable(spread), profiled_s, kernel_rates, {"float32": conv_bwd}, latency,
-                       dispatch_by_phase)
+    cal = Calibration(kind, local_name(kind), torch.get_num_threads(), torch.__version__, rates, by_dim,
+                      curve[max(curve)], {str(k): v for k, v in sorted(curve.items())}, now, sizes,
+                      0.0, {"float32": conv}, None, spread, warnings + _unstable(spread), None, kernel_rates,
+                      {"float32": conv_bwd}, latency)
+    say("per-op overhead beyond the roofline")
+    roofline_s, ops, views = tiny_roofline(cal)
+
+    def overhead(seconds: float, phases, views_apart: bool = True) -> float:
+        # a view allocates nothing and runs no kernel: it pays dispatch alone, the trivial op's time;
+        # under torch.profiler (which records each op alike) every op pays the one figure
+        n_views = sum(views[p] for p in phases)
+        n_ops = sum(ops[p] for p in phases) + (0 if views_apart else n_views)
+        beyond_views = seconds - (trivial_s * n_views if views_apart else 0.0)
+        return microbench.per_op(beyond_views, sum(roofline_s[p] for p in phases), n_ops, trivial_s)
+
+    every = microbench.TINY_PHASES
+    step_s = sum(tiny.phases.values()) if tiny.phases else tiny.step.seconds  # CUDA: no phase splits
+    return replace(cal, seconds=time.perf_counter() - t0, dispatch_s_per_op=overhead(step_s, every),
+                   profiled_dispatch_s_per_op=overhead(profiled.step.seconds, every, views_apart=False),
+                   dispatch_s_by_phase={p: overhead(s, (p,)) for p, s in tiny.phases.items()},
+                   view_s_per_op=trivial_s)
+
+
+def tiny_roofline(cal: Calibration) -> tuple[dict, dict, dict]:
+    """({phase: seconds}, {phase: ops}, {phase: views}) of the small model's training step
+    (microbench._Tiny) as fxacct predicts it on ``cal``'s rates, without any per-op overhead: its
+    arithmetic and bytes, the ops that pay the per-op overhead and the view ops (the loss's
+    counted with the forward's, as fxacct.predict.roofline.DeviceModel.overhead charges them).
+    The measured step less this and less the views' dispatch, per op, is the per-op overhead: what
+    the roofline does not hold, fit where it is most of the time."""
+    from fxacct.load.config import Config
+    from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
+    from fxacct.profile import profile_module
+
+    tiny = microbench._Tiny("cpu")  # traced on fake tensors: only shapes and dtypes are read
+    profile = profile_module(tiny.model, (tiny.x,), {}, Config(batch=microbench.TINY_BATCH, optimizer="adamw"))
+    rates_only = replace(cal, dispatch_s_per_op=None, profiled_dispatch_s_per_op=None, dispatch_s_by_phase={},
+                         view_s_per_op=None)
+    prediction = predict_profile(profile, from_calibration(rates_only))
+    seconds, ops, views = ({p: 0 for p in microbench.TINY_PHASES} for _ in range(3))
+    for op in prediction.ops:
+        if op.bound == INIT:  # the optimizer state's first allocation: no op of a steady-state step
+            continue
+        phase = "forward" if op.phase == LOSS else op.phase
+        seconds[phase] += op.seconds
+        (views if op.bound == FREE else ops)[phase] += op.calls
+    return seconds, ops, views
 
 
 def save(cal: Calibration) -> Path:
@@ -368,7 +423,7 @@ def parse(data) -> Calibration:
         raise ValueError("op_latency_s is not a mapping of op names to seconds >= 0")
     _rates("kernel_bytes_per_s", cal.kernel_bytes_per_s)
     _rates("dispatch_s_by_phase", cal.dispatch_s_by_phase)
-    for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op"):
+    for name in ("dispatch_s_per_op", "profiled_dispatch_s_per_op", "view_s_per_op"):
         if getattr(cal, name) is not None:
             _positive(name, getattr(cal, name))
     return cal

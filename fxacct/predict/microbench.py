@@ -20,7 +20,12 @@ import torch
 STABLE_REL = 0.05  # two rounds within 5% of each other: stable
 MAX_ROUNDS = 4
 MAX_REPS = 200
-TINY_LAYERS = 8  # Linear + ReLU pairs of the tiny model whose training step times the per-op overhead
+TINY_LAYERS = 8  # Linear + ReLU pairs of the small model whose training step times the per-op overhead
+# its width and batch: (256, 64) float32 activations, 64 KiB, the size a small model's ops work on (the
+# examples' small configs: 8 × 32 tokens × 64 = 16K elements); on a few elements (Linear(4, 4), batch 2)
+# an op skips what such an op pays besides its arithmetic (allocation, OpenMP's parallel region,
+# autograd's buffers): measured here 3.5 µs against 10 µs per forward op beyond the roofline
+TINY_WIDTH, TINY_BATCH = 64, 256
 # convolution: 3×3, stride 1, padding 1, batch 8, on (channels, image side): the channel counts of
 # small CNNs (8-32) up to a ResNet stage (128); the image shrinks as channels grow, as in a CNN
 CONV_SHAPES = ((8, 32), (32, 32), (128, 16))
@@ -28,6 +33,7 @@ CONV_SHAPES = ((8, 32), (32, 32), (128, 16))
 # (fit_latency), which a small convolution mostly is
 CONV_SMALL = (8, 8)
 KERNEL_SIDES = (32, 8)  # image side of the training-kernel cases: 1 MiB and 64 KiB activations
+ATTENTION_LENGTHS = (8, 32)  # query lengths of the attention cases (small models' contexts)
 
 
 class Timer:
@@ -163,17 +169,18 @@ def fit_latency(small: tuple[float, float], large: tuple[float, float]) -> tuple
 
 
 class _Tiny:
-    """One training step of a tiny model (TINY_LAYERS × (Linear(4, 4), ReLU), batch 2, the float sum
-    as loss, AdamW): every op works on a few elements, so its time is all per-op overhead, paid the
-    way a real step pays it (module calls, autograd recording, the backward engine, the optimizer's
-    Python loop)."""
+    """One training step of a small model (TINY_LAYERS × (Linear(TINY_WIDTH, TINY_WIDTH), ReLU) on
+    TINY_BATCH rows, the float sum as loss, AdamW): ops on small-model activations, whose time is
+    mostly per-op cost, paid the way a real step pays it (module calls, autograd recording, the
+    backward engine, the optimizer's Python loop). fxacct.predict.calibrate takes the roofline's
+    share out (its arithmetic and bytes) and keeps the rest per op."""
 
     def __init__(self, kind: str):
         torch.manual_seed(0)
-        layers = [m for _ in range(TINY_LAYERS) for m in (torch.nn.Linear(4, 4), torch.nn.ReLU())]
+        layers = [m for _ in range(TINY_LAYERS) for m in (torch.nn.Linear(TINY_WIDTH, TINY_WIDTH), torch.nn.ReLU())]
         self.model = torch.nn.Sequential(*layers).to(kind)
         self.optimizer = torch.optim.AdamW(self.model.parameters())
-        self.x = torch.randn(2, 4, device=kind)
+        self.x = torch.randn(TINY_BATCH, TINY_WIDTH, device=kind)
 
         self.kind, self.loss, self.splits = kind, None, []  # splits: (forward, backward, optimizer) s per step
 
@@ -199,46 +206,31 @@ class _Tiny:
         if self.kind == "cpu":
             self.splits.append(tuple(b - a for a, b in zip(marks, marks[1:])))
 
-    def ops_by_phase(self) -> tuple[int, int, int]:
-        """The aten ops each phase dispatches (count_ops), of one steady-state step."""
-        with torch.enable_grad():
-            return tuple(count_ops(phase) for phase in (self.forward, self.backward, self.optimize))
-
 
 TINY_PHASES = ("forward", "backward", "optimizer")
 
 
-def phase_overheads(splits: list, ops: tuple) -> dict:
-    """{phase: seconds per op}: the fastest of each phase over the timed steps' splits, over the
-    ops that phase dispatches; {} when no step was timed."""
-    if not splits:
-        return {}
-    return {name: min(s[i] for s in splits) / n for i, (name, n) in enumerate(zip(TINY_PHASES, ops)) if n}
+@dataclass(frozen=True)
+class TinyTiming:
+    """The small model's training step: the whole step (its Timing: the fastest) and each phase's
+    median time over the timed steps (CPU only; {} on CUDA)."""
+
+    step: Timing
+    phases: dict  # TINY_PHASES key -> seconds
 
 
-def count_ops(fn) -> int:
-    """The aten ops fn() dispatches (what fxacct's graph has a node for)."""
-    from fxacct.trace import torch_private as tp
-
-    class Count(tp.TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
+def per_op(seconds: float, roofline_s: float, ops: int, floor_s: float) -> float:
+    """Seconds per op of what a measured time holds beyond the roofline's share of it: (seconds −
+    roofline_s) / ops, at least ``floor_s`` (the trivial op's time: no op costs less, and a roofline
+    that over-predicts the model says nothing about its per-op cost)."""
+    return max(floor_s, (seconds - roofline_s) / ops) if ops else floor_s
 
 
-def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> tuple[float, Timing, dict]:
-    """(seconds per op, timing, {phase: seconds per op}): the time of a tiny training step (_Tiny)
-    over the aten ops it dispatches: what every op costs besides its arithmetic and memory traffic
-    (Python, module calls, dispatch, autograd, allocation, a kernel launch), for the whole step and
-    per phase (phase_overheads: the forward's module calls and autograd recording, the backward
-    engine, the optimizer's loop cost an op differently). ``profiled``: the same under
-    torch.profiler (CPU activity and memory events), which records every op."""
+def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> TinyTiming:
+    """The small model's training step (_Tiny), timed: the whole step and, on the CPU, each phase
+    (the forward's module calls and autograd recording, the backward engine, the optimizer's loop
+    cost an op differently). ``profiled``: under torch.profiler (CPU activity and memory events),
+    which records every op."""
     import contextlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -248,27 +240,30 @@ def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> 
     timer = timer or Timer(kind)
     step = _Tiny(kind)
     step()  # the optimizer state: a steady-state step follows
-    by_phase = step.ops_by_phase()
-    ops = sum(by_phase)
     step.splits.clear()
     tp.quiet_kineto()
     context = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else contextlib.nullcontext()
     with context:
         t = stable(timer, step, budget_s)
-    return t.seconds / ops, t, phase_overheads(step.splits, by_phase)
+    # per-op costs are software's (allocation, page faults, the autograd engine, Python): a typical
+    # step pays them as the median step does, which is what the runtime mode measures of a model
+    phases = {name: statistics.median(s[i] for s in step.splits) for i, name in enumerate(TINY_PHASES)} \
+        if step.splits else {}
+    return TinyTiming(t, phases)
 
 
 def _moved(args, out) -> int:
     """Bytes an op moves as the roofline counts them: every distinct tensor input read once, every
-    output written once (fxacct.predict.roofline.op_bytes)."""
-    flat = [t for t in (list(args) + list(out if isinstance(out, tuple) else (out,)))
-            if isinstance(t, torch.Tensor)]
-    return sum(t.nbytes for t in {id(t): t for t in flat}.values())
+    output written once, an in-place op's output too (fxacct.predict.roofline.op_bytes)."""
+    inputs = {id(t): t for t in args if isinstance(t, torch.Tensor)}
+    outputs = [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+    return sum(t.nbytes for t in inputs.values()) + sum(t.nbytes for t in outputs)
 
 
 def _kernel_cases(kind: str, side: int = 32) -> dict:
     """{aten op: (args)} of the non-matmul training kernels a CPU runs far below its streaming
-    rate (issue 10: in the small CNN, max-pool and batch norm took most of the forward), on float32
+    rate (issue 10: in the small CNN, max-pool and batch norm took most of the forward, and
+    dropout's random mask costs more than both of its neighbours), on float32
     activations of 8 × 32 × side² elements (side 32: 1 MiB): (8, 32, side, side) images, (2·side², 128) rows."""
     aten = torch.ops.aten
     x = torch.randn(8, 32, side, side, device=kind)
@@ -290,6 +285,9 @@ def _kernel_cases(kind: str, side: int = 32) -> dict:
         aten._softmax_backward_data.default: (rows, soft, -1, torch.float32),
         aten.gelu.default: (rows,),
         aten.gelu_backward.default: (rows, rows),
+        # dropout's mask in training (nn.Dropout on the CPU draws it in place): one random draw per
+        # element, measured here at ~150 M elements/s, far below any streaming rate
+        aten.bernoulli_.float: (torch.empty(8 * 32 * side * side, device=kind), 0.75),
     }
 
 
@@ -311,6 +309,33 @@ def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float]:
     return {op: r for op, (r, _) in fits.items()}, {op: lat for op, (_, lat) in fits.items()}, max(spreads)
 
 
+def attention(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
+    """({str(aten op): seconds per call}, largest spread): the fixed cost per call of the CPU's fused
+    attention kernel, forward and backward (causal, no dropout), fit (fit_latency) through query
+    lengths ATTENTION_LENGTHS at 8 × 4 heads × 16 dims, work ∝ T²: measured here ~30 µs forward and
+    ~45 µs backward, most of a small model's attention time, which its FLOPs do not show. {} on CUDA
+    (its kernels are other ops, and their fixed cost is the launch latency)."""
+    if kind != "cpu":
+        return {}, 0.0
+    timer = timer or Timer(kind)
+    aten = torch.ops.aten
+    fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu.default, \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    points, spreads = {str(fwd): [], str(bwd): []}, []
+    for length in ATTENTION_LENGTHS:
+        q, k, v = (torch.randn(8, 4, length, 16) for _ in range(3))
+        out, lse = fwd(q, k, v, 0.0, True)[:2]
+        grad = torch.randn_like(out)
+        work = length * length  # FLOPs ∝ T² (fit_latency's intercept does not depend on the scale)
+        for op, call in ((fwd, lambda: fwd(q, k, v, 0.0, True)),
+                         (bwd, lambda: bwd(grad, q, k, v, out, lse, 0.0, True))):
+            t = stable(timer, call, budget_s)
+            points[str(op)].append((work, t.seconds, t.stable))
+            spreads.append(t.spread)
+    return {op: fit_latency(*[(w, s) for w, s, _ in p])[1] for op, p in points.items()
+            if all(ok for *_, ok in p)}, max(spreads)
+
+
 def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[float, Timing]:
     """(bytes/s, timing) streaming buffers of nbytes: the median rate of ``dst.copy_(src)`` (2 × the
     bytes moved: read and write), ``torch.add(a, b, out=c)`` (3 ×) and ``a.mul_(s)`` (2 ×); the timing
@@ -326,5 +351,6 @@ def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[floa
     return statistics.median(rates), copy
 
 
-__all__ = ["Timer", "Timing", "best_of", "stable", "square", "skinny", "convolution", "dispatch", "bandwidth",
-           "count_ops", "kernels", "trivial", "fit_latency", "CONV_SHAPES", "CONV_SMALL", "STABLE_REL", "MAX_ROUNDS"]
+__all__ = ["Timer", "Timing", "TinyTiming", "best_of", "stable", "square", "skinny", "convolution", "dispatch",
+           "attention", "bandwidth", "per_op", "kernels", "trivial", "fit_latency", "CONV_SHAPES", "CONV_SMALL",
+           "STABLE_REL", "MAX_ROUNDS"]

@@ -39,11 +39,12 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 - Per-op overhead: every op (a view too: it is dispatched) but the state init also costs a fixed
   ``op_overhead_s``, added to its time and reported as its own line (ops × overhead): on a GPU of the
   table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
-  device the measured cost of a tiny op in a training step, by the op's phase (forward with the
-  loss, backward, optimizer: fxacct.predict.calibrate ``dispatch_s_by_phase``). A small model's step is mostly
-  this (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
+  device what an op of a small model's training step costs beyond this roofline, by the op's phase
+  (forward with the loss, backward, optimizer: fxacct.predict.calibrate ``dispatch_s_by_phase``), a
+  view the trivial op's dispatch alone (``view_overhead_s``). A small model's step is mostly this
+  (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
 - A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
-  their backward: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
+  their backward, dropout's mask: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
   a CPU these run far below the streaming rate (measured here: max-pool 0.7 GB/s, batch norm
   3.3 GB/s, against ~20 GB/s for a copy of the same size).
 - Convolutions on a calibrated device run at the rate measured for their channel count (the
@@ -97,6 +98,7 @@ class DeviceModel:
     conv_backward_curves: dict = dataclasses.field(default_factory=dict)  # as conv_curves, for the backward
     op_latency: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> fixed s per call (calibrated)
     overhead_by_phase: dict = dataclasses.field(default_factory=dict)  # PHASES key -> s per op (else op_overhead_s)
+    view_overhead_s: float | None = None  # s per view op (dispatch alone); None: a view pays as any op
 
     def overhead(self, phase: str) -> float:
         """Seconds of per-op overhead of an op of ``phase`` (the loss's ops are the forward's)."""
@@ -164,7 +166,8 @@ def from_calibration(cal, profiled: bool = False) -> DeviceModel:
                        conv_backward_curves={key: tuple(sorted((int(c), r) for c, r in by.items()))
                                              for key, by in cal.convolution_backward_by_channels.items()},
                        op_latency=dict(cal.op_latency_s),
-                       overhead_by_phase={} if profiled else dict(cal.dispatch_s_by_phase))
+                       overhead_by_phase={} if profiled else dict(cal.dispatch_s_by_phase),
+                       view_overhead_s=None if profiled else cal.view_s_per_op)
 
 
 def for_config(config: Config) -> DeviceModel | None:
@@ -298,6 +301,8 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
     overhead = device.overhead(cost.phase)
     if cost.kind == "view":
         seconds, bound, nbytes = 0.0, FREE, 0
+        if device.view_overhead_s is not None:
+            overhead = device.view_overhead_s
     elif cost.phase == OPTIMIZER and cost.kind == "creation" and outputs and all(
             t.storage in state_storages for t in outputs):
         seconds, bound, nbytes, overhead = 0.0, INIT, 0, 0.0

@@ -29,11 +29,13 @@ def _rows(cal) -> list[list[str]]:
                 rows.append([f"{what} {key}", f"{rate / 1e12:.3f} TFLOP/s", f"3×3, {channels} channels",
                              _spread(cal, f"convolution {key}")])
     if cal.dispatch_s_per_op is not None:
-        rows.append(["per-op overhead", format_ms(1e3 * cal.dispatch_s_per_op), "a tiny model's training step",
-                     _spread(cal, "per-op overhead")])
+        rows.append(["per-op overhead", format_ms(1e3 * cal.dispatch_s_per_op),
+                     "a small model's training step, beyond the roofline", _spread(cal, "per-op overhead")])
     for phase, seconds in getattr(cal, "dispatch_s_by_phase", {}).items():
-        rows.append([f"per-op overhead, {phase}", format_ms(1e3 * seconds), "the same step's phase",
+        rows.append([f"per-op overhead, {phase}", format_ms(1e3 * seconds), "the same step's phase (median)",
                      _spread(cal, "per-op overhead")])
+    if getattr(cal, "view_s_per_op", None) is not None:
+        rows.append(["per-op overhead, view", format_ms(1e3 * cal.view_s_per_op), "dispatch alone (a 2×2 add)", "-"])
     for op, seconds in getattr(cal, "op_latency_s", {}).items():
         rows.append([f"latency {op.removeprefix('aten.').removesuffix('.default')}", format_ms(1e3 * seconds),
                      "fixed cost per call, beyond the per-op overhead", "-"])
