@@ -309,20 +309,23 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
     say("per-op overhead beyond the roofline")
     roofline_s, ops, views = tiny_roofline(cal)
 
-    def overhead(seconds: float, phases, views_apart: bool = True) -> float:
-        # a view allocates nothing and runs no kernel: it pays dispatch alone, the trivial op's time;
-        # under torch.profiler (which records each op alike) every op pays the one figure
+    # a view allocates nothing and runs no kernel: on the CPU it pays dispatch alone, the trivial op's
+    # time; on CUDA the trivial op's time is a kernel launch, which a view never pays, and under
+    # torch.profiler (which records each op alike) every op pays one figure
+    views_apart = kind == "cpu"
+
+    def overhead(seconds: float, phases, apart: bool = views_apart) -> float:
         n_views = sum(views[p] for p in phases)
-        n_ops = sum(ops[p] for p in phases) + (0 if views_apart else n_views)
-        beyond_views = seconds - (trivial_s * n_views if views_apart else 0.0)
+        n_ops = sum(ops[p] for p in phases) + (0 if apart else n_views)
+        beyond_views = seconds - (trivial_s * n_views if apart else 0.0)
         return microbench.per_op(beyond_views, sum(roofline_s[p] for p in phases), n_ops, trivial_s)
 
     every = microbench.TINY_PHASES
     step_s = sum(tiny.phases.values()) if tiny.phases else tiny.step.seconds  # CUDA: no phase splits
     return replace(cal, seconds=time.perf_counter() - t0, dispatch_s_per_op=overhead(step_s, every),
-                   profiled_dispatch_s_per_op=overhead(profiled.step.seconds, every, views_apart=False),
+                   profiled_dispatch_s_per_op=overhead(profiled.step.seconds, every, apart=False),
                    dispatch_s_by_phase={p: overhead(s, (p,)) for p, s in tiny.phases.items()},
-                   view_s_per_op=trivial_s)
+                   view_s_per_op=trivial_s if views_apart else None)
 
 
 def tiny_roofline(cal: Calibration) -> tuple[dict, dict, dict]:
