@@ -371,3 +371,17 @@ def test_mutating_a_saved_tensor_fails_in_eager():
 def test_mutating_a_saved_tensor_is_a_model_error():
     with pytest.raises(fxacct.ModelError):
         profile_meta(on_meta(MutatesSavedTensor), (meta_input(2, 8),))
+
+
+def test_an_example_input_that_requires_grad_gets_its_gradient_as_in_eager():
+    # a pipeline stage's received activation, or a user's x.requires_grad_(): the traced backward
+    # computes dL/dx too, as eager does. Linear(4, 3) on 2 rows: the input gradient is one more mm,
+    # (2×3) @ (3×4) = 2·2·3·4 = 48 FLOPs, and one more gradient storage beside the weight's and bias's
+    model = nn.Linear(4, 3)
+    plain = fxacct.profile_module(model, (torch.randn(2, 4),), {}, fxacct.Config(batch=2))
+    wanted = fxacct.profile_module(model, (torch.randn(2, 4, requires_grad=True),), {}, fxacct.Config(batch=2))
+    assert wanted.accounting.totals.backward.total - plain.accounting.totals.backward.total == 48
+    assert (len(plain.capture.grad_storages), len(wanted.capture.grad_storages)) == (2, 3)
+    x = torch.randn(2, 4, requires_grad=True)  # the eager oracle: the same step gives x a gradient
+    model(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == (2, 4)

@@ -693,6 +693,19 @@ def test_zero_cost_ops():
     assert lookup(aten.clone.default).movement and lookup(aten.zeros.default).creation
 
 
+def test_metadata_checks_cost_nothing():
+    # torch.export's _assert_tensor_metadata (in every stage of an automatic pipeline split) reads a
+    # tensor's dtype and device, no data: 0 FLOPs; it returns nothing, so it allocates nothing and
+    # moves no bytes (the view kind: 0 new bytes, no roofline time)
+    from fxacct.trace import aliasing
+
+    op = aten._assert_tensor_metadata.default
+    assert lookup(op).formula((2, 3), out_shape=None, ctx=CostContext()) == ZERO
+    assert aliasing.op_kind(op, True) == aliasing.VIEW
+    assert aliasing.op_kind(aten.mm.default, True) == aliasing.COMPUTE  # a returning op is not
+    HIT.add(aten._assert_tensor_metadata)
+
+
 def test_collectives_cost_no_flops():
     # fxacct.parallel registers every collective the engines issue (and FSDP2's copy-in/out ops)
     # at zero FLOPs: a reduction's adds are not model FLOPs; their bytes and wire bytes are

@@ -177,14 +177,36 @@ def test_split_points_must_match_the_stage_count():
         "-k", "n_layers=4", "--mesh", "pp=2", "--pp-split", "layers.1,layers.2")
 
 
-def test_stages_passing_several_tensors_are_refused():
-    """A Hugging Face Llama cut at model.layers.1 passes the hidden states, the rotary cos and sin
-    and the mask to stage 1: one line, exit 2."""
+def test_a_stage_passing_several_tensors_sends_each_and_gradients_only_where_they_flow():
+    """A Hugging Face Llama (tests/models/hf_llama_tp.py: 2 layers, hidden 64, 4 heads of 16, T = 32)
+    cut at model.layers.1 passes, per micro-batch of 2: the hidden states (2, 32, 64) fp32 = 16384 B,
+    which require grad, RoPE's cos and sin (1, 32, 16) fp32 = 2048 B each and the causal mask
+    (2, 1, 32, 32) bool = 2048 B, which do not (rotary runs under no_grad; a mask is no float).
+    Forward 4 tensors, 22528 B; backward only the hidden states' gradient, 16384 B. Over M = 4:
+    stage 0 sends 16 tensors, 90112 B, and receives 4 gradients, 65536 B; stage 1 the mirror."""
+    pytest.importorskip("transformers")
+    cfg = fxacct.Config(target=str(ROOT / "tests/models/hf_llama_tp.py") + ":make", batch=2, mesh="pp=2",
+                        microbatches=4)
+    pipe = fxacct.profile(cfg).parallel.pipeline
+    first, second = pipe.stages
+    assert (first.sends, first.send_bytes, first.recvs, first.recv_bytes) == (16, 90112, 4, 65536)
+    assert (second.sends, second.send_bytes, second.recvs, second.recv_bytes) == (4, 65536, 16, 90112)
+    # stage 1 receives the hidden states requiring grad (its input gradient is computed and sent
+    # back), cos, sin and the mask not
+    inputs = [n.meta["val"] for n in second.profile.capture.input_nodes]
+    assert [t.requires_grad for t in inputs] == [True, False, False, False]
+
+
+def test_a_skip_connection_is_a_usage_error():
+    """Cut in three, a Hugging Face Llama's stage 2 reads RoPE's cos and sin and the mask from stage
+    0 (computed once, before the layers): torch's pipelining cannot run that; exit 2, one line."""
     pytest.importorskip("transformers")
     r = CliRunner().invoke(cli, ["profile", str(ROOT / "tests/models/hf_llama_tp.py") + ":make", "--batch", "2",
-                                 "--mesh", "pp=2"], catch_exceptions=False)
+                                 "--mesh", "pp=3", "-k", "layers=3"], catch_exceptions=False)
     out = r.stderr if hasattr(r, "stderr") else r.output
-    assert r.exit_code == 2 and "pipeline stage 0 passes 4 values (tuple) to the next stage" in out, out
+    assert r.exit_code == 2, out
+    assert "pipeline stage 2 reads tensors made by stage 0, not only by stage 1" in out and "--pp-split" in out, out
+    assert len(out.strip().splitlines()) == 1, out
 
 
 @pytest.mark.parametrize("columns", [80, 100])

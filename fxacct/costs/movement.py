@@ -31,6 +31,9 @@ register_zero(
     aten.slice_backward, aten.select_backward, aten.index_select_backward, aten.diagonal_backward,
     movement=True,
 )
+# checks that read only a tensor's metadata: torch.export inserts _assert_tensor_metadata before each
+# dtype or device conversion (the stages of an automatic pipeline split carry them)
+register_zero(aten._assert_tensor_metadata)
 # in-place metadata changes (transpose_, unsqueeze_, as_strided_...): torch tags them
 # inplace_view; they rewrite sizes and strides, not data
 register_zero(torch.Tag.inplace_view)

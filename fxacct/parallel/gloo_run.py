@@ -8,6 +8,7 @@ they happen) and a dispatch counter of the collectives the engine issues below D
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import socket
@@ -186,16 +187,19 @@ def _measure_pipeline(rank, ranks, config, steps, warmup) -> dict:
     parts, stages = [], []
     for s in range(rank, total, ranks):
         model, file_module = build_model(config, cpu)  # a split function may cut the model it is given
-        args, _ = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
-        parts.append(_split(config, model, s, total, points, tuple(a.tensor_split(m)[0] for a in args)))
+        args, kwargs = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
+        mb_args = tuple(a.tensor_split(m)[0] for a in args)
+        mb_kwargs = {k: v.tensor_split(m)[0] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        parts.append(_split(config, model, s, total, points, mb_args, mb_kwargs))
         stages.append(PipelineStage(parts[-1], s, total, cpu))
+    kwargs = _accepted(parts[0], kwargs) if rank == 0 else {}  # what stage 0 takes (hf: input_ids)
     schedule = schedule_class(config.pp_schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=m,
                                                   loss_fn=lambda out, target: out.float().sum())
     opt = config.optimizer_spec().build([p for part in parts for p in part.parameters() if p.requires_grad])
 
     def step():
         if rank == 0:
-            schedule.step(*args)
+            schedule.step(*args, **kwargs)
         else:
             schedule.step(target=torch.zeros(config.batch * m))
         if opt is not None:
@@ -210,11 +214,19 @@ def _measure_pipeline(rank, ranks, config, steps, warmup) -> dict:
             times.append((time.perf_counter() - start) * 1e3)
     tracker, counter = StorageTracker(), CollectiveCounter()
     with tracker, counter:  # the batch is stage 0's input only
-        tracker.track(parts, opt, args if rank == 0 else (), [_stage_buffers(st) for st in stages])
+        tracker.track(parts, opt, (*args, *kwargs.values()) if rank == 0 else (), [_stage_buffers(st) for st in stages])
         step()
     times.sort()
     return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,
             "collectives": counter.found}
+
+
+def _accepted(module, kwargs: dict) -> dict:
+    """The tensor keyword inputs ``module``'s forward takes (a stage cut by pipeline() takes the
+    model's inputs it reads, by name; a flag such as use_cache is baked into its graph)."""
+    params = inspect.signature(module.forward).parameters
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and (open_ended or k in params)}
 
 
 def _stage_buffers(stage) -> list:

@@ -15,8 +15,9 @@ many micro-batches each rank holds at once and how long it idles:
   it (P − 1) of (V·M + P − 1) (Narayanan et al. 2021).
 
 A rank's peak is its stages' one-micro-batch steps replayed in that order as the pipelining
-runtime holds memory (fxacct.parallel.pipeline_memory); send/recv volume per step is M × the
-boundary tensor each way, per stage.
+runtime holds memory (fxacct.parallel.pipeline_memory); send/recv volume per step is M × what
+crosses each boundary (fxacct.parallel.pipeline.traffic: every tensor a later stage reads, and
+the gradient of each that requires grad).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.mesh import parse_mesh, without_pp
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
-from fxacct.parallel.pipeline_split import block_costs, is_function, split_points, stage_module
+from fxacct.parallel.pipeline_split import (
+    MODEL_INPUT, StageInput, block_costs, is_function, meta_like, split_points, stage_inputs, stage_module, tp_leaves,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class StageAccount:
     send_bytes: int  # per step: activations forward + input gradients backward
     recv_bytes: int
     stages_on_rank: tuple[int, ...] = ()  # the pipeline stages this rank runs (r, r + P, ... interleaved)
+    sends: int = 0  # per step: send ops (one per tensor per micro-batch)
+    recvs: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,31 +92,72 @@ def resolve_points(config, stages: int):
     return split_points(model, config.pp_split, stages, cost)
 
 
-def _stage_inputs(config, stages: int, points):
-    """(args, kwargs) per stage on meta: each stage's input is the previous one's output."""
+def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[StageInput]]]:
+    """(args, kwargs, what it receives) per stage, on meta: stage 0 the model's inputs, a later
+    stage the tensors it receives (several where the forward passes several: Hugging Face Llama
+    passes its hidden states with RoPE's cos and sin and the attention mask, the last three from
+    stage 0 to every stage, skip connections)."""
     from fxacct.profile import load_model
 
-    parts, x = [], None
+    model, args, kwargs, _ = load_model(config)
+    if config.dtype is not None:
+        model.to(config.dtype)
+    if points is not None:
+        received = stage_inputs(model, args, kwargs, points)
+        for s, got in enumerate(received[2:], start=2):
+            far = sorted({i.source for i in got if i.source not in (s - 1, MODEL_INPUT)})
+            if far:
+                raise UsageError(
+                    f"pipeline stage {s} reads tensors made by stage {', '.join(map(str, far))}, not only by stage "
+                    f"{s - 1}: torch.distributed.pipelining passes a stage's outputs to the next stage alone (a "
+                    "PipelineStage cannot receive from further back, and Pipe.build_stage runs no backward through "
+                    "such a skip connection); use fewer stages, or --pp-split PATH.py:fn whose stages pass along "
+                    "what later ones read")
+        return [(args, kwargs, [])] + [(tuple(i.tensor for i in r), {}, r) for r in received[1:]]
+    parts, received = [], []  # --pp-split PATH.py:fn: each stage takes the previous one's outputs
     for s in range(stages):
-        model, args, kwargs, _ = load_model(config)
-        if config.dtype is not None:
-            model.to(config.dtype)
-        part = _split(config, model, s, stages, points, args, kwargs)
-        inputs = args if s == 0 else (x,)
-        parts.append((inputs, kwargs if s == 0 else {}))
+        if s:
+            model, args, kwargs, _ = load_model(config)
+            if config.dtype is not None:
+                model.to(config.dtype)
+        part = _split(config, model, s, stages, None, args, kwargs)
+        inputs, kw = (args, kwargs) if s == 0 else (tuple(i.tensor for i in received), {})
+        parts.append((inputs, kw, received))
         if s == stages - 1:  # the last stage's output goes to the loss: any form the loss takes
             break
         try:
-            with torch.no_grad():
-                out = part(*inputs, **(kwargs if s == 0 else {}))
+            with torch.enable_grad():  # on meta: which outputs require grad (only those send a gradient back)
+                out = part(*inputs, **kw)
         except Exception as e:  # the model's code raised (exit 3), or fxacct's (4): classify decides
             raise classify(e, f"running pipeline stage {s} on meta") from e
-        if not isinstance(out, torch.Tensor):
-            n = len(out) if isinstance(out, (tuple, list)) else 1
-            raise UsageError(f"pipeline stage {s} passes {n} values ({type(out).__name__}) to the next stage; the "
-                             "pipeline account takes one tensor between stages: split where the forward passes one")
-        x = torch.empty(out.shape, dtype=out.dtype, device="meta")
+        received = [StageInput(meta_like(t), s) for t in tp_leaves(out) if isinstance(t, torch.Tensor)]
+        if not received:
+            raise UsageError(f"pipeline stage {s} passes no tensor to the next stage ({type(out).__name__}): "
+                             "a stage's forward returns what the next stage takes")
     return parts
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one stage sends and receives per micro-batch (torch.distributed.pipelining: one
+    send/recv per tensor; an activation forward to each stage that reads it, and its gradient
+    back when it requires grad)."""
+
+    sends: int
+    send_bytes: int
+    recvs: int
+    recv_bytes: int
+    grad_recv_bytes: int  # the gradients of its outputs it receives (PipelineStage's grad_recv_info)
+
+
+def traffic(received: list[list[StageInput]], s: int) -> Traffic:
+    fwd_recv = [i for i in received[s] if i.source != MODEL_INPUT]
+    fwd_send = [i for later in received for i in later if i.source == s]
+    bwd_send = [i for i in fwd_recv if i.tensor.requires_grad]
+    bwd_recv = [i for i in fwd_send if i.tensor.requires_grad]
+    sends, recvs = fwd_send + bwd_send, fwd_recv + bwd_recv
+    return Traffic(len(sends), sum(i.nbytes for i in sends), len(recvs), sum(i.nbytes for i in recvs),
+                   sum(i.nbytes for i in bwd_recv))
 
 
 def profile_pipeline(config):
@@ -131,9 +177,10 @@ def profile_pipeline(config):
     check_microbatches(config.pp_schedule, ranks, m)
     orders = simulate(config.pp_schedule, ranks, m, v)
     points = resolve_points(config, stages)
-    profs = [_profile_stage(config, s, stages, points, args, kwargs)
-             for s, (args, kwargs) in enumerate(_stage_inputs(config, stages, points))]
-    accounts = tuple(_rank_account(profs, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
+    parts = _stage_inputs(config, stages, points)
+    profs = [_profile_stage(config, s, stages, points, args, kwargs) for s, (args, kwargs, _) in enumerate(parts)]
+    flows = [traffic([r for _, _, r in parts], s) for s in range(stages)]
+    accounts = tuple(_rank_account(profs, flows, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
     return PipelineAccount(accounts, config.pp_schedule, m, bubble, v)
 
@@ -142,7 +189,8 @@ def _profile_stage(config, s: int, stages: int, points, args, kwargs):
     """Stage s's Profile for one micro-batch (on the rest of the mesh, if any)."""
     from fxacct.profile import load_model, profile_module
 
-    cfg = replace(config, mesh=without_pp(parse_mesh(config.mesh)), input_requires_grad=config.input_requires_grad or s > 0)
+    # a received activation requires grad where the stage that made it gave it one (StageInput)
+    cfg = replace(config, mesh=without_pp(parse_mesh(config.mesh)))
 
     def loader(c):
         model, full_args, full_kwargs, _ = load_model(c)
@@ -156,24 +204,13 @@ def _profile_stage(config, s: int, stages: int, points, args, kwargs):
     return profile_module(model, args, kwargs, replace(cfg, mesh=None))
 
 
-def _rank_account(profs, r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:
+def _rank_account(profs, flows: list[Traffic], r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:
     """Rank r's stages r, r + P, ...: their peak replayed together, their sends and receives."""
-    local, send = {}, 0
+    local, mine = {}, []
     for s in range(r, len(profs), ranks):
-        prof = profs[s]
-        boundary_in = prof.capture.input_nodes[0].meta["val"].storage_nbytes if s > 0 else 0
-        boundary_out = _output_bytes(prof) if s < len(profs) - 1 else 0
-        local[s] = LocalStage(prof.capture, s == len(profs) - 1, boundary_out)
-        send += m * (boundary_out + boundary_in)
+        local[s] = LocalStage(profs[s].capture, s == len(profs) - 1, flows[s].grad_recv_bytes)
+        mine.append(flows[s])
     peak = stage_peak(local, order.actions, m, releases(schedule, order.actions, ranks, r, m))
-    return StageAccount(r, profs[r], order.in_flight, peak, send, send, tuple(local))
-
-
-def _output_bytes(prof) -> int:
-    """Bytes of the stage's output: the loss phase's first op reads it (fxacct.trace.loss)."""
-    for n in prof.capture.graph.nodes:
-        cost = n.meta.get("fxacct")
-        if cost is not None and cost.phase == "loss" and n.all_input_nodes:
-            val = n.all_input_nodes[0].meta.get("val")
-            return val.nbytes if hasattr(val, "nbytes") else 0
-    return 0
+    return StageAccount(r, profs[r], order.in_flight, peak, m * sum(f.send_bytes for f in mine),
+                        m * sum(f.recv_bytes for f in mine), tuple(local), m * sum(f.sends for f in mine),
+                        m * sum(f.recvs for f in mine))

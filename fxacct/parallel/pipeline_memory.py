@@ -9,7 +9,7 @@ torch.distributed.pipelining's PipelineStage holds memory (torch 2.13 stage.py, 
   output gradient it receives (``grad_recv_info``).
 - F(k) runs the stage's forward ops (and the loss ops on the last stage only: the other stages
   send their output instead). What the forward saves for backward lives until B(k) frees it at
-  the op that frees it in the one-micro-batch step; the stage output is kept in ``fwd_cache``
+  the op that frees it in the one-micro-batch step; the stage outputs are kept in ``fwd_cache``
   to the end of B(k), on the last stage in ``output_chunks`` to the end of the step; each loss
   is kept to the end of the step (``_internal_losses``).
 - B(k) runs the backward ops. The first backward allocates the parameter gradients, alive to the
@@ -50,14 +50,6 @@ def _storages_born(capture):
     return ops, born
 
 
-def _output_storage(ops):
-    for n in ops:
-        if trace_of(n).phase == LOSS and n.all_input_nodes:
-            metas = tensor_metas(n.all_input_nodes[0].meta.get("val"))
-            return metas[0].storage if metas else None
-    return None
-
-
 def _input_grad_storages(capture) -> set:
     """The gradients of the stage's inputs: the graph returns the parameters' gradients first."""
     out = next(n for n in capture.graph.nodes if n.op == "output")
@@ -70,7 +62,7 @@ def _input_grad_storages(capture) -> set:
 class LocalStage:
     capture: object  # the stage's one-micro-batch Capture
     last: bool  # the pipeline's last stage: computes the loss, keeps its outputs
-    grad_recv_bytes: int  # the output gradient it receives per micro-batch (0 on the last stage)
+    grad_recv_bytes: int  # the output gradients it receives per micro-batch (0 on the last stage)
 
 
 class _Prepared:
@@ -82,7 +74,7 @@ class _Prepared:
         self.resident += microbatches * st.grad_recv_bytes
         self.ops, born = _storages_born(st.capture)
         phases = [trace_of(n).phase for n in self.ops]
-        self.out_sid, self.in_grads = _output_storage(self.ops), _input_grad_storages(st.capture)
+        self.out_sids, self.in_grads = st.capture.output_storages, _input_grad_storages(st.capture)
         self.births: dict[int, list] = {}
         for entry in born:
             self.births.setdefault(entry[1], []).append(entry)
@@ -103,14 +95,14 @@ def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
     freed_after: dict[int, list] = {}
     for (st, mb), a in releases[0].items():
         if not stages[st].last:
-            freed_after.setdefault(a, []).append((prep[st].out_sid, (st, mb)))
+            freed_after.setdefault(a, []).extend((sid, (st, mb)) for sid in prep[st].out_sids)
     for (st, mb), a in releases[1].items():
         freed_after.setdefault(a, []).extend((sid, (st, mb)) for sid in prep[st].in_grads)
     backwarded = set()
     for a, (kind, st, mb) in enumerate(actions):
         p = prep[st]
         if kind == "F":
-            walk.run(p.fwd, p.births, (st, mb), keep={p.out_sid}, skipped=p.skipped)
+            walk.run(p.fwd, p.births, (st, mb), keep=p.out_sids, skipped=p.skipped)
         else:  # the first backward allocates the parameters' gradients, later ones add into them
             walk.run(p.bwd, p.births, (st, mb), keep=p.in_grads, transient=p.param_grads if st in backwarded else {})
             backwarded.add(st)
@@ -119,10 +111,11 @@ def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
     for key in freed_after.pop(len(actions), ()):
         walk.free(*key)
     for st, p in prep.items():
-        if stages[st].last and p.out_sid is not None:  # output_chunks merged by torch.cat when the schedule returns
-            walk.note(sum(walk.held.get((p.out_sid, (st, mb)), 0) for mb in range(microbatches)))
+        if stages[st].last and p.out_sids:  # output_chunks merged by torch.cat when the schedule returns
+            walk.note(sum(walk.held.get((sid, (st, mb)), 0) for sid in p.out_sids for mb in range(microbatches)))
             for mb in range(microbatches):
-                walk.free(p.out_sid, (st, mb))
+                for sid in p.out_sids:
+                    walk.free(sid, (st, mb))
     for st, p in prep.items():
         walk.run(p.opt, p.births, (st, 0))
     return walk.peak

@@ -15,6 +15,7 @@ builds it.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -73,8 +74,8 @@ def balanced_cuts(pre: int, costs: list[int], post: int, stages: int) -> list[in
     return cuts[::-1]
 
 
-def stage_module(model, args, kwargs, points: list[str], stage: int):
-    """Stage ``stage`` of ``model`` cut at ``points`` by torch.distributed.pipelining.pipeline."""
+def _pipe(model, args, kwargs, points: list[str]):
+    """torch.distributed.pipelining.pipeline's Pipe of ``model`` cut at ``points``."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     try:
@@ -87,23 +88,110 @@ def stage_module(model, args, kwargs, points: list[str], stage: int):
     if pipe.num_stages != len(points) + 1:
         raise UsageError(f"splitting at {', '.join(points)} gave {pipe.num_stages} stages, not {len(points) + 1}: "
                          "give split points that the model's forward passes through in order")
-    part = pipe.get_stage_module(stage)
+    return pipe
+
+
+def stage_module(model, args, kwargs, points: list[str], stage: int):
+    """Stage ``stage`` of ``model`` cut at ``points`` by torch.distributed.pipelining.pipeline."""
+    part = _pipe(model, args, kwargs, points).get_stage_module(stage)
     if not isinstance(part, torch.nn.Module):
         raise UsageError(f"pipeline stage {stage} is not an nn.Module")
     return _off_meta(part)
 
 
+MODEL_INPUT = -1
+
+
+MODEL_INPUT = -1
+
+
+def pipe_stage(model, args, kwargs, points: list[str], stage: int, device: torch.device):
+    """Stage ``stage`` as torch.distributed.pipelining runs a pipeline() split: ``Pipe.build_stage``,
+    which knows where each input comes from (a skip connection reaches past the stage before,
+    which the plain PipelineStage of a stage module cannot express)."""
+    return _pipe(model, args, kwargs, points).build_stage(stage, device)
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One tensor a stage receives: made by stage ``source`` (an earlier one: a skip connection
+    reaches past the stage before), on meta, requiring grad as the forward made it (only those
+    send a gradient back: torch's PipelineStage, ``_retrieve_recv_activations``)."""
+
+    tensor: torch.Tensor
+    source: int  # the stage that made it; MODEL_INPUT: the model's own input, no send
+
+
+    @property
+    def nbytes(self) -> int:  # sent contiguous (an expanded mask travels as its full shape)
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def stage_inputs(model, args, kwargs, points: list[str]) -> list[list[StageInput]]:
+    """Per stage, the tensors it is called with (stage 0: none listed, it reads the model's inputs):
+    the split graph of pipeline() run on meta with autograd on, each stage's call arguments as they
+    are passed (the stage module's inputs, in order), each traced to the stage that made it."""
+    pipe = _pipe(model, args, kwargs, points)
+    made_by: dict[int, int] = {}
+    received: list[list[StageInput]] = []
+
+    class Stages(torch.fx.Interpreter):
+        def call_module(self, target, call_args, call_kwargs):
+            stage = len(received)
+            received.append([StageInput(meta_like(a), made_by.get(id(a), MODEL_INPUT)) for a in tp_leaves(call_args)
+                             if isinstance(a, torch.Tensor)] if stage else [])
+            out = super().call_module(target, call_args, call_kwargs)
+            for t in tp_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made_by.setdefault(id(t), stage)
+            return out
+
+    names = [n.target for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    positional = iter(args)
+    values = [kwargs[n] if n in kwargs else next(positional, None) for n in names]
+    try:
+        with torch.enable_grad():
+            Stages(pipe.split_gm).run(*values)
+    except Exception as e:
+        raise classify(e, "running the pipeline stages on meta") from e
+    return received
+
+
+def tp_leaves(tree) -> list:
+    from fxacct.trace import torch_private as tp
+
+    return tp.tree_leaves(tree)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous meta tensor of ``t``'s shape and dtype, requiring grad as ``t`` does."""
+    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return m.requires_grad_(t.requires_grad and t.is_floating_point())
+
+
 def _off_meta(part):
-    """Tensors the exported graph creates (``arange(..., device=meta)`` when the model was cut on
-    meta) are made on the CPU, the device of fxacct's fake tensors."""
-    meta = torch.device("meta")
+    """Tensors the exported graph creates or checks on the device it was cut on (``arange(...,
+    device=meta)``, ``.to(meta)``, export's ``_assert_tensor_metadata(..., device=meta)`` when the
+    model was cut on meta) are made on the CPU, the device of fxacct's fake tensors: in the stage's
+    own graph and in every nested one (torch.export's unflattened InterpreterModules)."""
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+
+    def on_cpu(v):
+        return cpu if isinstance(v, torch.device) and v == meta else v
+
     for gm in part.modules():
-        if isinstance(gm, torch.fx.GraphModule):
-            nodes = [n for n in gm.graph.nodes if n.kwargs.get("device") == meta]
-            for n in nodes:
-                n.update_kwarg("device", torch.device("cpu"))
-            if nodes:
-                gm.recompile()
+        graph = getattr(gm, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for n in graph.nodes:
+            args, kwargs = tuple(on_cpu(a) for a in n.args), {k: on_cpu(v) for k, v in n.kwargs.items()}
+            if args != n.args or kwargs != n.kwargs:
+                n.args, n.kwargs, changed = args, kwargs, True
+        if changed:
+            compiled = gm if isinstance(gm, torch.fx.GraphModule) else getattr(gm, "graph_module", None)
+            if compiled is not None:
+                compiled.recompile()
     return part
 
 

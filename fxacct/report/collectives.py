@@ -28,7 +28,8 @@ def pipeline_json(pipe) -> dict:
                         "params": s.profile.accounting.totals.params, "param_bytes": s.profile.accounting.totals.param_bytes,
                         "forward_flops": s.profile.accounting.totals.forward.total,
                         "backward_flops": s.profile.accounting.totals.backward.total,
-                        "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes} for s in pipe.stages]}
+                        "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes, "sends": s.sends, "recvs": s.recvs}
+                       for s in pipe.stages]}
 
 
 def render_pipeline(pipe, width: int | None = None) -> str:
@@ -126,9 +127,7 @@ def _predicted_for(parallel, rank: int) -> dict[str, list[int]]:
     if pipe is None:
         return _predicted_by_op(parallel)
     s = pipe.stages[rank]
-    boundaries = (rank > 0) + (rank < len(pipe.stages) - 1)
-    n = pipe.microbatches * boundaries
-    return {op: [n, b] for op, b in (("send", s.send_bytes), ("recv", s.recv_bytes)) if n}
+    return {op: [n, b] for op, n, b in (("send", s.sends, s.send_bytes), ("recv", s.recvs, s.recv_bytes)) if n}
 
 
 def _peak_for(parallel, rank: int, predicted_peak: int | None) -> int | None:

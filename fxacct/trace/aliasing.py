@@ -3,7 +3,8 @@
 - `inplace`: an argument is annotated as written (`Tensor(a!)`), so the op mutates existing
   storage (add_, copy_, out= variants): 0 new bytes.
 - `view`: a return carries a read-only alias annotation (`Tensor(a)`), so it shares its input's
-  storage (view, transpose, expand, slice, split, detach...): 0 new bytes, 0 FLOPs.
+  storage (view, transpose, expand, slice, split, detach...): 0 new bytes, 0 FLOPs. An op that
+  returns nothing and writes nothing (torch.export's ``_assert_tensor_metadata`` checks) is one too.
 - plus VIEW_EXCEPTIONS, ops whose schema says "fresh tensor" but whose output takes over its
   input's storage; tests/test_aliasing.py checks every kind against FakeTensor storage identity.
 - otherwise the op allocates: `creation` (from sizes alone), `copy` (0 FLOPs in the registry:
@@ -39,6 +40,8 @@ def schema_kind(op) -> str | None:
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return INPLACE
     if op in VIEW_EXCEPTIONS or any(r.alias_info is not None for r in schema.returns):
+        return VIEW
+    if not schema.returns:  # returns nothing (torch.export's _assert_tensor_metadata): no data, no bytes
         return VIEW
     return None
 

@@ -103,6 +103,7 @@ class Capture:
     # alive when the step ends are absent
     deaths: dict | None = None
     returned_loss: bool = False  # the output carried a loss of its own (fxacct.trace.loss.returned_loss)
+    output_storages: frozenset = frozenset()  # storage ids of the forward's output tensors (training)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class _Session:
     outputs: list = field(default_factory=list)  # inference: the model's outputs, live to the end
     loss: object = None
     returned_loss: bool = False
+    output_storages: frozenset = frozenset()
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureOptions = CaptureOptions()) -> Capture:
@@ -175,10 +177,13 @@ def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
 
 
 def _to_fake(t, options: CaptureOptions):
+    """An example input as a fake tensor; it requires grad under --input-requires-grad, or where
+    the example itself does (a pipeline stage's received activation), as eager would."""
     if not isinstance(t, torch.Tensor):
         return t
     f = fake_like(t, options.dtype)
-    return f.requires_grad_(options.input_requires_grad and f.is_floating_point() and not options.inference)
+    wanted = options.input_requires_grad or t.requires_grad
+    return f.requires_grad_(wanted and f.is_floating_point() and not options.inference)
 
 
 def _replay_for(session: _Session):
@@ -229,6 +234,8 @@ def _train_step(session: _Session, box: list) -> None:
     o, rec = session.options, session.recorder
     rec.phase = LOSS
     output = box.pop()
+    session.output_storages = frozenset(session.storages.id_of(tp.local(t)) for t in tp.tree_leaves(output)
+                                        if isinstance(t, torch.Tensor))
     spec = LossSpec(o.loss, o.loss_output, o.causal_lm)
     session.returned_loss = returned_loss(output)
     target = _target(session, target_spec(output, spec))
@@ -236,8 +243,7 @@ def _train_step(session: _Session, box: list) -> None:
         session.loss = loss = training_loss(output, spec, target)  # alive to the step's end
     del output  # `loss = model(x).sum()`: the outputs live only as long as the loss needs them
     session.targets = targets = session.fake.trainable()
-    if o.input_requires_grad:
-        targets += [t for _, t in session.flat_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    targets += [t for _, t in session.flat_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not (o.backward and loss.requires_grad and targets):
         return
     seed = torch.ones_like(loss)
@@ -318,7 +324,7 @@ def _finish(session: _Session) -> Capture:
         saved_storages=frozenset(session.saved.saved),
         master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in session.masters),
         inference=session.options.inference, deaths=dict(storages.deaths),
-        returned_loss=session.returned_loss,
+        returned_loss=session.returned_loss, output_storages=session.output_storages,
     )
 
 
