@@ -225,3 +225,18 @@ def test_pipeline_report_fits_the_terminal_and_stderr_stays_quiet(columns):
     # a stage row keeps every figure it shows whole: stage, ..., in flight, peak, send, recv
     for row in lines[at + 2:at + 4]:
         assert row.split()[0] in ("0", "1") and row.rstrip().endswith("KiB"), row
+
+
+def test_fsdp_on_a_cut_stage_wraps_each_of_its_blocks():
+    """pp=2,fsdp=2 on a 4-layer Hugging Face Llama cut automatically at model.layers.2: stage 0's
+    module (pipeline()'s own, its blocks still named model.layers.0 and .1) gets FSDP2 per block
+    and at its root, as on the uncut model. Forward: 3 all-gathers (root, 2 blocks); backward the
+    2 blocks again (resharded after forward; the root is kept, as torchtitan does); 3 reduce-scatters."""
+    pytest.importorskip("transformers")
+    cfg = fxacct.Config(target=str(ROOT / "tests/models/hf_llama_tp.py") + ":make", kwargs={"layers": 4}, batch=2,
+                        mesh="pp=2,fsdp=2", microbatches=4)
+    rows = fxacct.profile(cfg).parallel.pipeline.stages[0].profile.parallel.rows
+    count = {}
+    for r in rows:
+        count[r.op, r.phase] = count.get((r.op, r.phase), 0) + r.count
+    assert count == {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 3}

@@ -85,13 +85,19 @@ def _user_parallelize(model, mesh, target: str):
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The children of ModuleList / ModuleDict / Sequential containers whose class repeats: the
-    units FSDP2 shards one at a time (torchtitan wraps each transformer block)."""
+    units FSDP2 shards one at a time (torchtitan wraps each transformer block). A container of
+    another class whose children are all numbered (``layers.2``, ``layers.3``: the stage module
+    torch.distributed.pipelining's pipeline() cuts keeps the model's names, in modules of its own
+    class) holds blocks too."""
     blocks = []
     for container in model.modules():
         if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
             items = list(container.values() if isinstance(container, torch.nn.ModuleDict) else container)
-            classes = [type(m) for m in items]
-            blocks += [m for m in items if classes.count(type(m)) > 1]
+        else:
+            named = list(container.named_children())
+            items = [m for _, m in named] if len(named) > 1 and all(n.isdigit() for n, _ in named) else []
+        classes = [type(m) for m in items]
+        blocks += [m for m in items if classes.count(type(m)) > 1]
     return blocks
 
 
