@@ -152,7 +152,7 @@ def test_plan_cli_table_fits_the_width_and_json():
     assert set(ranked) == {"fsdp=2,tp=2", "fsdp=4"}
     r = CliRunner().invoke(cli, args + ["--format", "json"], catch_exceptions=False)
     doc = json.loads(r.output)
-    assert doc["blocks"] == 2 and doc["layouts"][0]["fits"] and doc["layouts"][0]["source"] == "traced"
+    assert doc["schema"] == "fxacct.plan/1" and doc["blocks"] == 2 and doc["layouts"][0]["fits"] and doc["layouts"][0]["source"] == "traced"
     assert {row["mesh"] for row in doc["layouts"]} == {"fsdp=4", "fsdp=2,tp=2", "tp=4"}
 
 

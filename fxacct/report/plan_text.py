@@ -10,6 +10,7 @@ HEADERS = ["#", "mesh", "mb", "×mb", "ckpt", "peak/GPU", "step ms", "tokens/s",
 LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; tokens/s: the job's; from: a full trace "
           "or the screen (two short traces, extrapolated)")
 SOURCES = {"traced": "trace", "screen": "screen", "-": "-"}
+PLAN_SCHEMA = "fxacct.plan/1"
 
 
 def _row(i: int, c) -> list[str]:
@@ -34,7 +35,7 @@ def render_plan(result, gpus: int, global_batch: int, gpu: str, width: int | Non
 
 
 def plan_json(result) -> dict:
-    return {"blocks": result.blocks, "traces": result.traces, "layouts": [
+    return {"schema": PLAN_SCHEMA, "blocks": result.blocks, "traces": result.traces, "layouts": [
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
          "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
          "checkpoint": c.layout.checkpoint, "peak_bytes": c.peak_bytes,
