@@ -34,20 +34,13 @@ from fxacct.trace.records import tensor_metas
 END = -1  # never freed within the step
 
 
-def _storages_born(capture):
-    """[(storage, birth op, death op, bytes)] in op order; ops as fxacct.memory.peak counts them."""
+def _storages_born(capture, life):
+    """(ops, [(storage, birth op, death op or END, bytes)]) in op order, from the step's lifetimes
+    (fxacct.memory.peak.lifetimes: the single-device peak's own rule of what is born when)."""
     ops = [n for n in capture.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
-    seen = {t.storage for n in capture.graph.nodes if n.op == "placeholder" for t in tensor_metas(n.meta.get("val"))}
-    seen |= {s.key for s in capture.optimizer_state} | {m[0] for m in capture.master_weights}
-    deaths = capture.deaths or {}
-    born = []
-    for i, n in enumerate(ops):
-        for t in tensor_metas(n.meta.get("val")):
-            if t.storage not in seen:
-                seen.add(t.storage)
-                d = deaths.get(t.storage, END)
-                born.append((t.storage, i, END if d == END else max(i, d), t.storage_nbytes))
-    return ops, born
+    end = len(ops)
+    return ops, [(sid, birth, END if death >= end else death, nbytes)
+                 for sid, (birth, death, _, nbytes) in zip(life.born_storages, life.born)]
 
 
 def _input_grad_storages(capture) -> set:
@@ -72,7 +65,7 @@ class _Prepared:
         life = lifetimes(st.capture)
         self.resident = sum(b * (microbatches if c == INPUTS else 1) for c, b in life.resident)
         self.resident += microbatches * st.grad_recv_bytes
-        self.ops, born = _storages_born(st.capture)
+        self.ops, born = _storages_born(st.capture, life)
         phases = [trace_of(n).phase for n in self.ops]
         self.out_sids, self.in_grads = st.capture.output_storages, _input_grad_storages(st.capture)
         self.births: dict[int, list] = {}
