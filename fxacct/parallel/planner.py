@@ -82,8 +82,7 @@ class Planner:
         self.config, self.gpus, self.global_batch = config, gpus, global_batch
         device = get_device(config.gpu)
         self.capacity = device.capacity_reported
-        dtype = config.amp or config.dtype
-        self.peak_flops = device.matmul_peak(dtype) if dtype is not None else device.peak_flops["float32"]
+        self.peak_flops = device.matmul_peak(config.amp or config.dtype)
         self.facts, self.model = model_facts(replace(config, mesh=None, parallelize=None, pp_split=None))
         self.ckpt = config.checkpoint or ((f"{self.facts.container}.*",) if self.facts.container else ())
         self.cache: dict[tuple, object] = {}

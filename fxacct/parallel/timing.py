@@ -104,6 +104,5 @@ def throughput(time: ParallelTime | None, totals, spec, config) -> Throughput:
     tokens = totals.batch * totals.tokens_per_example if totals.tokens_per_example else None
     per_rank = tokens / time.step_s if tokens else None
     job = per_rank * spec.world_size / spec.size("tp") if per_rank else None
-    dtype = config.amp or config.dtype
-    peak = get_device(config.gpu).matmul_peak(dtype) if dtype is not None else get_device(config.gpu).peak_flops["float32"]
+    peak = get_device(config.gpu).matmul_peak(config.amp or config.dtype)
     return Throughput(per_rank, job, totals.model_flops / time.step_s / peak)

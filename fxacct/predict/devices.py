@@ -42,10 +42,12 @@ class Device:
     source: str = ""  # the datasheet (and driver report) the figures come from
     launch_s: float = LAUNCH_S  # seconds of overhead per op (kernel launch), LAUNCH_SOURCE
 
-    def matmul_peak(self, dtype: torch.dtype) -> float:
+    def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Tensor-core peak for a matmul in ``dtype`` (float32 matmuls: TF32, PyTorch's default for
         cuDNN convolutions; torch.backends.cuda.matmul.allow_tf32 is off by default, so fp32 mm
-        runs at the float32 rate)."""
+        runs at the float32 rate); None (no --dtype or --amp: the model's own float32) the float32 rate."""
+        if dtype is None:
+            return self.peak_flops["float32"]
         key = str(dtype).removeprefix("torch.")
         if key.startswith("float8"):
             key = "float8"
