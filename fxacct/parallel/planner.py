@@ -127,7 +127,9 @@ class Planner:
     def _candidate(self, lay: Layout, p: Point, source: str) -> Candidate:
         a = lay.accumulation
         peak = p.peak_bytes + (p.grad_bytes if a > 1 else 0)
-        return self._judge(lay, peak, a * p.step_s, p.tokens_per_example, p.model_flops / p.step_s, source)
+        # a micro-steps of forward and backward, then one optimizer step
+        step = a * (p.step_s - p.optimizer_s) + p.optimizer_s
+        return self._judge(lay, peak, step, p.tokens_per_example, a * p.model_flops / step, source)
 
     def _pipeline_candidate(self, lay: Layout, pipe) -> Candidate:
         stages = pipe.stages
@@ -138,9 +140,11 @@ class Planner:
         # from the first backward included (fxacct.parallel.pipeline_memory): nothing to add
         peak = max(s.peak_bytes for s in stages)
         # each rank works M micro-steps and idles the bubble's share of the step (from the schedule's
-        # own order): step = M × its micro-step ÷ (1 − bubble), the slowest rank's; (M + P − 1) × the
-        # slowest micro-step for GPipe and 1F1B
-        step = max(a * s.profile.parallel.time.step_s for s in stages) / (1 - pipe.bubble_fraction)
+        # own order): M × its micro-step ÷ (1 − bubble), the slowest rank's ((M + P − 1) × the
+        # slowest micro-step for GPipe and 1F1B), then one optimizer step, the slowest rank's
+        times = [s.profile.parallel.time for s in stages]
+        step = max(a * (t.step_s - t.optimizer_s) for t in times) / (1 - pipe.bubble_fraction) + \
+            max(t.optimizer_s for t in times)
         flops = a * sum(s.profile.accounting.totals.model_flops for s in stages) / len(stages) / step
         tokens = stages[0].profile.accounting.totals.tokens_per_example or 0
         return self._judge(lay, peak, step, tokens, flops, "traced")

@@ -40,6 +40,7 @@ class Point:
     compute_s: float
     comm_s: float
     tokens_per_example: int  # 0 when the model has no token input (the same at any block count)
+    optimizer_s: float = 0.0  # the optimizer step's part of step_s (once per step, whatever the micro-steps)
 
 
 def point(prof) -> Point:
@@ -49,7 +50,7 @@ def point(prof) -> Point:
     return Point(mem.rank_peak.bytes, totals.model_flops, totals.recompute_flops,
                  mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.master_bytes, mem.grad_bytes,
                  mem.activation_bytes, par.comm_wire_bytes, t.step_s, t.compute_s, t.comm_s,
-                 totals.tokens_per_example or 0)
+                 totals.tokens_per_example or 0, t.optimizer_s)
 
 
 def extrapolate(a: Point, b: Point, k: int, blocks: int) -> Point:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxacct.parallel.collectives import _OPS, _fn, is_collective
+from fxacct.trace.dispatch_recorder import OPTIMIZER
 
 END = "__end__"
 
@@ -27,6 +28,7 @@ class ParallelTime:
     comm_s: float  # every collective, one after another
     links: str  # the source of the link figures
     gpus_per_node: int
+    optimizer_s: float = 0.0  # the optimizer step's ops (on the compute stream, after the backward)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -90,10 +92,13 @@ def predict_time(profile_parts, spec, config, nodes):
     comm = {c.node: collective_seconds(c.op, c.group_size, c.wire_bytes, links, placed.get(c.mesh_dim, False))
             for c in nodes}
     state = frozenset(s.key for s in cap.optimizer_state)
-    ops = {o.node: o.seconds for o in predict(cap.graph, for_config(config), state, peak).ops}
+    predicted = predict(cap.graph, for_config(config), state, peak).ops
+    ops = {o.node: o.seconds for o in predicted}
     compute = {k: v for k, v in ops.items() if k not in comm}
     step = critical_path(cap.graph, compute, comm)
-    return ParallelTime(step, sum(compute.values()), sum(comm.values()), links.source, config.gpus_per_node), comm
+    optimizer = sum(o.seconds for o in predicted if o.phase == OPTIMIZER and o.node not in comm)
+    return ParallelTime(step, sum(compute.values()), sum(comm.values()), links.source, config.gpus_per_node,
+                        optimizer), comm
 
 
 def throughput(time: ParallelTime | None, totals, spec, config) -> Throughput:
