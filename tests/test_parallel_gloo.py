@@ -84,3 +84,17 @@ def test_real_pipeline_run_of_a_hugging_face_llama_matches_its_stage_accounts():
         stage = pipe.stages[m.rank]
         assert m.collectives == {"send": [stage.sends, stage.send_bytes], "recv": [stage.recvs, stage.recv_bytes]}
         assert abs(m.op_level_peak_bytes - stage.peak_bytes) <= 0.02 * stage.peak_bytes, (m.rank, m.op_level_peak_bytes)
+
+
+def test_real_fsdp_run_of_a_hugging_face_llama_matches_its_account():
+    """fsdp=2 on a Hugging Face Llama (T = 32): FSDP2 leaves the activations plain tensors, so the
+    capture takes transformers' eager mask path (no explicit causal mask, is_causal attention), as
+    the real run does; its traced path instead (the explicit mask) measured 2.6% over at T = 32
+    and 5.1% at T = 64. Collectives exact, each rank's op-level peak within ±2%."""
+    pytest.importorskip("transformers")
+    cfg = fxacct.Config(target=target("tests/models/hf_llama_tp.py:make"), batch=2, mesh="fsdp=2")
+    p = fxacct.profile(cfg)
+    predicted, peak = predicted_by_op(p.parallel.rows), p.memory.peak_train.bytes
+    for m in run_mesh(cfg, steps=1, warmup=1):
+        assert m.collectives == predicted, (m.rank, m.collectives, predicted)
+        assert abs(m.op_level_peak_bytes - peak) <= 0.02 * peak, (m.rank, m.op_level_peak_bytes, peak)
