@@ -9,7 +9,7 @@ import sys
 import click
 
 import fxacct
-from fxacct.errors import UsageError
+from fxacct.errors import InternalError, ModelError, UsageError
 from fxacct.predict.roofline import predict_profile
 from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
@@ -172,7 +172,11 @@ def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dic
         raise UsageError("--runtime with --mesh runs CPU processes on gloo: use --device cpu, without --inference")
     result = fxacct.profile(config)
     prediction = predict_profile(result)
-    ranks = run_mesh(config, steps=options.steps, warmup=options.warmup)
+    try:
+        ranks = run_mesh(config, steps=options.steps, warmup=options.warmup)
+    except (ModelError, InternalError):  # the real run failed: the account stands, then the error's line
+        _write_reports(result, prediction, None, fmt, None, layout, output, None, None)
+        raise
     peak = result.memory.peak_train.bytes if result.memory.peak_train is not None else None
     if fmt == "json":
         doc = document(result, prediction)

@@ -89,3 +89,31 @@ def test_user_parallelize_raising_is_a_model_error(tmp_path):
     r = _invoke(LLAMA, "--mesh", "fsdp=2", "--parallelize", f"{f}:parallelize")
     assert r.exit_code == 3 and "my plan is broken" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_real_mesh_run_failing_in_the_users_file_keeps_the_account_and_exits_3():
+    """The model traces on fake tensors and raises on real ones: every rank of the gloo run fails in
+    the user's file. The account is written first, then one line naming the rank, the error and
+    the user's line; exit 3 (a model error)."""
+    target = ROOT / "tests/models/runtime_raises.py"
+    r = CliRunner().invoke(cli, ["profile", f"{target}:RuntimeRaises", "--batch", "2", "--mesh", "fsdp=2", "--runtime",
+                                 "--device", "cpu", "--steps", "1", "--warmup", "0"])
+    assert r.exit_code == 3, r.output
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1, r.stderr
+    assert err[0].startswith("error: the real run on gloo failed on rank "), err
+    assert "ValueError: real tensors are refused on purpose" in err[0] and "runtime_raises.py:15 in forward" in err[0]
+    assert "collectives of one step" in r.stdout  # the account stands
+
+
+def test_a_rank_failing_in_fxacct_is_an_internal_error():
+    from fxacct.errors import InternalError, ModelError
+    from fxacct.parallel.gloo_run import rank_failure
+
+    text = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/multiprocessing/spawn.py", line 87, '
+            'in _wrap\n  File "/repo/fxacct/parallel/gloo_run.py", line 130, in _measure\nKeyError: \'rank\'\n')
+    err = rank_failure(1, text)
+    assert isinstance(err, InternalError) and err.exit_code == 4
+    assert "rank 1: KeyError: 'rank'" in str(err) and "gloo_run.py:130 in _measure" in str(err)
+    torch_text = text.replace("/repo/fxacct/parallel/gloo_run.py", "/x/site-packages/torch/distributed/c10d.py")
+    assert isinstance(rank_failure(0, torch_text), ModelError)

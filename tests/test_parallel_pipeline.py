@@ -240,3 +240,27 @@ def test_fsdp_on_a_cut_stage_wraps_each_of_its_blocks():
     for r in rows:
         count[r.op, r.phase] = count.get((r.op, r.phase), 0) + r.count
     assert count == {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 3}
+
+
+def test_a_model_without_repeated_blocks_needs_its_split_named(tmp_path):
+    """An LSTM language model has no stack of blocks to balance: the automatic split is a usage
+    error naming --pp-split; with the FQN where stage 1 begins (its head) it is accounted: stage 0
+    sends the LSTM's output, (2, 16, 64) fp32 = 8192 B per micro-batch, and receives its gradient."""
+    (tmp_path / "lstm.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class LSTMLM(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.lstm, self.head = nn.Embedding(256, 64), nn.LSTM(64, 64, 2, batch_first=True), "
+        "nn.Linear(64, 256)\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.lstm(self.emb(x))[0])\n"
+        "    def example_inputs(self, batch):\n"
+        "        return (torch.randint(0, 256, (batch, 16)),)\n")
+    target = str(tmp_path / "lstm.py") + ":LSTMLM"
+    r = CliRunner().invoke(cli, ["profile", target, "--batch", "2", "--mesh", "pp=2"], catch_exceptions=False)
+    assert r.exit_code == 2 and "no repeated blocks to cut between automatically" in r.stderr, r.output
+    assert "--pp-split" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    pipe = fxacct.profile(fxacct.Config(target=target, batch=2, mesh="pp=2", pp_split="head", microbatches=2)
+                          ).parallel.pipeline
+    assert [(s.sends, s.send_bytes) for s in pipe.stages] == [(2, 2 * 8192), (2, 2 * 8192)]

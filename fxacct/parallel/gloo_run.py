@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
+import re
 import socket
 import tempfile
 import time
@@ -19,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fxacct.errors import UsageError
+from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
 from fxacct.parallel.collectives import _OPS
 from fxacct.parallel.mesh import parse_mesh
 from fxacct.trace import torch_private as tp
@@ -91,13 +93,39 @@ def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...
         config = config if points is None else replace(config, pp_split=",".join(points))
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(spec.world_size, port, config, out, steps, warmup),
-                           nprocs=spec.world_size, start_method="spawn", join=True)
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..." when a rank fails
+        level, spawn_log.level = spawn_log.level, logging.ERROR
+        try:
+            mp.start_processes(_rank_main, args=(spec.world_size, port, config, out, steps, warmup),
+                               nprocs=spec.world_size, start_method="spawn", join=True)
+        except mp.ProcessRaisedException as e:
+            raise rank_failure(e.error_index, e.msg) from None
+        finally:
+            spawn_log.setLevel(level)
         results = []
         for rank in range(spec.world_size):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
                 results.append(RankMeasured(**json.load(f)))
     return tuple(results)
+
+
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+def rank_failure(rank: int, traceback_text: str) -> FxacctError:
+    """The one-line error for a rank whose real run raised (its traceback arrives as text): fxacct's
+    own code at the deepest frame is an internal error (4), else the model or the engine failed (3)."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    what = lines[-1].strip() if lines else "an error"
+    frames = _FRAME.findall(traceback_text)
+    at = ""
+    if frames:
+        path, line, fn = frames[-1]
+        at = f" (at {_shown_path(path)}:{line} in {fn})"
+        if f"{os.sep}fxacct{os.sep}" in path and "site-packages" not in path:
+            return InternalError(f"internal error in the real run on rank {rank}: {what}{at}; {INTERNAL_HINT}")
+    return ModelError(f"the real run on gloo failed on rank {rank}: {what}{at}; the account above does not need "
+                      "it; rerun with --debug for the traceback")
 
 
 def _rank_main(rank, world, port, config, out, steps, warmup):

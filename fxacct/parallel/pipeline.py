@@ -170,8 +170,11 @@ def profile_pipeline(config):
     v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
     stages = ranks * v
     blocks = len(repeated_blocks(load_model(config)[0]))
-    if stages > blocks:
-        asked = f"pp={ranks}" + (f" with {v} stages per rank" if v > 1 else "")
+    asked = f"pp={ranks}" + (f" with {v} stages per rank" if v > 1 else "")
+    if blocks == 0 and not config.pp_split:  # the automatic split cuts between repeated blocks
+        raise UsageError(f"--mesh {asked}: the model has no repeated blocks to cut between automatically; give "
+                         "--pp-split FQN,... (the modules where stages 1, 2, ... begin) or --pp-split PATH.py:fn")
+    if blocks and stages > blocks:
         raise UsageError(f"--mesh {asked} asks for more pipeline stages than the model has repeated blocks "
                          f"({blocks}): use pp <= {blocks // v}")
     check_microbatches(config.pp_schedule, ranks, m)

@@ -79,8 +79,8 @@ def _pipe(model, args, kwargs, points: list[str]):
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     try:
-        with warnings.catch_warnings():  # torch.export's own deprecation notices (pytree LeafSpec) are not the user's
-            warnings.simplefilter("ignore", FutureWarning)
+        with warnings.catch_warnings():  # torch.export's notices (pytree LeafSpec deprecations, attributes
+            warnings.simplefilter("ignore")  # it sees assigned, as an LSTM's _flat_weights) are about its trace
             pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=dict(kwargs) or None,
                             split_spec={p: SplitPoint.BEGINNING for p in points})
     except Exception as e:
