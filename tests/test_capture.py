@@ -2,7 +2,6 @@
 its module, backward nodes link to their forward node, tied weights count once, and common
 module types trace without unsupported ops."""
 
-import operator
 
 import pytest
 import torch

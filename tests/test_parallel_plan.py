@@ -21,7 +21,7 @@ from fxacct.parallel.screen import extrapolate, point, truncate, truncated_loade
 from fxacct.predict import devices
 from fxacct.profile import load_model
 from fxacct_cli.main import cli
-from helpers import ROOT, target
+from helpers import target
 
 LLAMA = target("examples/llama.py:Llama")
 PARALLELIZE = target("examples/llama.py:parallelize")
@@ -162,7 +162,8 @@ def test_plan_cli_table_fits_the_width_and_json():
     assert set(ranked) == {"fsdp=2,tp=2", "fsdp=4"}
     r = CliRunner().invoke(cli, args + ["--format", "json"], catch_exceptions=False)
     doc = json.loads(r.output)
-    assert doc["schema"] == "fxacct.plan/1" and doc["blocks"] == 2 and doc["layouts"][0]["fits"] and doc["layouts"][0]["source"] == "traced"
+    assert doc["schema"] == "fxacct.plan/1"
+    assert doc["blocks"] == 2 and doc["layouts"][0]["fits"] and doc["layouts"][0]["source"] == "traced"
     assert {row["mesh"] for row in doc["layouts"]} == {"fsdp=4", "fsdp=2,tp=2", "tp=4"}
 
 

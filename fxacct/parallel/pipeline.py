@@ -32,8 +32,9 @@ from fxacct.parallel.mesh import parse_mesh, without_pp
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
 from fxacct.parallel.pipeline_split import (
-    MODEL_INPUT, StageInput, block_costs, is_function, meta_like, split_points, stage_inputs, stage_module, tp_leaves,
+    MODEL_INPUT, StageInput, block_costs, is_function, meta_like, split_points, stage_inputs, stage_module,
 )
+from fxacct.trace import torch_private as tp
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ def resolve_points(config, stages: int):
 
 def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[StageInput]]]:
     """(args, kwargs, what it receives) per stage, on meta: stage 0 the model's inputs, a later
-    stage the tensors it receives (several where the forward passes several: Hugging Face Llama
-    passes its hidden states with RoPE's cos and sin and the attention mask, the last three from
-    stage 0 to every stage, skip connections)."""
+    stage the tensors it receives (several where the forward passes several: a Hugging Face Llama
+    passes its hidden states with RoPE's cos and sin and the attention mask). A stage that reads
+    from further back than the stage before (that Llama cut in three: cos, sin and the mask go
+    from stage 0 to stage 2) is a skip connection torch's pipelining cannot run: refused."""
     from fxacct.profile import load_model
 
     model, args, kwargs, _ = load_model(config)
@@ -130,7 +132,7 @@ def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[S
                 out = part(*inputs, **kw)
         except Exception as e:  # the model's code raised (exit 3), or fxacct's (4): classify decides
             raise classify(e, f"running pipeline stage {s} on meta") from e
-        received = [StageInput(meta_like(t), s) for t in tp_leaves(out) if isinstance(t, torch.Tensor)]
+        received = [StageInput(meta_like(t), s) for t in tp.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not received:
             raise UsageError(f"pipeline stage {s} passes no tensor to the next stage ({type(out).__name__}): "
                              "a stage's forward returns what the next stage takes")

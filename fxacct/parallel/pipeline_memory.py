@@ -14,9 +14,10 @@ torch.distributed.pipelining's PipelineStage holds memory (torch 2.13 stage.py, 
   is kept to the end of the step (``_internal_losses``).
 - B(k) runs the backward ops. The first backward allocates the parameter gradients, alive to the
   end; later ones add into them (AccumulateGrad), so a parameter gradient a later backward
-  computes is freed at the end of its autograd node (when AccumulateGrad has added it in). The input gradient of a later stage is taken off its
-  receive buffer (``stage_backward`` sets ``.grad = None``) and lives as long as the send that
-  carries it back (fxacct.parallel.pipeline_schedule.releases), as does a stage output.
+  computes is freed at the end of its autograd node (when AccumulateGrad has added it in). The
+  input gradient of a later stage is taken off its receive buffer (``stage_backward`` sets
+  ``.grad = None``) and lives as long as the send that carries it back
+  (fxacct.parallel.pipeline_schedule.releases), as does a stage output.
 - When the schedule returns, the last stage merges its output chunks (``torch.cat``: one more
   copy of all M outputs, freed with them since ``step()``'s result is unused); then the optimizer.
 """

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from fxacct.errors import UsageError, classify
+from fxacct.trace import torch_private as tp
 
 
 def is_function(pp_split: str | None) -> bool:
@@ -138,10 +139,10 @@ def stage_inputs(model, args, kwargs, points: list[str]) -> list[list[StageInput
     class Stages(torch.fx.Interpreter):
         def call_module(self, target, call_args, call_kwargs):
             stage = len(received)
-            received.append([StageInput(meta_like(a), made_by.get(id(a), MODEL_INPUT)) for a in tp_leaves(call_args)
-                             if isinstance(a, torch.Tensor)] if stage else [])
+            received.append([StageInput(meta_like(a), made_by.get(id(a), MODEL_INPUT))
+                             for a in tp.tree_leaves(call_args) if isinstance(a, torch.Tensor)] if stage else [])
             out = super().call_module(target, call_args, call_kwargs)
-            for t in tp_leaves(out):
+            for t in tp.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     made_by.setdefault(id(t), stage)
             return out
@@ -155,12 +156,6 @@ def stage_inputs(model, args, kwargs, points: list[str]) -> list[list[StageInput
     except Exception as e:
         raise classify(e, "running the pipeline stages on meta") from e
     return received
-
-
-def tp_leaves(tree) -> list:
-    from fxacct.trace import torch_private as tp
-
-    return tp.tree_leaves(tree)
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:

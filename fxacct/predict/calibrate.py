@@ -51,8 +51,9 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   two query lengths (microbench.attention), in ``op_latency_s``.
 - training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
   (batch norm, max-pool, layer norm, softmax, GELU, ReLU's backward; forward and backward; and
-  dropout's random mask, ~150 M elements/s here) on 1 MiB and 64 KiB activations, each as the bytes the roofline counts for it over its time, and its
-  fixed cost per call fit through the two (microbench.kernels; in ``op_latency_s`` as above).
+  dropout's random mask, ~150 M elements/s here) on 1 MiB and 64 KiB activations, each as the
+  bytes the roofline counts for it over its time, and its fixed cost per call fit through the two
+  (microbench.kernels; in ``op_latency_s`` as above).
 - bandwidth in bytes/s, by footprint: three streaming ops, ``dst.copy_(src)`` (reads and writes
   the buffer: 2 × its bytes moved, the STREAM "copy" convention), ``torch.add(a, b, out=c)`` (3 ×)
   and ``a.mul_(s)`` (2 ×), on buffers of ``COPY_SIZES``; per size, the median of the three rates,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from fxacct.report.tables import tabulate
 from fxacct.report.width import fit_table, wrap_lines
 from fxacct.units import format_bytes
 
