@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import fxacct
-from fxacct.predict import calibrate
+from fxacct.predict import calibrate, overhead
 from fxacct.predict.roofline import for_config, for_local, from_calibration, predict_profile
 from fxacct_cli.main import cli
 from helpers import ROOT
@@ -358,7 +358,7 @@ def test_the_small_steps_ops_as_the_prediction_charges_them(cache):
     # addcmul_, step.item(), sqrt, div, addcdiv_ = 10, so 160; its first step's 32 zeros_like (the
     # state) are no op of a steady-state step; views: 16 lift_fresh
     cal = fake_calibration(dispatch_s_per_op=1.0, dispatch_s_by_phase={"forward": 1.0}, view_s_per_op=1.0)
-    seconds, ops, views = calibrate.tiny_roofline(cal)
+    seconds, ops, views = overhead.tiny_roofline(cal)
     assert (ops["forward"], views["forward"]) == (18, 9)
     assert ops["backward"] == 31
     assert (ops["optimizer"], views["optimizer"]) == (160, 16)
@@ -380,7 +380,7 @@ def test_calibrate_takes_the_roofline_and_the_views_out_of_the_small_step(monkey
     phases = {"forward": 1e-3, "backward": 2e-3, "optimizer": 3e-3}
     monkeypatch.setattr(microbench, "dispatch", lambda kind, budget_s, timer=None, profiled=False:
                         microbench.TinyTiming(step, {} if profiled else phases))
-    monkeypatch.setattr(calibrate, "tiny_roofline", lambda cal: (
+    monkeypatch.setattr(overhead, "tiny_roofline", lambda cal: (
         {"forward": 2e-4, "backward": 5e-4, "optimizer": 1e-3}, {"forward": 10, "backward": 20, "optimizer": 40},
         {"forward": 5, "backward": 10, "optimizer": 20}))
     cal = calibrate.calibrate("cpu")

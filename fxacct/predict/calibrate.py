@@ -38,9 +38,10 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   phase's median time over ~100 steps (per-op costs are software's: allocation, page faults, the
   autograd engine, Python; a typical step pays them as the median step does, which is what the
   runtime mode measures), less what fxacct's own roofline predicts for that phase on the rates
-  measured here (tiny_roofline: its arithmetic and bytes), less its views at the trivial op's
-  time (a view allocates nothing and runs no kernel: ``view_s_per_op``), over the phase's other
-  ops (``dispatch_s_by_phase``: forward, backward, optimizer), at least the trivial op's time. It
+  measured here (its arithmetic and bytes: fxacct.predict.overhead), less its views at the
+  trivial op's time (a view allocates nothing and runs no kernel: ``view_s_per_op``), over the
+  phase's other ops (``dispatch_s_by_phase``: forward, backward, optimizer), at least the trivial
+  op's time. It
   is what an op pays besides its FLOPs and bytes, fit where it is most of the time (measured here:
   ~15 µs forward, ~10 µs backward, ~5 µs optimizer; on a few elements per op, Linear(4, 4), the
   forward's was 3.5 µs: an op on real activations pays allocation and OpenMP's parallel region
@@ -81,7 +82,7 @@ from typing import Callable
 import torch
 
 from fxacct.errors import UsageError
-from fxacct.predict import microbench
+from fxacct.predict import microbench, overhead
 
 SCHEMA = "fxacct.device/1"
 MIN_OP_S = 0.01  # s: a product this long is timed reliably and runs at a sustained rate
@@ -308,51 +309,7 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
                       0.0, {"float32": conv}, None, spread, warnings + _unstable(spread), None, kernel_rates,
                       {"float32": conv_bwd}, latency)
     say("per-op overhead beyond the roofline")
-    roofline_s, ops, views = tiny_roofline(cal)
-
-    # a view allocates nothing and runs no kernel: on the CPU it pays dispatch alone, the trivial op's
-    # time; on CUDA the trivial op's time is a kernel launch, which a view never pays, and under
-    # torch.profiler (which records each op alike) every op pays one figure
-    views_apart = kind == "cpu"
-
-    def overhead(seconds: float, phases, apart: bool = views_apart) -> float:
-        n_views = sum(views[p] for p in phases)
-        n_ops = sum(ops[p] for p in phases) + (0 if apart else n_views)
-        beyond_views = seconds - (trivial_s * n_views if apart else 0.0)
-        return microbench.per_op(beyond_views, sum(roofline_s[p] for p in phases), n_ops, trivial_s)
-
-    every = microbench.TINY_PHASES
-    step_s = sum(tiny.phases.values()) if tiny.phases else tiny.step.seconds  # CUDA: no phase splits
-    return replace(cal, seconds=time.perf_counter() - t0, dispatch_s_per_op=overhead(step_s, every),
-                   profiled_dispatch_s_per_op=overhead(profiled.step.seconds, every, apart=False),
-                   dispatch_s_by_phase={p: overhead(s, (p,)) for p, s in tiny.phases.items()},
-                   view_s_per_op=trivial_s if views_apart else None)
-
-
-def tiny_roofline(cal: Calibration) -> tuple[dict, dict, dict]:
-    """({phase: seconds}, {phase: ops}, {phase: views}) of the small model's training step
-    (microbench._Tiny) as fxacct predicts it on ``cal``'s rates, without any per-op overhead: its
-    arithmetic and bytes, the ops that pay the per-op overhead and the view ops (the loss's
-    counted with the forward's, as fxacct.predict.roofline.DeviceModel.overhead charges them).
-    The measured step less this and less the views' dispatch, per op, is the per-op overhead: what
-    the roofline does not hold, fit where it is most of the time."""
-    from fxacct.load.config import Config
-    from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
-    from fxacct.profile import profile_module
-
-    tiny = microbench._Tiny("cpu")  # traced on fake tensors: only shapes and dtypes are read
-    profile = profile_module(tiny.model, (tiny.x,), {}, Config(batch=microbench.TINY_BATCH, optimizer="adamw"))
-    rates_only = replace(cal, dispatch_s_per_op=None, profiled_dispatch_s_per_op=None, dispatch_s_by_phase={},
-                         view_s_per_op=None)
-    prediction = predict_profile(profile, from_calibration(rates_only))
-    seconds, ops, views = ({p: 0 for p in microbench.TINY_PHASES} for _ in range(3))
-    for op in prediction.ops:
-        if op.bound == INIT:  # the optimizer state's first allocation: no op of a steady-state step
-            continue
-        phase = "forward" if op.phase == LOSS else op.phase
-        seconds[phase] += op.seconds
-        (views if op.bound == FREE else ops)[phase] += op.calls
-    return seconds, ops, views
+    return replace(cal, seconds=time.perf_counter() - t0, **overhead.fit(cal, tiny, profiled, trivial_s))
 
 
 def save(cal: Calibration) -> Path:

@@ -1,0 +1,60 @@
+"""The per-op overhead of a calibrated device: what a small model's training step (microbench._Tiny)
+holds beyond fxacct's own roofline of it, per op (fxacct.predict.calibrate documents why)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fxacct.predict import microbench
+
+
+def fit(cal, tiny: microbench.TinyTiming, profiled: microbench.TinyTiming, trivial_s: float) -> dict:
+    """The overhead fields of a Calibration (``cal``: its rates, no overhead yet) from the small
+    step's timings, plain and under torch.profiler, and the trivial op's time (the floor)."""
+    roofline_s, ops, views = tiny_roofline(cal)
+    # a view allocates nothing and runs no kernel: on the CPU it pays dispatch alone, the trivial op's
+    # time; on CUDA the trivial op's time is a kernel launch, which a view never pays, and under
+    # torch.profiler (which records each op alike) every op pays one figure
+    views_apart = cal.kind == "cpu"
+
+    def overhead_of(seconds: float, phases, apart: bool = views_apart) -> float:
+        n_views = sum(views[p] for p in phases)
+        n_ops = sum(ops[p] for p in phases) + (0 if apart else n_views)
+        beyond_views = seconds - (trivial_s * n_views if apart else 0.0)
+        return microbench.per_op(beyond_views, sum(roofline_s[p] for p in phases), n_ops, trivial_s)
+
+    every = microbench.TINY_PHASES
+    step_s = sum(tiny.phases.values()) if tiny.phases else tiny.step.seconds  # CUDA: no phase splits
+    return {"dispatch_s_per_op": overhead_of(step_s, every),
+            "profiled_dispatch_s_per_op": overhead_of(profiled.step.seconds, every, apart=False),
+            "dispatch_s_by_phase": {p: overhead_of(s, (p,)) for p, s in tiny.phases.items()},
+            "view_s_per_op": trivial_s if views_apart else None}
+
+
+def tiny_roofline(cal) -> tuple[dict, dict, dict]:
+    """({phase: seconds}, {phase: ops}, {phase: views}) of the small model's training step
+    (microbench._Tiny) as fxacct predicts it on ``cal``'s rates, without any per-op overhead: its
+    arithmetic and bytes, the ops that pay the per-op overhead and the view ops (the loss's
+    counted with the forward's, as fxacct.predict.roofline.DeviceModel.overhead charges them).
+    The measured step less this and less the views' dispatch, per op, is the per-op overhead: what
+    the roofline does not hold, fit where it is most of the time."""
+    from fxacct.load.config import Config
+    from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
+    from fxacct.profile import profile_module
+
+    tiny = microbench._Tiny("cpu")  # traced on fake tensors: only shapes and dtypes are read
+    profile = profile_module(tiny.model, (tiny.x,), {}, Config(batch=microbench.TINY_BATCH, optimizer="adamw"))
+    rates_only = replace(cal, dispatch_s_per_op=None, profiled_dispatch_s_per_op=None, dispatch_s_by_phase={},
+                         view_s_per_op=None)
+    prediction = predict_profile(profile, from_calibration(rates_only))
+    seconds, ops, views = ({p: 0 for p in microbench.TINY_PHASES} for _ in range(3))
+    for op in prediction.ops:
+        if op.bound == INIT:  # the optimizer state's first allocation: no op of a steady-state step
+            continue
+        phase = "forward" if op.phase == LOSS else op.phase
+        seconds[phase] += op.seconds
+        (views if op.bound == FREE else ops)[phase] += op.calls
+    return seconds, ops, views
+
+
+__all__ = ["fit", "tiny_roofline"]
