@@ -401,3 +401,30 @@ def test_a_view_pays_the_view_overhead_and_other_ops_their_phases():
     views = [op for op in forward if op.bound == "free"]
     assert views and len(views) < len(forward)
     assert sum(op.overhead_s for op in forward) == pytest.approx(1e-6 * len(views) + 1e-5 * (len(forward) - len(views)))
+
+
+def test_attention_latency_is_the_intercept_through_two_query_lengths(monkeypatch):
+    # the fused CPU attention kernel "takes" 30 µs at T = 8 and 48 µs at T = 32 forward, 50 and 98 µs
+    # backward; work ∝ T² (64 and 1024): forward 30 − 64 · 18/960 = 28.8 µs, backward
+    # 50 − 64 · 48/960 = 46.8 µs at zero work (Hockney's α)
+    from fxacct.predict import microbench
+    from fxacct.trace import torch_private as tp
+
+    times = {("fwd", 8): 30e-6, ("fwd", 32): 48e-6, ("bwd", 8): 50e-6, ("bwd", 32): 98e-6}
+
+    class Which(tp.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen = ("bwd" if "backward" in str(func) else "fwd", args[1].shape[2])
+            return func(*args, **(kwargs or {}))
+
+    def stable(timer, fn, budget_s):
+        with Which() as which:
+            fn()
+        return microbench.Timing(times[which.seen], 0.0, 2, True)
+
+    monkeypatch.setattr(microbench, "stable", stable)
+    latency, spread = microbench.attention("cpu", 0.01)
+    fwd, bwd = "aten._scaled_dot_product_flash_attention_for_cpu.default", \
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+    assert latency == pytest.approx({fwd: 28.8e-6, bwd: 46.8e-6}) and spread == 0.0
+    assert microbench.attention("cuda", 0.01) == ({}, 0.0)  # CUDA's kernels are other ops

@@ -172,7 +172,7 @@ class _Tiny:
     """One training step of a small model (TINY_LAYERS × (Linear(TINY_WIDTH, TINY_WIDTH), ReLU) on
     TINY_BATCH rows, the float sum as loss, AdamW): ops on small-model activations, whose time is
     mostly per-op cost, paid the way a real step pays it (module calls, autograd recording, the
-    backward engine, the optimizer's Python loop). fxacct.predict.calibrate takes the roofline's
+    backward engine, the optimizer's Python loop). fxacct.predict.overhead takes the roofline's
     share out (its arithmetic and bytes) and keeps the rest per op."""
 
     def __init__(self, kind: str):
