@@ -101,9 +101,13 @@ def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[S
     from stage 0 to stage 2) is a skip connection torch's pipelining cannot run: refused."""
     from fxacct.profile import load_model
 
-    model, args, kwargs, _ = load_model(config)
-    if config.dtype is not None:
-        model.to(config.dtype)
+    def fresh():  # the model on meta in the step's dtype, and its inputs
+        model, args, kwargs, _ = load_model(config)
+        if config.dtype is not None:
+            model.to(config.dtype)
+        return model, args, kwargs
+
+    model, args, kwargs = fresh()
     if points is not None:
         received = stage_inputs(model, args, kwargs, points)
         for s, got in enumerate(received[2:], start=2):
@@ -118,10 +122,8 @@ def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[S
         return [(args, kwargs, [])] + [(tuple(i.tensor for i in r), {}, r) for r in received[1:]]
     parts, received = [], []  # --pp-split PATH.py:fn: each stage takes the previous one's outputs
     for s in range(stages):
-        if s:
-            model, args, kwargs, _ = load_model(config)
-            if config.dtype is not None:
-                model.to(config.dtype)
+        if s:  # a split function may cut the model it is given
+            model, args, kwargs = fresh()
         part = _split(config, model, s, stages, None, args, kwargs)
         inputs, kw = (args, kwargs) if s == 0 else (tuple(i.tensor for i in received), {})
         parts.append((inputs, kw, received))

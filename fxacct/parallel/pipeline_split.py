@@ -103,25 +103,15 @@ def stage_module(model, args, kwargs, points: list[str], stage: int):
 MODEL_INPUT = -1
 
 
-MODEL_INPUT = -1
-
-
-def pipe_stage(model, args, kwargs, points: list[str], stage: int, device: torch.device):
-    """Stage ``stage`` as torch.distributed.pipelining runs a pipeline() split: ``Pipe.build_stage``,
-    which knows where each input comes from (a skip connection reaches past the stage before,
-    which the plain PipelineStage of a stage module cannot express)."""
-    return _pipe(model, args, kwargs, points).build_stage(stage, device)
-
-
 @dataclass(frozen=True)
 class StageInput:
-    """One tensor a stage receives: made by stage ``source`` (an earlier one: a skip connection
-    reaches past the stage before), on meta, requiring grad as the forward made it (only those
-    send a gradient back: torch's PipelineStage, ``_retrieve_recv_activations``)."""
+    """One tensor a stage receives: made by stage ``source`` (the one before it; an earlier one is
+    a skip connection, which fxacct.parallel.pipeline refuses), on meta, requiring grad as the
+    forward made it (only those send a gradient back: torch's PipelineStage,
+    ``_retrieve_recv_activations``)."""
 
     tensor: torch.Tensor
     source: int  # the stage that made it; MODEL_INPUT: the model's own input, no send
-
 
     @property
     def nbytes(self) -> int:  # sent contiguous (an expanded mask travels as its full shape)

@@ -19,12 +19,13 @@ How a layout is judged, cheapest first:
 4. The best layouts are confirmed by a full trace each (``confirm``), whose numbers replace the
    screen's; a layout that turns out not to fit is rejected and the next one confirmed.
 
-A step of A micro-batches takes A × the traced micro-step (its optimizer step included each time:
-an upper bound), and with A > 1 the rank's gradients are added to the traced peak (they are kept
-between micro-batches; counted in full on top of the peak: an upper bound). With pp the stage
-accounts already hold the whole step (fxacct.parallel.pipeline_memory replays the M micro-batches
-in the schedule's order): the peak is the largest stage's, the step M × the slowest stage's
-micro-step ÷ (1 − the schedule's bubble), (M + P − 1) × that micro-step for GPipe and 1F1B."""
+A step of A micro-batches takes A × the traced micro-step's forward and backward plus one
+optimizer step (mesh timing's ``optimizer_s``), and with A > 1 the rank's gradients are added to
+the traced peak (they are kept between micro-batches; counted in full on top of the peak: an upper
+bound). With pp the stage accounts already hold the whole step (fxacct.parallel.pipeline_memory
+replays the M micro-batches in the schedule's order): the peak is the largest stage's, the step
+M × the slowest stage's micro-step (its optimizer left out) ÷ (1 − the schedule's bubble),
+(M + P − 1) × that micro-step for GPipe and 1F1B, then the slowest stage's optimizer step."""
 
 from __future__ import annotations
 
