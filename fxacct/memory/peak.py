@@ -47,6 +47,7 @@ class Lifetimes:
     op_names: tuple[str, ...]
     op_phases: tuple[str, ...]
     born_storages: tuple[int, ...] = ()  # the storage id of each ``born`` entry, in the same order
+    resident_storages: tuple[int | None, ...] = ()  # likewise for ``resident`` (None: a repeat)
 
 
 def _is_lifted_constant(node: fx.Node) -> bool:
@@ -89,7 +90,8 @@ def lifetimes(capture: Capture) -> Lifetimes:
                         else ACTIVATIONS if sid in capture.saved_storages else TEMPORARIES)
             born[sid] = (i, max(i, deaths.get(sid, end)), category, t.storage_nbytes)
     return Lifetimes(tuple(resident.values()) + tuple(repeated), tuple(born.values()),
-                     tuple(n.name for n in ops), tuple(trace_of(n).phase for n in ops), tuple(born))
+                     tuple(n.name for n in ops), tuple(trace_of(n).phase for n in ops), tuple(born),
+                     tuple(resident) + (None,) * len(repeated))
 
 
 def _per_rank(nbytes: int, shards: int) -> int:

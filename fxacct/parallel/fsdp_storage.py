@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from dataclasses import replace
 
+from fxacct.memory.peak import BUFFERS, TEMPORARIES
 from fxacct.trace import torch_private as tp
 from fxacct.trace.records import tensor_metas
 
@@ -34,36 +35,51 @@ class StorageResizes:
 
 
 def with_resizes(life, graph, events):
-    """``life`` (fxacct.memory.peak.Lifetimes) with each resized storage's single (birth, death)
-    interval replaced by the intervals it held memory."""
+    """``life`` (fxacct.memory.peak.Lifetimes) with each resized storage's single interval replaced
+    by the intervals it held memory. A storage FSDP2 made before this capture (a model captured
+    again: its gathered parameters and all-gather buffers exist already) is no resident constant
+    either: it holds memory from each allocation to the next free, from the first op if the capture
+    began with it allocated."""
     if not events:
         return life
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
-    first: dict[int, tuple[int, int]] = {}
-    for i, n in enumerate(ops):
-        for t in tensor_metas(n.meta.get("val")):
-            first.setdefault(t.storage, (i, t.storage_nbytes))
     per_storage: dict[int, list[tuple[int, bool]]] = {}
     for sid, index, allocated in events:
-        if sid in first:
-            per_storage.setdefault(sid, []).append((index, allocated))
-    born = list(life.born)
-    for sid, evs in per_storage.items():
-        birth, nbytes = first[sid]
-        entry = next((e for e in born if e[0] == birth and e[3] == nbytes), None)
-        if entry is None:
-            continue
-        born.remove(entry)
-        start = birth
-        for index, allocated in evs:
-            if allocated and start is None:
-                start = max(index, 0)
-            elif not allocated and start is not None:
-                born.append((start, max(start, index), entry[2], nbytes))
-                start = None
-        if start is not None:
-            born.append((start, max(start, entry[1]), entry[2], nbytes))
-    return replace(life, born=tuple(born))
+        per_storage.setdefault(sid, []).append((index, allocated))
+    born = dict(zip(life.born_storages, life.born))
+    resident = list(zip(life.resident_storages, life.resident))
+    kept = []
+    for sid, (birth, death, category, nbytes) in born.items():
+        evs = per_storage.get(sid)
+        if evs is None:
+            kept.append((sid, (birth, death, category, nbytes)))
+        else:
+            kept += [(sid, iv) for iv in _intervals(evs, birth, death, category, nbytes)]
+    still = []
+    for sid, (category, nbytes) in resident:
+        evs = per_storage.get(sid)
+        if evs is None or category != BUFFERS:
+            still.append((sid, (category, nbytes)))
+        else:  # allocated at the first op unless the first event allocates it
+            start = None if evs[0][1] else 0
+            kept += [(sid, iv) for iv in _intervals(evs, start, len(ops) - 1, TEMPORARIES, nbytes)]
+    return replace(life, born=tuple(iv for _, iv in kept), born_storages=tuple(sid for sid, _ in kept),
+                   resident=tuple(r for _, r in still), resident_storages=tuple(sid for sid, _ in still))
+
+
+def _intervals(evs, start, end, category, nbytes):
+    """(birth, death, category, bytes) for each stretch a storage held memory: ``start`` its first
+    birth (None: born at its first allocation event), ``end`` its last op alive."""
+    out = []
+    for index, allocated in evs:
+        if allocated and start is None:
+            start = max(index, 0)
+        elif not allocated and start is not None:
+            out.append((start, max(start, index), category, nbytes))
+            start = None
+    if start is not None:
+        out.append((start, max(start, end), category, nbytes))
+    return out
 
 
 def unsave_resized(cap, events):

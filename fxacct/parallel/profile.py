@@ -9,7 +9,7 @@ from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, alias_wai
 from fxacct.parallel.engine import device_mesh, fake_group
 from fxacct.parallel.fsdp_storage import unsave_resized, with_resizes
 from fxacct.parallel.mesh import MeshSpec, parse_mesh
-from fxacct.parallel.rank_capture import rank_capture
+from fxacct.parallel.rank_capture import prepare, rank_capture
 from fxacct.parallel.timing import ParallelTime, Throughput, predict_time, throughput
 
 
@@ -43,15 +43,15 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     with fake_group(spec.world_size):
         mesh = device_mesh(spec)
         model, args, kwargs, _ = load_model(config)
-        cap, resizes = rank_capture(model, args, kwargs, spec, mesh, config)
+        prepared = prepare(model, spec, mesh, config)  # parallelized and materialized once
+        cap, resizes = rank_capture(model, args, kwargs, prepared, config)
         alias_waits(cap)
         cap = unsave_resized(cap, resizes)
         annotate(cap.graph, config.causal_attention)
         found = mark(cap.graph, mesh_groups(mesh, spec))
         inference = None
         if with_inference:
-            model_i, args_i, kwargs_i, _ = load_model(config)
-            inference, resizes_i = rank_capture(model_i, args_i, kwargs_i, spec, mesh, config, inference=True)
+            inference, resizes_i = rank_capture(model, args, kwargs, prepared, config, inference=True)
             alias_waits(inference)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
     acct = account(cap, config.batch, tokens, config.count_recompute)

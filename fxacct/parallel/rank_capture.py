@@ -11,7 +11,7 @@ bytes are FSDP2's padded per-rank bytes.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,9 +64,14 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
     return Prepared(mode, fake, (DTensor,), StorageResizes())
 
 
-def rank_capture(model, args, kwargs, spec, mesh, config, inference: bool = False) -> tuple[Capture, list]:
-    """(the capture, FSDP2's storage resize events: fxacct.parallel.fsdp_storage)."""
-    prepared = prepare(model, spec, mesh, config)
+def rank_capture(model, args, kwargs, prepared: Prepared, config, inference: bool = False) -> tuple[Capture, list]:
+    """(the capture, FSDP2's storage resize events: fxacct.parallel.fsdp_storage). One prepared
+    model serves the training capture and then the inference one: a capture leaves no tags on
+    the tensors FSDP2 keeps (fxacct.trace.dispatch_recorder.Recorder.untag), and the gradients
+    the training step left are dropped first, as no inference holds them."""
+    prepared = replace(prepared, resizes=StorageResizes())
+    if inference:
+        model.zero_grad(set_to_none=True)
     with tp.dtensor_meta_unrecorded(), prepared.resizes.watching(), warnings.catch_warnings():
         # FSDP2 warns that an in-place op on a returned view would skip its hook: the traced step
         # makes none (the loss reads the outputs), so the warning says nothing about this account

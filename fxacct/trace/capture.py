@@ -138,6 +138,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureO
     stride and dtype are read). The user's module is left as it was."""
     session = _start(model, args, kwargs, options)
     try:
+        _traced(session)
+        return _finish(session)
+    finally:
+        session.recorder.untag()  # the model may be captured again (fxacct.parallel.profile)
+
+
+def _traced(session: _Session) -> None:
+    """_run, its failures told as fxacct's errors."""
+    try:
         _run(session)
     except FxacctError:
         raise
@@ -153,7 +162,6 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureO
         raise classify(e, f"the model's {session.recorder.phase}") from e
     finally:
         session.storages.open = False
-    return _finish(session)
 
 
 def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
@@ -271,7 +279,7 @@ def _target(session: _Session, spec):
     slot = Slot("input", "target")
     node = session.builder.placeholder(slot, "target", session.recorder.meta(t), INPUT)
     node.meta["trace"] = dataclasses.replace(node.meta["trace"], phase=LOSS)
-    setattr(t, TAG, Ref(slot))
+    session.recorder.tag(t, Ref(slot))
     session.flat_inputs.append(("target", t))  # held to the step's end, as the loop's variable
     return t
 
@@ -283,13 +291,13 @@ def _placeholders(builder: GraphBuilder, recorder: Recorder, fake: FakeModel, fl
         if isinstance(t, torch.Tensor):
             slot = Slot("input", len(input_nodes))
             input_nodes.append(builder.placeholder(slot, name, recorder.meta(t), INPUT))
-            setattr(t, TAG, Ref(slot))
+            recorder.tag(t, Ref(slot))
     for kind, role, groups in (("param", PARAMETER, fake.param_groups), ("buffer", BUFFER, fake.buffer_groups)):
         for tid, group in groups.items():
             slot = Slot(kind, tid)
             t = tp.local(fake.fake_of[tid])  # a DTensor's shard on this rank
             builder.placeholder(slot, group[0].replace(".", "_"), recorder.meta(t), role, group[0])
-            setattr(t, TAG, Ref(slot))
+            recorder.tag(t, Ref(slot))
     return input_nodes
 
 

@@ -5,6 +5,7 @@ allocates other dtypes than the real one."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -120,6 +121,10 @@ class Recorder(tp.TorchDispatchMode):
         self.recording = True
         self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
         self.in_mha = 0  # depth of F.multi_head_attention_forward calls (its bmm products are attention)
+        # every tensor tagged here, weakly: a capture clears its tags when it ends (untag), so a
+        # tensor that outlives it (FSDP2's gathered parameters, a module's constant) is untagged
+        # when the next capture of the same model meets it
+        self.tagged: list[weakref.ref] = []
 
     @contextlib.contextmanager
     def suppressed(self):
@@ -153,8 +158,20 @@ class Recorder(tp.TorchDispatchMode):
         if ref is None:  # made outside the traced ops: a constant held by the module or the code
             ref = Ref(Slot("constant", len(self.constants)))
             self.constants.append((ref.source, self.meta(t)))
-            setattr(t, TAG, ref)
+            self.tag(t, ref)
         return ref
+
+    def tag(self, t: torch.Tensor, ref: Ref) -> None:
+        setattr(t, TAG, ref)
+        self.tagged.append(weakref.ref(t))
+
+    def untag(self) -> None:
+        """Clear the tag of every tensor tagged during the capture that is still alive."""
+        for w in self.tagged:
+            t = w()
+            if t is not None and TAG in t.__dict__:
+                delattr(t, TAG)
+        self.tagged = []
 
     def refs(self, a, rg: list):
         """``a`` with each tensor replaced by its Ref; whether each required grad goes to ``rg``."""
@@ -185,13 +202,13 @@ class Recorder(tp.TorchDispatchMode):
         ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
         if isinstance(out, torch.Tensor):
             val = self.meta(out)
-            setattr(out, TAG, Ref(index))
+            self.tag(out, Ref(index))
         elif isinstance(out, (tuple, list)):
             val = []
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     val.append(self.meta(o))
-                    setattr(o, TAG, Ref(index, i))
+                    self.tag(o, Ref(index, i))
                 else:
                     val.append(None)
             val = tuple(val)
