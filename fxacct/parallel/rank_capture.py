@@ -53,7 +53,8 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
 
     if config.dtype is not None:
         model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
-    parallelize(model, spec, mesh, config)
+    with tp.shared_mesh_concatenation():
+        parallelize(model, spec, mesh, config)
     mode = tp.FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:

@@ -190,6 +190,11 @@ class Recorder(tp.TorchDispatchMode):
         if self.defer and not self.defer.isdisjoint(types):
             return self._deferred()
         kwargs = kwargs or {}
+        if func.namespace == "profiler":
+            # record_function markers (FSDP2 puts several around every block) hold no tensor:
+            # their kernel runs as it is, without a trip through the fake mode below
+            with tp.no_python_dispatch():
+                return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if func.namespace in _NOT_RECORDED or not self.recording:
             return out
