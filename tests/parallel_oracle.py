@@ -63,7 +63,8 @@ def eager_collectives(model_fn, parallelize, dims: dict, inputs) -> tuple[Counte
     try:
         mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
         torch.manual_seed(0)
-        model = parallelize(model_fn(), mesh) or model
+        model = model_fn()
+        model = parallelize(model, mesh) or model  # a parallelize that returns None changed it in place
         opt = torch.optim.AdamW(model.parameters())
         counter, debug = CollectiveCounter(), CommDebugMode()
         with debug, counter:
@@ -84,11 +85,13 @@ def fxacct_collectives(doc: dict) -> tuple[Counter, Counter]:
     return count, nbytes
 
 
-def eager_peak(model_fn, parallelize, dims: dict, inputs) -> int:
+def eager_peak(model_fn, parallelize, dims: dict, inputs, inference: bool = False) -> int:
     """The op-level peak of one steady-state training step on rank 0 (fxacct.runtime's
     StorageTracker, as fxacct.runtime.storage_tracker.measure_training_step runs it: a warm-up
     step, zero_grad(set_to_none=True), then the tracked step), with FSDP2's storage resizes (made
-    outside the dispatcher) shown to the tracker as they happen."""
+    outside the dispatcher) shown to the tracker as they happen. ``inference``: after the same
+    warm-up, one forward in eval mode under no_grad is tracked instead (parameters, buffers and
+    inputs resident, as measure_inference counts them)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     from fxacct.runtime.storage_tracker import StorageTracker, _gc_paused
@@ -110,7 +113,8 @@ def eager_peak(model_fn, parallelize, dims: dict, inputs) -> int:
     try:
         mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
         torch.manual_seed(0)
-        model = parallelize(model_fn(), mesh) or model
+        model = model_fn()
+        model = parallelize(model, mesh) or model  # a parallelize that returns None changed it in place
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
         def step():
@@ -124,8 +128,14 @@ def eager_peak(model_fn, parallelize, dims: dict, inputs) -> int:
         _fsdp_param.free_storage, _fsdp_param.alloc_storage = seen(free), seen(alloc)
         _fsdp_param_group.alloc_storage = _fsdp_param.alloc_storage
         with _gc_paused(), tracker:
-            tracker.track(model, opt, inputs)
-            step()
+            if inference:
+                model.eval()
+                tracker.track(model, inputs)
+                with torch.no_grad():
+                    out = model(*inputs)  # noqa: F841  (alive to the end, as fxacct counts outputs)
+            else:
+                tracker.track(model, opt, inputs)
+                step()
         return tracker.peak_bytes
     finally:
         _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc

@@ -68,6 +68,29 @@ def test_rank_peak_matches_the_storage_tracker(dims, par):
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
+@pytest.mark.parametrize("dims,par", [
+    ({"fsdp": 4}, None),
+    ({"fsdp": 2, "tp": 2}, "examples/llama.py:parallelize"),
+])
+def test_rank_inference_peak_matches_the_storage_tracker(dims, par):
+    """The inference forward is traced on the model the training step parallelized: FSDP2's
+    gathered parameters and all-gather buffers exist before it starts, and must hold memory only
+    while gathered (fxacct.parallel.fsdp_storage.with_resizes), not count as resident buffers.
+    Counted as resident, each block's gathered weights would add to the peak (+15% here)."""
+    from fxacct.parallel.engine import parallelize as engine_parallelize
+    from fxacct.parallel.mesh import parse_mesh
+
+    mesh = ",".join(f"{k}={v}" for k, v in dims.items())
+    predicted = _profile(LLAMA, mesh, par).memory.peak_inference.bytes
+    if par:
+        fn = load(par)
+    else:  # fxacct's own FSDP2 wrapping, as --mesh fsdp=4 applies it
+        def fn(model, m):
+            return engine_parallelize(model, parse_mesh(mesh), m, fxacct.Config(target=target(LLAMA), mesh=mesh))
+    measured = eager_peak(lambda: load(LLAMA)(), fn, dims, (torch.randint(0, 512, (2, 64)),), inference=True)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
 def test_fsdp_activations_are_the_single_device_ones():
     """FSDP2 changes where parameters live, not what autograd saves of the activations: the saved
     unsharded weights are parameters FSDP2 frees and gathers again, so a rank's activation bytes
@@ -75,3 +98,32 @@ def test_fsdp_activations_are_the_single_device_ones():
     saved_tensors_hooks in tests/test_memory_acceptance.py)."""
     single = _profile(LLAMA).accounting.totals.activation_bytes
     assert _profile(LLAMA, "fsdp=4").accounting.totals.activation_bytes == single
+
+
+def test_a_capture_leaves_no_tags_on_the_engines_tensors():
+    """--mesh traces the training step and then the inference forward on one parallelized model. A
+    capture tags every tensor it meets with the record that made it; a tag left on a tensor FSDP2
+    keeps (its sharded parameters, gathered parameters, all-gather buffers) would point the next
+    capture at a record of the last one. After a capture none is left."""
+    from fxacct.parallel.engine import device_mesh, fake_group
+    from fxacct.parallel.mesh import parse_mesh
+    from fxacct.parallel.rank_capture import prepare, rank_capture
+    from fxacct.profile import load_model
+    from fxacct.trace.records import TAG
+
+    config = fxacct.Config(target=target(LLAMA), batch=2, mesh="fsdp=2")
+    spec = parse_mesh(config.mesh)
+    with fake_group(spec.world_size):
+        model, args, kwargs, _ = load_model(config)
+        prepared = prepare(model, spec, device_mesh(spec), config)
+        rank_capture(model, args, kwargs, prepared, config)
+        kept = list(model.parameters())
+        for module in model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            for group in state._fsdp_param_groups if state is not None else ():
+                for fp in group.fsdp_params:
+                    kept += [*fp.all_gather_outputs, fp._sharded_local_tensor]
+                    kept += [fp._unsharded_param] if hasattr(fp, "_unsharded_param") else []
+    locals_ = [getattr(t, "_local_tensor", t) for t in kept]
+    assert len(locals_) > 3 * 9  # the sharded and gathered parameters of 4 blocks, at least
+    assert [t for t in locals_ if TAG in t.__dict__] == []
