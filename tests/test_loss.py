@@ -244,3 +244,21 @@ def test_nanogpt_style_forward_with_targets_uses_its_loss():
 def test_unknown_loss_is_a_usage_error():
     with pytest.raises(UsageError, match="cross-entropy"):
         fxacct.Config(loss="hinge")
+
+
+def test_what_the_loss_saves_is_in_the_total_and_the_root_row_only():
+    """Cross-entropy saves the fp32 log-softmax of the logits (4·64·2048·4 B = 2 MiB), the int64
+    targets (4·64·8 B = 2,048 B) and nll_loss's total_weight (a float32 scalar, 4 B) for its
+    backward; the loss belongs to no module, so the node rows
+    do not hold it and the root row does: nodes + loss = total = root row. The sum loss saves
+    nothing (its gradient is ones)."""
+    p = fxacct.profile(_gpt_config("cross-entropy"))
+    t = p.accounting.totals
+    n, v = BATCH * 64, GPT[1]["vocab_size"]
+    assert t.loss_activation_bytes == n * v * 4 + n * 8 + 4
+    assert sum(r.activation_bytes for r in p.accounting.nodes) + t.loss_activation_bytes == t.activation_bytes
+    root = next(m for m in p.accounting.modules if m.module == "")
+    assert root.activation_bytes == t.activation_bytes
+    plain = fxacct.profile(_gpt_config("sum")).accounting.totals
+    assert plain.loss_activation_bytes == 0
+    assert plain.activation_bytes == t.activation_bytes - t.loss_activation_bytes

@@ -54,9 +54,10 @@ class Totals:
     trainable_params: int
     param_bytes: int
     grad_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # every tensor autograd saves: the model's ops' and the loss's
     tokens_per_example: int | None
     batch: int
+    loss_activation_bytes: int = 0  # of those, what the loss saves (a node row of no module)
 
     @property
     def model_flops(self) -> int:
@@ -102,6 +103,7 @@ class _Sums:
     recompute_flops: int = 0
     op_nodes: int = 0
     saved_total: int = 0
+    saved_by_loss: int = 0
     saved_by_dtype: dict = field(default_factory=dict)
     unsupported: dict = field(default_factory=dict)
 
@@ -115,6 +117,8 @@ def _sum_graph(graph: fx.Graph, forward_nodes: list[fx.Node], count_recompute: b
         for dt, b in cost.saved_by_dtype:
             sums.saved_by_dtype[dtype_name(dt)] = sums.saved_by_dtype.get(dtype_name(dt), 0) + b
         sums.saved_total += cost.saved_bytes
+        if cost.phase == LOSS:
+            sums.saved_by_loss += cost.saved_bytes
         if n.op != "call_function":
             continue
         sums.op_nodes += 1
@@ -166,14 +170,18 @@ def account(capture: Capture, batch: int, tokens_per_example: int | None = None,
         param_bytes=sum(numel(p.shape) * itemsize(p.dtype) for p in params),
         grad_bytes=sum(numel(p.shape) * itemsize(p.dtype) for p in params if p.got_grad),
         activation_bytes=sums.saved_total, tokens_per_example=tokens_per_example, batch=batch,
+        loss_activation_bytes=sums.saved_by_loss,
     )
     inputs = tuple(describe(n.meta["val"]) for n in capture.input_nodes)
-    return Accounting(totals, tuple(rows), _module_rows(rows, capture.module_names),
+    return Accounting(totals, tuple(rows), _module_rows(rows, capture.module_names, sums.saved_by_loss),
                       dict(sorted(sums.saved_by_dtype.items())),
                       dict(sorted(sums.unsupported.items(), key=lambda kv: -kv[1])), sums.op_nodes, inputs)
 
 
-def _module_rows(rows, module_names) -> tuple[ModuleRow, ...]:
-    totals = inclusive((r.module, (r.forward, r.backward, r.activation_bytes)) for r in rows)
+def _module_rows(rows, module_names, loss_saved: int) -> tuple[ModuleRow, ...]:
+    """Inclusive per-module sums; the loss runs outside every module, so the root row alone holds
+    what it saves (the root row's activations are then the total's)."""
+    totals = inclusive([(r.module, (r.forward, r.backward, r.activation_bytes)) for r in rows]
+                       + [("", (ZERO, ZERO, loss_saved))])
     return tuple(ModuleRow(m, 0 if m == "" else m.count(".") + 1, *totals[m])
                  for m in module_names if m in totals)

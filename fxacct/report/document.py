@@ -55,7 +55,7 @@ def _document(p: Profile) -> dict:
             "forward_flops_by_class": _by_class(t.forward), "backward_flops_by_class": _by_class(t.backward),
             "params": t.params, "trainable_params": t.trainable_params,
             "param_bytes": t.param_bytes, "grad_bytes": t.grad_bytes, "optimizer_bytes": m.optimizer_bytes,
-            "activation_bytes": t.activation_bytes,
+            "activation_bytes": t.activation_bytes, "loss_activation_bytes": t.loss_activation_bytes,
             "peak_train_bytes": m.rank_peak.bytes if m.rank_peak is not None else None,
             "peak_inference_bytes": m.peak_inference.bytes if m.peak_inference is not None else None,
             "predicted_step_ms": None,

@@ -53,7 +53,8 @@ def summary(p: Profile) -> str:
                      "FLOPs, not in the backward above (model FLOPs; --count-recompute adds them)")
     lines.append(f"parameters: {_exact(t.params, format_count)}; trainable {_exact(t.trainable_params, format_count)}"
                  f"; {format_bytes(t.param_bytes)}; gradients {format_bytes(t.grad_bytes)}")
-    lines.append(f"activations saved for backward: {_exact(t.activation_bytes, format_bytes, ' B')}")
+    by_loss = f"; the loss's {format_bytes(t.loss_activation_bytes)} of them" if t.loss_activation_bytes else ""
+    lines.append(f"activations saved for backward: {_exact(t.activation_bytes, format_bytes, ' B')}{by_loss}")
     per_example = (t.forward.total + t.backward.total) // c.batch
     lines.append(f"FLOPs per example (forward+backward): {_flops(per_example)}")
     if t.tokens_per_example:
