@@ -134,6 +134,9 @@ def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace
 
         plot_memory(result, plot)
         click.echo(f"wrote {plot}", err=True)
+    if fmt in ("json", "csv"):  # the document carries them (json: "warnings"); a terminal shows them too
+        for w in result.warnings:
+            click.echo(f"warning: {w}", err=True)
     if fmt == "json":
         text = json.dumps(document(result, prediction, run), indent=2) + "\n"
     elif fmt == "html":

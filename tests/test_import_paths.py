@@ -15,7 +15,7 @@ import torch
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.profile import load_model
-from helpers import flop_counter_oracle, meta_input, model_flops, on_meta, target
+from helpers import flop_counter_oracle, meta_input, on_meta, target
 from test_cli import assert_one_line_error, invoke, profile_json
 
 TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
@@ -111,6 +111,16 @@ def test_hf_default_inputs_of_encoder_decoder_and_vision_models(tmp_path):
     assert {k: (tuple(v.shape), v.dtype) for k, v in kwargs.items()} == {"pixel_values": ((2, 3, 32, 32), torch.float32)}
     _, _, kwargs, _ = load_model(fxacct.Config(target=f"hf:{vit}", batch=2, loss="model"))
     assert tuple(kwargs["labels"].shape) == (2,)  # one class per image
+    # a --seq-len that would change nothing (no token ids) or be cut short is a usage error, never dropped
+    assert_one_line_error(invoke("profile", f"hf:{vit}", "--seq-len", "32"), 2, "--seq-len", "takes no token ids")
+    whisper = _write(tmp_path, "whisper.json", dict(
+        model_type="whisper", architectures=["WhisperForConditionalGeneration"], vocab_size=64, d_model=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=12))
+    assert_one_line_error(invoke("profile", f"hf:{whisper}", "--seq-len", "64"), 2, "max_target_positions 12")
+    _, _, kwargs, _ = load_model(fxacct.Config(target=f"hf:{whisper}", batch=2, seq_len=12))
+    assert tuple(kwargs["decoder_input_ids"].shape) == (2, 12)
 
 
 @pytest.mark.parametrize("model, fragments", [
@@ -199,11 +209,11 @@ def test_a_module_in_the_working_directory_imports(tmp_path, monkeypatch):
 def test_a_torch_kernel_refusing_the_model_is_a_model_error(tmp_path):
     # Mixtral's default experts kernel, grouped_mm, has a fake kernel for bfloat16 only: in float32 the
     # model's own statement (in transformers) raises inside fxacct's dispatch modes, which pass it through:
-    # exit 3 naming that statement, not an internal error (exit 4)
+    # exit 3 naming the kernel and both ways out, not an internal error (exit 4)
     pytest.importorskip("transformers")
     moe = _write(tmp_path, "moe.json", dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=64,
                                             hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=2))
-    assert_one_line_error(invoke("profile", f"hf:{moe}", "--seq-len", "8"), 3, "the model's forward raised",
-                          "grouped_mm")
+    assert_one_line_error(invoke("profile", f"hf:{moe}", "--seq-len", "8"), 3, "the model's forward runs grouped_mm",
+                          "--dtype bf16", "experts_implementation=batched_mm")
     assert invoke("profile", f"hf:{moe}", "--seq-len", "8", "--dtype", "bf16", "--summary").exit_code == 0

@@ -145,3 +145,20 @@ def test_runtime_tables_fit_the_width_too():
     out = run(*TINY_GPT, "--runtime", "--device", "cpu", "--steps", "1", "--warmup", "0", columns=80)
     assert "runtime on cpu" in out and "measured/predicted" in out, out
     assert max(len(line) for line in out.splitlines()) <= 80, out
+
+
+def test_warnings_reach_every_output():
+    """A warning that makes the numbers less than exact (fp8 matmuls, which no kernel runs) is in
+    the summary alone (--summary), in the full report once, and on stderr beside a JSON document,
+    which carries it under "warnings"."""
+    args = [*TINY_GPT, "--dtype", "fp8"]
+    summary = run(*args, "--summary")
+    assert summary.count("WARNING: ") == 1 and "take float8 tensors" in summary
+    assert run(*args).count("WARNING: ") == 1
+    result = CliRunner().invoke(cli, ["profile", *args, "--format", "json"], env={"COLUMNS": ""})
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert len(doc["warnings"]) == 1
+    assert result.stderr.strip() == f"warning: {doc['warnings'][0]}"
+    plain = CliRunner().invoke(cli, ["profile", *TINY_GPT, "--format", "json"], env={"COLUMNS": ""})
+    assert json.loads(plain.stdout)["warnings"] == [] and plain.stderr == ""

@@ -69,9 +69,11 @@ def read_config(path_text: str, overrides: dict):
     transformers = transformers_module()
     model_type = data.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
-        known = "it has no model_type" if model_type is None else f"model_type {model_type!r} is unknown"
-        raise UsageError(f"{file}: {known} to transformers {transformers.__version__}; give a config.json "
-                         "of a supported architecture (or upgrade transformers)")
+        if model_type is None:
+            raise UsageError(f"{file} has no model_type; give the config.json of a Hugging Face model "
+                             "(it names its architecture, e.g. \"model_type\": \"llama\")")
+        raise UsageError(f"{file}: model_type {model_type!r} is unknown to transformers {transformers.__version__}; "
+                         "give a config.json of a supported architecture (or upgrade transformers)")
     config = transformers.CONFIG_MAPPING[model_type].from_dict(data)
     build_kwargs = {}
     for key, value in overrides.items():
@@ -148,10 +150,17 @@ def default_inputs(model: torch.nn.Module, seq_len: int | None, with_labels: boo
         frames = 2 * getattr(config, "max_source_positions", 1500)
         specs.append(InputSpec("input_features", torch.float32, ("B", config.num_mel_bins, frames)))
     decoder_seq = min(seq, getattr(config, "max_target_positions", seq))
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params and vocab:
+    decoder = getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params and vocab
+    if decoder:
+        if seq_len is not None and decoder_seq < seq_len:
+            raise UsageError(f"--seq-len {seq_len} is longer than {type(model).__name__}'s decoder takes "
+                             f"(max_target_positions {decoder_seq}); give --seq-len {decoder_seq} or less")
         specs.append(InputSpec("decoder_input_ids", torch.long, ("B", decoder_seq), vocab))
     if not specs:
         raise UsageError(f"no default inputs for {type(model).__name__}: give them with --input NAME=SPEC")
+    if seq_len is not None and not any(s.name in ("input_ids", "decoder_input_ids") for s in specs):
+        raise UsageError(f"--seq-len: {type(model).__name__} takes no token ids (its default inputs: "
+                         f"{', '.join(s.name for s in specs)}); drop --seq-len, or give --input NAME=SPEC")
     if with_labels and "labels" in params:
         specs.append(_labels(model, config, vocab, decoder_seq if config.is_encoder_decoder else seq))
     return tuple(specs)

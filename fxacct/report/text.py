@@ -110,8 +110,7 @@ def unsupported_footer(p: Profile) -> str:
 def render_text(p: Profile, depth: int = 2, top: int = 10, width: int | None = None) -> str:
     from fxacct.report.memory_text import render_memory
 
-    warnings = [f"WARNING: {w}" for w in p.warnings]
-    parts = [*warnings, *([""] if warnings else []), summary(p), "", render_memory(p), "",
+    parts = [summary(p), "", render_memory(p), "",
              f"modules (depth {depth}, inclusive):", modules_table(p, depth, width), ""]
     if p.checkpoint is not None:
         from fxacct.report.checkpoint_text import checkpoint_section
@@ -137,6 +136,8 @@ def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=No
     from fxacct.report.summary_text import render_summary
 
     parts = [render_summary(p, prediction, width)]
+    if p.warnings:  # what makes the numbers less than exact: under --summary too
+        parts += ["", *(f"WARNING: {w}" for w in p.warnings)]
     if not summary_only:
         parts += ["", render_text(p, depth=depth, top=top, width=width).rstrip("\n"), "",
                   predicted_section(prediction)]

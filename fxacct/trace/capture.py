@@ -159,9 +159,17 @@ def _traced(session: _Session) -> None:
     except tp.UnsupportedOperatorException as e:
         raise ModelError(f"an op has no fake-tensor implementation ({e}); fxacct cannot trace it") from e
     except Exception as e:
+        if _GROUPED_MM_DTYPE in str(e):  # torch/_meta_registrations.py, _meta_grouped_mm_common
+            raise ModelError(
+                f"the model's {session.recorder.phase} runs grouped_mm (aten._grouped_mm) in another dtype than "
+                "bfloat16, which torch's fake kernel of it refuses: give --dtype bf16, or, for a Hugging Face "
+                "MoE model, -k experts_implementation=batched_mm") from e
         raise classify(e, f"the model's {session.recorder.phase}") from e
     finally:
         session.storages.open = False
+
+
+_GROUPED_MM_DTYPE = "Expected inputs of BF16 type"
 
 
 def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
