@@ -115,7 +115,30 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
         memory = _with_fit(memory, model, config, inputs_for)
     loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
     whatif = _checkpoint_whatif(model, args, kwargs, config, acct, memory, inputs_for) if config.checkpoint else None
-    return Profile(config, acct, memory, cap, precision_warnings(cap) + loss_note, checkpoint=whatif)
+    notes = precision_warnings(cap) + loss_note + fastpath_warnings(model)
+    return Profile(config, acct, memory, cap, notes, checkpoint=whatif)
+
+
+# modules whose forward, in eval under no_grad, can run one fused kernel in place of their ops
+# (torch/nn/modules/transformer.py and activation.py: the "fast path", torch.backends.mha)
+_FASTPATH = ("TransformerEncoderLayer", "MultiheadAttention")
+
+
+def fastpath_warnings(model: torch.nn.Module) -> tuple[str, ...]:
+    """Eager inference of nn.TransformerEncoderLayer / nn.MultiheadAttention takes a fused kernel
+    (aten._transformer_encoder_layer_fwd, _native_multi_head_attention) when its conditions hold;
+    under fxacct's capture they never do (a torch function mode is active), so the inference
+    forward is accounted as the unfused ops: FLOPs alike, fewer temporaries in the fused kernel's
+    op-level view (its intermediates are made inside it, where no dispatch tracker sees them)."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return ()
+    found = sorted({type(m).__name__ for m in model.modules()
+                    if type(m).__name__ in _FASTPATH and type(m).__module__.startswith("torch.nn")})
+    if not found:
+        return ()
+    return (f"nn.{' and nn.'.join(found)} may run PyTorch's fused inference kernel in eval under no_grad "
+            "(the mha fast path); the inference account is that of the unfused ops it replaces "
+            "(torch.backends.mha.set_fastpath_enabled(False) runs them in eager too)",)
 
 
 def _checkpoint_whatif(model, args, kwargs, config: Config, acct, memory, inputs_for):

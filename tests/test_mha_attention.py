@@ -53,3 +53,44 @@ def test_transformer_encoder_layer_attention(dropout):
     fwd, bwd = flop_counter_oracle(model, (x,))
     assert model_flops(t.forward) == fwd
     assert model_flops(t.backward) == bwd
+
+
+def test_encoder_layer_fast_path_is_named_and_eager_without_it_matches():
+    """In eval under no_grad, eager nn.TransformerEncoderLayer runs one fused kernel
+    (aten._transformer_encoder_layer_fwd) where fxacct's capture (under a torch function mode,
+    which turns the fast path off) traces the ops it replaces: the profile says so, and eager with
+    the fast path off runs exactly the traced ops, so its op-level inference peak is fxacct's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fxacct.runtime.storage_tracker import measure_inference
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 64, batch_first=True)
+    x = torch.randn(B, T, E)
+    with torch.device("meta"):
+        meta_layer = nn.TransformerEncoderLayer(E, H, 64, batch_first=True)
+    cfg = fxacct.Config(batch=B)
+    on = fxacct.profile_module(meta_layer, (x.to("meta"),), {}, cfg)
+    assert [w for w in on.warnings if "fast path" in w]
+    layer.eval()
+    with torch.no_grad(), Seen() as seen:
+        layer(x)
+    assert torch.ops.aten._transformer_encoder_layer_fwd.default in seen.ops
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        measured = measure_inference(layer, (x,)).peak_bytes
+        off = fxacct.profile_module(meta_layer, (x.to("meta"),), {}, cfg)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+    assert not [w for w in off.warnings if "fast path" in w]
+    assert on.memory.peak_inference.bytes == measured
