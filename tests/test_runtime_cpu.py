@@ -223,3 +223,14 @@ def test_progress_draws_a_bar_on_a_terminal_and_lines_otherwise():
     frames = tty.getvalue().split("\r")[1:]
     assert len(frames) == 4 + 11 and tty.getvalue().endswith("\n")  # one redraw per call, the line ended
     assert "[" + "#" * 24 + "] 10/10 steps" in frames[-1] and "[" + "-" * 24 + "] 0/3 steps" in frames[0]
+
+
+def test_kernel_scratch_is_called_out_when_the_allocator_peak_is_far_above_the_prediction():
+    """5,000 B at the allocator against 1,000 predicted and 1,000 at the op level: 4,000 B (3.91 KiB)
+    are kernel scratch; at 1.25x or below, nothing is said."""
+    from fxacct.report.runtime_text import _scratch_note
+
+    (line,) = _scratch_note(1000, 5000, 1000)
+    assert "5.00x the predicted" in line and "op-level peak is 1.00x" in line and "3.91 KiB" in line
+    assert _scratch_note(1000, 1250, 1000) == []
+    assert _scratch_note(None, 5000, 1000) == []

@@ -102,6 +102,19 @@ def _rows_table(rows, first: str, with_op: bool, width: int | None = None) -> st
 
 
 NOISY = 1.5  # slowest / fastest timed step above which the spread is called out
+SCRATCH = 1.25  # allocator / predicted peak above which the kernel scratch is called out
+
+
+def _scratch_note(predicted: int | None, allocator: int | None, op_level: int | None) -> list[str]:
+    """A line when the allocator peak is well above the prediction: how much of it the op-level
+    measurement explains (the account's own level) and how much is kernel scratch."""
+    if not predicted or not allocator or allocator <= SCRATCH * predicted:
+        return []
+    level = "" if op_level is None else (
+        f"; the op-level peak is {op_level / predicted:.2f}x, so {format_bytes(max(allocator - op_level, 0))} "
+        "of it is memory the kernels take outside aten tensors")
+    return [f"NOTE: the allocator peak is {allocator / predicted:.2f}x the predicted peak{level} (kernel scratch: "
+            "oneDNN convolution and matmul buffers, weight reorders); budget for it from this measurement"]
 
 
 def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = None) -> str:
@@ -130,6 +143,7 @@ def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = N
               f"allocator peak: {m.peak_source}; op-level peak: fxacct.runtime.storage_tracker over one step, the level "
               "peak_train_bytes is defined at (kernel scratch such as oneDNN buffers and allocator rounding "
               "show only in the allocator peak)"]
+    lines += _scratch_note(c.predicted_peak_bytes, m.peak_bytes, m.op_level_peak_bytes)
     achieved = achieved_flops_per_s(c, m)
     u = mfu(c, m)
     lines.append(f"achieved: {rate(achieved)} of model FLOPs (matmul + attention, {format_count(c.model_flops)} "
