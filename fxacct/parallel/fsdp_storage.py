@@ -7,7 +7,6 @@ parameters are alive from their all-gather to their resharding, not for the whol
 
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 
 from fxacct.memory.peak import BUFFERS, TEMPORARIES
@@ -34,7 +33,7 @@ class StorageResizes:
         return tp.fsdp_storage_resizes(self._note)
 
 
-def with_resizes(life, graph, events):
+def with_resizes(life, events):
     """``life`` (fxacct.memory.peak.Lifetimes) with each resized storage's single interval replaced
     by the intervals it held memory. A storage FSDP2 made before this capture (a model captured
     again: its gathered parameters and all-gather buffers exist already) is no resident constant
@@ -42,7 +41,6 @@ def with_resizes(life, graph, events):
     began with it allocated."""
     if not events:
         return life
-    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
     per_storage: dict[int, list[tuple[int, bool]]] = {}
     for sid, index, allocated in events:
         per_storage.setdefault(sid, []).append((index, allocated))
@@ -62,7 +60,7 @@ def with_resizes(life, graph, events):
             still.append((sid, (category, nbytes)))
         else:  # allocated at the first op unless the first event allocates it
             start = None if evs[0][1] else 0
-            kept += [(sid, iv) for iv in _intervals(evs, start, len(ops) - 1, TEMPORARIES, nbytes)]
+            kept += [(sid, iv) for iv in _intervals(evs, start, len(life.op_names) - 1, TEMPORARIES, nbytes)]
     return replace(life, born=tuple(iv for _, iv in kept), born_storages=tuple(sid for sid, _ in kept),
                    resident=tuple(r for _, r in still), resident_storages=tuple(sid for sid, _ in still))
 

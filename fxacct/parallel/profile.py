@@ -57,8 +57,8 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     acct = account(cap, config.batch, tokens, config.count_recompute)
     memory = memory_account.assemble(
         cap, acct, model, config.dtype,
-        walk(with_resizes(lifetimes(cap), cap.graph, resizes)) if cap.has_backward else None,
-        walk(with_resizes(lifetimes(inference), inference.graph, resizes_i)) if inference is not None else None)
+        walk(with_resizes(lifetimes(cap), resizes)) if cap.has_backward else None,
+        walk(with_resizes(lifetimes(inference), resizes_i)) if inference is not None else None)
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config))

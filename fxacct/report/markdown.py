@@ -35,8 +35,9 @@ def totals_table(p: Profile, prediction=None) -> str:
             ["parameters", f"{t.params:,}"], ["trainable parameters", f"{t.trainable_params:,}"],
             ["parameter bytes", exact_bytes(t.param_bytes)], ["gradient bytes", exact_bytes(t.grad_bytes)],
             ["optimizer state bytes", exact_bytes(m.optimizer_bytes)],
-            ["activations saved for backward", exact_bytes(t.activation_bytes)],
-            ["of them saved by the loss", exact_bytes(t.loss_activation_bytes)]]
+            ["activations saved for backward", exact_bytes(t.activation_bytes)]]
+    if t.loss_activation_bytes:
+        rows.append(["of them saved by the loss", exact_bytes(t.loss_activation_bytes)])
     if m.rank_peak is not None:
         rows.append(["training peak" + (" per rank" if m.per_rank is not None else ""), exact_bytes(m.rank_peak.bytes)])
     if m.peak_inference is not None:

@@ -181,6 +181,23 @@ class Recorder(tp.TorchDispatchMode):
 
         return map_nested(a, one, torch.Tensor)
 
+    def _outputs(self, out, index: int):
+        """The op's output as TensorMeta (a tuple of them, None where an output is no tensor), each
+        output tensor tagged with record ``index``."""
+        if isinstance(out, torch.Tensor):
+            self.tag(out, Ref(index))
+            return self.meta(out)
+        if not isinstance(out, (tuple, list)):
+            return None
+        val = []
+        for i, o in enumerate(out):
+            if isinstance(o, torch.Tensor):
+                self.tag(o, Ref(index, i))
+                val.append(self.meta(o))
+            else:
+                val.append(None)
+        return tuple(val)
+
     @passes_through
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and isinstance(args[0], tp.FakeTensor):
@@ -205,20 +222,7 @@ class Recorder(tp.TorchDispatchMode):
         rg: list[bool] = []
         ref_args = self.refs(args, rg)
         ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
-        if isinstance(out, torch.Tensor):
-            val = self.meta(out)
-            self.tag(out, Ref(index))
-        elif isinstance(out, (tuple, list)):
-            val = []
-            for i, o in enumerate(out):
-                if isinstance(o, torch.Tensor):
-                    val.append(self.meta(o))
-                    self.tag(o, Ref(index, i))
-                else:
-                    val.append(None)
-            val = tuple(val)
-        else:
-            val = None
+        val = self._outputs(out, index)
         hi = tp.next_autograd_number()
         if self.phase == BACKWARD:
             # an op that records a grad_fn during the backward is a forward op run again:
