@@ -11,7 +11,8 @@ import torch
 from fxacct.trace import torch_private as tp
 
 from fxacct.load import model_spec as loading
-from fxacct.load.hf import is_causal_lm
+from fxacct.errors import ModelError
+from fxacct.load.hf import is_causal_lm, seq_len_note
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
@@ -234,7 +235,13 @@ def profile(config: Config) -> Profile:
 
         return profile_mesh(config)
     model, args, kwargs, inputs_for = load_model(config)
-    return profile_module(model, args, kwargs, config, inputs_for)
+    try:
+        return profile_module(model, args, kwargs, config, inputs_for)
+    except ModelError as e:
+        note = seq_len_note(model, config.seq_len)
+        if note is None:
+            raise
+        raise ModelError(f"{note}: {e}") from e
 
 
 __all__ = ["Profile", "profile", "profile_module", "load_model"]

@@ -217,3 +217,17 @@ def test_a_torch_kernel_refusing_the_model_is_a_model_error(tmp_path):
     assert_one_line_error(invoke("profile", f"hf:{moe}", "--seq-len", "8"), 3, "the model's forward runs grouped_mm",
                           "--dtype bf16", "experts_implementation=batched_mm")
     assert invoke("profile", f"hf:{moe}", "--seq-len", "8", "--dtype", "bf16", "--summary").exit_code == 0
+
+
+def test_a_seq_len_past_learned_positions_is_named_as_the_cause(tmp_path, llama_json):
+    """BERT's position table has max_position_embeddings rows: a longer --seq-len fails inside
+    transformers (exit 3), and the line says which flag passed which limit. A rotary model (Llama)
+    has no such table and runs past its max_position_embeddings, so nothing is refused up front."""
+    bert = _write(tmp_path, "bert.json", dict(model_type="bert", architectures=["BertForMaskedLM"], vocab_size=64,
+                                              hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                              intermediate_size=64, max_position_embeddings=16))
+    assert_one_line_error(invoke("profile", f"hf:{bert}", "--seq-len", "32"), 3,
+                          "--seq-len 32 is longer than BertForMaskedLM's max_position_embeddings (16)")
+    assert invoke("profile", f"hf:{bert}", "--seq-len", "16", "--summary").exit_code == 0
+    positions = json.loads(llama_json.read_text())["max_position_embeddings"]
+    assert invoke("profile", f"hf:{llama_json}", "--seq-len", str(2 * positions), "--summary").exit_code == 0

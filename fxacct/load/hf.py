@@ -4,9 +4,9 @@
 The config is read from the JSON file (a directory means its ``config.json``), its ``model_type``
 picks the transformers config class, ``-k NAME=VALUE`` overrides a config field (``-k
 attn_implementation=eager`` picks the attention implementation, ``-k experts_implementation=batched_mm``
-an MoE model's experts kernel: the default ``grouped_mm`` has a fake kernel for bfloat16 only), and the model is built with
-``from_config`` in float32 (the config's ``torch_dtype`` is not applied: use ``--dtype``),
-``use_cache`` off (a training step keeps no key/value cache). The class: ``--hf-class``, else the
+an MoE model's experts kernel: the default ``grouped_mm`` has a fake kernel for bfloat16 only),
+and the model is built with ``from_config`` in float32 (the config's ``torch_dtype`` is not
+applied: use ``--dtype``), ``use_cache`` off (a training step keeps no key/value cache). The class: ``--hf-class``, else the
 config's first ``architectures`` entry, else ``AutoModelForCausalLM``.
 
 Default inputs (keyword, as the model's forward names them), when no ``--input`` is given:
@@ -114,6 +114,24 @@ def build(cls, config, build_kwargs: dict) -> torch.nn.Module:
                                  "with --hf-class (e.g. AutoModel, AutoModelForImageClassification)") from None
             raise
     return cls._from_config(config, **kwargs)
+
+
+def seq_len_note(model: torch.nn.Module, seq_len: int | None) -> str | None:
+    """A line naming the config's position limit when --seq-len passes it (models with learned
+    positions fail there; rotary ones need not, so this only explains a failure)."""
+    config = getattr(model, "config", None)
+    if seq_len is None or config is None:
+        return None
+    limit = _positions(_sub(config, "text_config"), 0)
+    if not 0 < limit < seq_len:
+        return None
+    return (f"--seq-len {seq_len} is longer than {type(model).__name__}'s {_position_key(config)} ({limit}), "
+            "the likely cause of this")
+
+
+def _position_key(config) -> str:
+    text = _sub(config, "text_config")
+    return next(k for k in _POSITIONS if isinstance(getattr(text, k, None), int))
 
 
 def _positions(config, default: int) -> int:
