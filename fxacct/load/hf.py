@@ -6,8 +6,9 @@ picks the transformers config class, ``-k NAME=VALUE`` overrides a config field 
 attn_implementation=eager`` picks the attention implementation, ``-k experts_implementation=batched_mm``
 an MoE model's experts kernel: the default ``grouped_mm`` has a fake kernel for bfloat16 only),
 and the model is built with ``from_config`` in float32 (the config's ``torch_dtype`` is not
-applied: use ``--dtype``), ``use_cache`` off (a training step keeps no key/value cache). The class: ``--hf-class``, else the
-config's first ``architectures`` entry, else ``AutoModelForCausalLM``.
+applied: use ``--dtype``), ``use_cache`` off (a training step keeps no key/value cache). The
+class: ``--hf-class``, else the config's first ``architectures`` entry, else
+``AutoModelForCausalLM``.
 
 Default inputs (keyword, as the model's forward names them), when no ``--input`` is given:
 ``input_ids`` long[B, T] below the vocabulary, T = ``--seq-len`` or the config's maximum positions
@@ -120,26 +121,25 @@ def seq_len_note(model: torch.nn.Module, seq_len: int | None) -> str | None:
     """A line naming the config's position limit when --seq-len passes it (models with learned
     positions fail there; rotary ones need not, so this only explains a failure)."""
     config = getattr(model, "config", None)
-    if seq_len is None or config is None:
+    found = _position_field(_sub(config, "text_config")) if config is not None and seq_len is not None else None
+    if found is None or found[1] >= seq_len:
         return None
-    limit = _positions(_sub(config, "text_config"), 0)
-    if not 0 < limit < seq_len:
-        return None
-    return (f"--seq-len {seq_len} is longer than {type(model).__name__}'s {_position_key(config)} ({limit}), "
-            "the likely cause of this")
+    key, limit = found
+    return f"--seq-len {seq_len} is longer than {type(model).__name__}'s {key} ({limit}), the likely cause of this"
 
 
-def _position_key(config) -> str:
-    text = _sub(config, "text_config")
-    return next(k for k in _POSITIONS if isinstance(getattr(text, k, None), int))
-
-
-def _positions(config, default: int) -> int:
+def _position_field(config) -> tuple[str, int] | None:
+    """(name, value) of the first positive position limit the config declares (_POSITIONS)."""
     for key in _POSITIONS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return default
+            return key, value
+    return None
+
+
+def _positions(config, default: int) -> int:
+    found = _position_field(config)
+    return default if found is None else found[1]
 
 
 def _sub(config, name: str):

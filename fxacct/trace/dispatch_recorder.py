@@ -21,8 +21,9 @@ from fxacct.trace.records import (
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
 RECOMPUTE = "recompute"  # scope of a backward-phase record that re-runs a forward op
 _PRIM_DEVICE = torch.ops.prim.device.default
-# metadata queries (prim.device, ...) and profiler markers (record_function): no tensor work
-_NOT_RECORDED = frozenset({"prim", "profiler"})
+# metadata queries (prim.device, ...): no tensor work (profiler markers, record_function, return
+# earlier in __torch_dispatch__, without the fake mode)
+_NOT_RECORDED = frozenset({"prim"})
 
 
 def _batch_norm_stats(storages: Storages, args, out) -> None:
