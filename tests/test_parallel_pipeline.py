@@ -242,6 +242,37 @@ def test_fsdp_on_a_cut_stage_wraps_each_of_its_blocks():
     assert count == {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 3}
 
 
+def test_own_parallelize_on_automatically_cut_stages(tmp_path):
+    """--parallelize with pp=2,fsdp=2 and no --pp-split: the balanced split traces the whole model on
+    one device first (it once refused, as if --parallelize had come without --mesh). The function
+    shards each block of the stage it is given and the stage's root: on stage 0 (tok_embeddings,
+    layers.0, layers.1) forward gathers 3 units (root, 2 blocks), backward the 2 resharded blocks
+    again, and 3 reduce-scatters."""
+    (tmp_path / "par.py").write_text(
+        "from torch.distributed.fsdp import fully_shard\n\n"
+        "def parallelize(model, mesh):\n"
+        "    for block in model.layers.children():\n"
+        "        fully_shard(block, mesh=mesh['fsdp'])\n"
+        "    fully_shard(model, mesh=mesh['fsdp'], reshard_after_forward=False)\n")
+    pipe = _pipe("pp=2,fsdp=2", "1f1b", split=None, parallelize=str(tmp_path / "par.py") + ":parallelize")
+    count = {}
+    for r in pipe.stages[0].profile.parallel.rows:
+        count[r.op, r.phase] = count.get((r.op, r.phase), 0) + r.count
+    assert count == {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 3}
+
+
+def test_tensor_parallel_needs_a_split_function():
+    """An exported stage (GraphModule of InterpreterModules, reshapes fixed to all heads) cannot
+    take torch's tensor-parallel styles: refused before any trace, naming the way that works."""
+    out = _usage("-k", "n_layers=4", "--mesh", "pp=2,tp=2", "--parallelize", str(ROOT / "examples/llama.py:parallelize"))
+    assert "tensor parallelism cannot shard those traced graphs" in out and "--pp-split PATH.py:fn" in out
+
+
+def test_parallelize_with_pp_alone_is_a_usage_error():
+    assert "--parallelize with --mesh pp=2: the function shards each pipeline stage over the other mesh" in _usage(
+        "--mesh", "pp=2", "--parallelize", str(ROOT / "examples/llama.py:parallelize"))
+
+
 def test_a_model_without_repeated_blocks_needs_its_split_named(tmp_path):
     """An LSTM language model has no stack of blocks to balance: the automatic split is a usage
     error naming --pp-split; with the FQN where stage 1 begins (its head) it is accounted: stage 0

@@ -83,6 +83,10 @@ def check_config(config) -> None:
                          "--pp-schedule interleaved-1f1b (the other schedules run one stage per rank)")
     if config.microbatches is not None and config.microbatches < 1:
         raise UsageError(f"--microbatches must be positive, got {config.microbatches}")
+    if config.parallelize is not None and without_pp(spec) is None:
+        raise UsageError(f"--parallelize with --mesh {spec}: the function shards each pipeline stage over the other "
+                         "mesh dimensions (fsdp, tp, dp) and pp has none; drop --parallelize or add them, e.g. "
+                         f"--mesh {spec},fsdp=2")
     if config.shard != "none":
         raise UsageError(f"--mesh and --shard {config.shard} both say how ranks share the model: "
                          f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")

@@ -87,7 +87,7 @@ def resolve_points(config, stages: int):
     blocks = [n for n, m in model.named_modules() if id(m) in found]
 
     def cost():
-        prof = profile_module(model, args, kwargs, replace(config, mesh=None, optimizer="none"))
+        prof = profile_module(model, args, kwargs, replace(config, mesh=None, parallelize=None, optimizer="none"))
         return block_costs(prof.accounting, blocks)
 
     return split_points(model, config.pp_split, stages, cost)
@@ -170,6 +170,11 @@ def profile_pipeline(config):
     from fxacct.profile import load_model
 
     spec = parse_mesh(config.mesh)
+    if spec.size("tp") > 1 and not is_function(config.pp_split):
+        raise UsageError(f"--mesh {spec}: an automatic or FQN split cuts stages with torch.export (pipeline()), and "
+                         "tensor parallelism cannot shard those traced graphs (their layers are no nn.Linear, their "
+                         "reshapes fixed to every head); give --pp-split PATH.py:fn returning each stage as the "
+                         "model's own modules, as torchtitan does (examples/llama.py:pipeline_stage)")
     ranks, m = spec.size("pp"), config.microbatches or spec.size("pp")
     v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
     stages = ranks * v
@@ -208,7 +213,7 @@ def _profile_stage(config, s: int, stages: int, points, args, kwargs):
 
         return profile_parallel(cfg, loader)
     model, _, _, _ = loader(cfg)
-    return profile_module(model, args, kwargs, replace(cfg, mesh=None))
+    return profile_module(model, args, kwargs, replace(cfg, mesh=None, parallelize=None))
 
 
 def _rank_account(profs, flows: list[Traffic], r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:
