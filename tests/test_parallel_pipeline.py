@@ -264,7 +264,8 @@ def test_own_parallelize_on_automatically_cut_stages(tmp_path):
 def test_tensor_parallel_needs_a_split_function():
     """An exported stage (GraphModule of InterpreterModules, reshapes fixed to all heads) cannot
     take torch's tensor-parallel styles: refused before any trace, naming the way that works."""
-    out = _usage("-k", "n_layers=4", "--mesh", "pp=2,tp=2", "--parallelize", str(ROOT / "examples/llama.py:parallelize"))
+    out = _usage("-k", "n_layers=4", "--mesh", "pp=2,tp=2",
+                 "--parallelize", str(ROOT / "examples/llama.py:parallelize"))
     assert "tensor parallelism cannot shard those traced graphs" in out and "--pp-split PATH.py:fn" in out
 
 

@@ -81,15 +81,14 @@ def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...
     import torch.multiprocessing as mp
 
     spec = parse_mesh(config.mesh)
-    if spec.size("pp") > 1 and spec.world_size != spec.size("pp"):
-        raise UsageError(f"--runtime with --mesh {spec}: the real pipeline run takes pp alone; drop the other dims")
     if spec.world_size > MAX_RANKS:
         raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
                          f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
-    if spec.size("pp") > 1:  # every rank cuts the model at the same points
+    if spec.size("pp") > 1:  # every rank cuts the model at the same points, into P × V stages
         from fxacct.parallel.pipeline import resolve_points
+        from fxacct.parallel.pipeline_schedule import per_rank
 
-        points = resolve_points(config, spec.size("pp"))
+        points = resolve_points(config, spec.size("pp") * per_rank(config.pp_schedule, config.pp_stages_per_rank))
         config = config if points is None else replace(config, pp_split=",".join(points))
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
@@ -155,7 +154,7 @@ def _measure(rank, config, steps, warmup) -> dict:
 
     spec = parse_mesh(config.mesh)
     if spec.size("pp") > 1:
-        return _measure_pipeline(rank, spec.size("pp"), config, steps, warmup)
+        return _measure_pipeline(rank, spec, config, steps, warmup)
     mesh = device_mesh(spec)
     cpu = torch.device("cpu")
     model, file_module = build_model(config, cpu)
@@ -196,12 +195,28 @@ def _measure(rank, config, steps, warmup) -> dict:
             "collectives": counter.found}
 
 
-def _measure_pipeline(rank, ranks, config, steps, warmup) -> dict:
+def _pipeline_place(rank, spec):
+    """(this rank's pipeline rank, the pp process group or None for the default one, the MeshSpec
+    and DeviceMesh each stage is parallelized on, or None with pp alone)."""
+    from fxacct.parallel.engine import device_mesh
+    from fxacct.parallel.mesh import without_pp
+
+    rest = without_pp(spec)
+    if rest is None:
+        return rank, None, None, None
+    mesh, rest = device_mesh(spec), parse_mesh(rest)
+    sub = mesh[rest.names] if len(rest.names) > 1 else mesh[rest.names[0]]
+    return mesh["pp"].get_local_rank(), mesh["pp"].get_group(), rest, sub
+
+
+def _measure_pipeline(rank, spec, config, steps, warmup) -> dict:
     """This rank's stages (one; V under interleaved 1F1B: r, r + P, ...) under
     torch.distributed.pipelining's schedule over --microbatches, the loss the sum of the last
-    stage's output as fxacct's."""
+    stage's output as fxacct's; with more mesh dims than pp, each stage parallelized on the rest
+    of the mesh as the account's are (fxacct.parallel.engine.parallelize)."""
     from torch.distributed.pipelining import PipelineStage
 
+    from fxacct.parallel.engine import parallelize
     from fxacct.parallel.pipeline import _split
     from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
     from fxacct.parallel.pipeline_split import is_function
@@ -209,24 +224,28 @@ def _measure_pipeline(rank, ranks, config, steps, warmup) -> dict:
     from fxacct.runtime.storage_tracker import StorageTracker
 
     cpu = torch.device("cpu")
+    ranks = spec.size("pp")
+    pp_rank, group, rest, sub = _pipeline_place(rank, spec)
     m = config.microbatches or ranks
     total = ranks * per_rank(config.pp_schedule, config.pp_stages_per_rank)
     points = None if is_function(config.pp_split) else config.pp_split.split(",")
     parts, stages = [], []
-    for s in range(rank, total, ranks):
+    for s in range(pp_rank, total, ranks):
         model, file_module = build_model(config, cpu)  # a split function may cut the model it is given
         args, kwargs = make_inputs(replace(config, batch=config.batch * m), model, file_module, cpu)
         mb_args = tuple(a.tensor_split(m)[0] for a in args)
         mb_kwargs = {k: v.tensor_split(m)[0] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         parts.append(_split(config, model, s, total, points, mb_args, mb_kwargs))
-        stages.append(PipelineStage(parts[-1], s, total, cpu))
-    kwargs = _accepted(parts[0], kwargs) if rank == 0 else {}  # what stage 0 takes (hf: input_ids)
+        if rest is not None:
+            parts[-1] = parallelize(parts[-1], rest, sub, config)
+        stages.append(PipelineStage(parts[-1], s, total, cpu, group=group))
+    kwargs = _accepted(parts[0], kwargs) if pp_rank == 0 else {}  # what stage 0 takes (hf: input_ids)
     schedule = schedule_class(config.pp_schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=m,
                                                   loss_fn=lambda out, target: out.float().sum())
     opt = config.optimizer_spec().build([p for part in parts for p in part.parameters() if p.requires_grad])
 
     def step():
-        if rank == 0:
+        if pp_rank == 0:
             schedule.step(*args, **kwargs)
         else:
             schedule.step(target=torch.zeros(config.batch * m))
@@ -241,8 +260,9 @@ def _measure_pipeline(rank, ranks, config, steps, warmup) -> dict:
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     tracker, counter = StorageTracker(), CollectiveCounter()
-    with tracker, counter:  # the batch is stage 0's input only
-        tracker.track(parts, opt, (*args, *kwargs.values()) if rank == 0 else (), [_stage_buffers(st) for st in stages])
+    with resizes_seen(tracker), tracker, counter:  # the batch is stage 0's input only
+        inputs = (*args, *kwargs.values()) if pp_rank == 0 else ()
+        tracker.track(parts, opt, inputs, [_stage_buffers(st) for st in stages])
         step()
     times.sort()
     return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": tracker.peak_bytes,

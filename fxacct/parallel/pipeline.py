@@ -29,6 +29,7 @@ import torch
 from fxacct.errors import UsageError, classify
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.mesh import parse_mesh, without_pp
+from fxacct.parallel.pipeline_collectives import rank_rows
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
 from fxacct.parallel.pipeline_split import (
@@ -48,6 +49,7 @@ class StageAccount:
     stages_on_rank: tuple[int, ...] = ()  # the pipeline stages this rank runs (r, r + P, ... interleaved)
     sends: int = 0  # per step: send ops (one per tensor per micro-batch)
     recvs: int = 0
+    collectives: tuple = ()  # CollectiveRow of one step on the rest of the mesh (pipeline_collectives)
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,7 @@ def _rank_account(profs, flows: list[Traffic], r: int, ranks: int, m: int, order
         local[s] = LocalStage(profs[s].capture, s == len(profs) - 1, flows[s].grad_recv_bytes)
         mine.append(flows[s])
     peak = stage_peak(local, order.actions, m, releases(schedule, order.actions, ranks, r, m))
+    collectives = rank_rows({s: profs[s].parallel for s in local}, order.actions, m)
     return StageAccount(r, profs[r], order.in_flight, peak, m * sum(f.send_bytes for f in mine),
                         m * sum(f.recv_bytes for f in mine), tuple(local), m * sum(f.sends for f in mine),
-                        m * sum(f.recvs for f in mine))
+                        m * sum(f.recvs for f in mine), collectives)

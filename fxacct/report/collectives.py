@@ -111,9 +111,9 @@ def _time_lines(parallel) -> list[str]:
     return lines
 
 
-def _predicted_by_op(parallel) -> dict[str, list[int]]:
+def _by_op(rows) -> dict[str, list[int]]:
     by: dict[str, list[int]] = {}
-    for r in parallel.rows:
+    for r in rows:
         acc = by.setdefault(r.op, [0, 0])
         acc[0] += r.count
         acc[1] += r.bytes
@@ -121,17 +121,26 @@ def _predicted_by_op(parallel) -> dict[str, list[int]]:
 
 
 def _predicted_for(parallel, rank: int) -> dict[str, list[int]]:
-    """Collectives by op: rank 0's account for every rank; under pp the rank's stage's send/recv."""
+    """Collectives by op: rank 0's account for every rank; under pp its pipeline rank's step (the
+    collectives of the rest of the mesh, and its stages' send/recv)."""
     pipe = parallel.pipeline
     if pipe is None:
-        return _predicted_by_op(parallel)
-    s = pipe.stages[rank]
-    return {op: [n, b] for op, n, b in (("send", s.sends, s.send_bytes), ("recv", s.recvs, s.recv_bytes)) if n}
+        return _by_op(parallel.rows)
+    s = pipe.stages[_pipeline_rank(parallel, rank)]
+    by = _by_op(s.collectives)
+    by.update({op: [n, b] for op, n, b in (("send", s.sends, s.send_bytes), ("recv", s.recvs, s.recv_bytes)) if n})
+    return by
+
+
+def _pipeline_rank(parallel, rank: int) -> int:
+    """A global rank's coordinate on pp, the outermost mesh dim (ranks are numbered row-major)."""
+    return rank // (parallel.mesh.world_size // parallel.mesh.size("pp"))
 
 
 def _peak_for(parallel, rank: int, predicted_peak: int | None) -> int | None:
     """Rank 0's peak for every rank; under pp the rank's stage's, with its in-flight micro-batches."""
-    return parallel.pipeline.stages[rank].peak_bytes if parallel.pipeline is not None else predicted_peak
+    pipe = parallel.pipeline
+    return pipe.stages[_pipeline_rank(parallel, rank)].peak_bytes if pipe is not None else predicted_peak
 
 
 def ranks_json(parallel, ranks, predicted_peak: int | None) -> list[dict]:
@@ -159,6 +168,7 @@ def render_ranks(parallel, ranks, predicted_peak: int | None, width: int | None 
             cells.append(f"{c}/{pc} {format_bytes(b)}" + ("" if (c, b) == (pc, pb) else " (differs)"))
         rows.append(cells)
     head = ["rank", "step ms", "op-level peak", "measured/predicted"] + list(ops)
-    return "\n".join([wrap_lines(f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: rank "
-                                 "0's account); per collective: measured count/predicted count, measured bytes", width),
+    whose = "each rank's pipeline rank" if parallel.pipeline is not None else "rank 0's account"
+    return "\n".join([wrap_lines(f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: "
+                                 f"{whose}); per collective: measured count/predicted count, measured bytes", width),
                       fit_table(head, rows, width, optional=(1,))])
