@@ -124,3 +124,24 @@ def test_real_pipeline_run_with_fsdp_inside_matches_the_collectives(schedule):
         predicted = predicted_by_op(stage.collectives)
         predicted.update(send=[stage.sends, stage.send_bytes], recv=[stage.recvs, stage.recv_bytes])
         assert m.collectives == predicted, (m.rank, m.collectives, predicted)
+
+
+def test_real_pipeline_run_with_tensor_parallel_stages_matches_the_rank_accounts():
+    """pp=2,tp=2 (4 ranks), llama with 4 layers split by examples/llama.py:pipeline_stage, each
+    stage parallelized by examples/llama.py:parallelize, 1F1B over 4 micro-batches: the tensor-
+    parallel all-reduces run in every micro-batch (4 × the stage's one-micro-batch count), the
+    boundary sends and receives 4 × (2, 64, 64) fp32 = 4 · 32768 B, and each rank's op-level peak
+    is within ±2% of its pipeline rank's predicted peak."""
+    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs={"n_layers": 4},
+                        mesh="pp=2,tp=2", pp_split=target("examples/llama.py:pipeline_stage"),
+                        parallelize=target("examples/llama.py:parallelize"), microbatches=4)
+    pipe = fxacct.profile(cfg).parallel.pipeline
+    for s in pipe.stages:
+        one = predicted_by_op(s.profile.parallel.rows)
+        assert predicted_by_op(s.collectives) == {op: [4 * n, 4 * b] for op, (n, b) in one.items()}
+    for m in run_mesh(cfg, steps=1, warmup=1):
+        stage = pipe.stages[m.rank // 2]  # ranks row-major over (pp, tp)
+        predicted = predicted_by_op(stage.collectives)
+        predicted.update(send=[4, 4 * 32768], recv=[4, 4 * 32768])
+        assert m.collectives == predicted, (m.rank, m.collectives, predicted)
+        assert abs(m.op_level_peak_bytes - stage.peak_bytes) <= 0.02 * stage.peak_bytes, (m.rank, m.op_level_peak_bytes)
