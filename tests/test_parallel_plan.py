@@ -206,3 +206,16 @@ def test_confirm_falls_back_to_a_smaller_micro_batch_when_the_full_trace_is_over
     confirm(Stub(), out, 1)
     assert out[lays[2]].over_memory and out[lays[1]].fits and out[lays[1]].source == "traced"
     assert out[lays[0]].dominated == "slower than mb 2" and out[other].source == "screen"
+
+
+def test_a_pipeline_alone_gets_no_parallelize_function():
+    """With --parallelize, a pp=4 layout of 4 GPUs has no fsdp or tp for the function to shard
+    over: its config drops it (as a profile of --mesh pp=4 --parallelize is refused), so the plan
+    judges the layout instead of stopping on a usage error; pp=2,fsdp=2 keeps it."""
+    from fxacct.parallel.planner import Planner
+
+    planner = Planner(llama(kwargs={"n_layers": 4}, pp_split=target("examples/llama.py:pipeline_stage")), 4, 4)
+    alone = planner.layout_config(Layout(pp=4, fsdp=1, tp=1, micro_batch=1, accumulation=4, checkpoint=False))
+    assert alone.mesh == "pp=4" and alone.parallelize is None
+    inner = planner.layout_config(Layout(pp=2, fsdp=2, tp=1, micro_batch=1, accumulation=2, checkpoint=False))
+    assert inner.mesh == "pp=2,fsdp=2" and inner.parallelize == PARALLELIZE

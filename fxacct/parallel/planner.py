@@ -89,7 +89,9 @@ class Planner:
         self.cache: dict[tuple, object] = {}
 
     def layout_config(self, lay: Layout):
-        return replace(self.config, mesh=lay.mesh, batch=lay.micro_batch, find_max_batch=False,
+        # a --parallelize function shards over fsdp and tp: a pipeline alone has nothing for it
+        parallelize = self.config.parallelize if lay.fsdp > 1 or lay.tp > 1 else None
+        return replace(self.config, mesh=lay.mesh, batch=lay.micro_batch, find_max_batch=False, parallelize=parallelize,
                        checkpoint=self.ckpt if lay.checkpoint else (),
                        checkpoint_policy=self.config.checkpoint_policy if lay.checkpoint else None,
                        microbatches=lay.accumulation if lay.pp > 1 else None)
