@@ -301,3 +301,33 @@ def test_blocks_called_out_of_order_same_account_both_ways():
         model = _Reversed()
     a, b = _accounts(model, (torch.empty(2, 16, device="meta"),))
     assert_same_account(a, b)
+
+
+class _BatchNormBlocks(nn.Module):
+    """Three Linear-BatchNorm-ReLU blocks: in training, each BatchNorm updates its running
+    statistics and adds 1 to num_batches_tracked in place, while the replay's probe runs it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())
+                                     for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_blocks_mutating_their_buffers_trace_as_eager():
+    """A probe once left each buffer it mutated tagged with the probe's own record index, so the
+    step's add_ pointed at an unrelated node (a KeyError with three blocks). Each block's
+    num_batches_tracked += 1 reads that block's buffer placeholder, both ways, and the two
+    accounts agree node for node."""
+    model = _BatchNormBlocks()
+    x = torch.empty(4, 16, device="meta")
+    dedup, full = _accounts(model, (x,))
+    assert_same_account(dedup, full)
+    for prof in (dedup, full):
+        adds = [n for n in prof.capture.graph.nodes if n.target is torch.ops.aten.add_.Tensor
+                and n.args[1:] == (1,) and n.meta["fxacct"].phase == "forward"]
+        assert [a.args[0].name for a in adds] == [f"layers_{i}_1_num_batches_tracked" for i in range(3)]

@@ -144,7 +144,8 @@ class TrainReplay(ForwardPatches):
         first_sid = self.storages.next_id
         # the parameters' own refs may be record indices of the step (FSDP2 gathers them there),
         # which a probe's own records would shadow: inside the probe they are the probe's slots
-        with self._isolated() as records, _tagged({n: tp.local(p) for n, p in params.items()}):
+        with self._isolated() as records, _tagged({n: tp.local(p) for n, p in params.items()}), \
+                _tags_kept([tp.local(b) for b in block.buffers()]):
             fresh, inputs = self._fresh_inputs(leaves)
             args, kwargs = tp.tree_unflatten(fresh, spec)
             rec.module_stack.append(fqn)
@@ -364,6 +365,19 @@ def _tagged(params: dict):
     finally:
         for n, p in params.items():
             setattr(p, TAG, before[n])
+
+
+@contextlib.contextmanager
+def _tags_kept(tensors: list):
+    """A probe's in-place ops on the block's buffers (BatchNorm's running statistics and
+    num_batches_tracked) tag them with the probe's own record indices: their tags go back after
+    it, as the program the step records never ran the probe."""
+    before = [(t, getattr(t, TAG, None)) for t in tensors]
+    try:
+        yield
+    finally:
+        for t, tag in before:
+            setattr(t, TAG, tag)
 
 
 def _gathered_in_hooks(block) -> bool:
