@@ -137,3 +137,25 @@ def test_hugging_face_plan_collectives_equal_the_engines():
                                          {"fsdp": 2, "tp": 2}, (torch.randint(0, 256, (BATCH, 32)),))
     assert (got_count, got_bytes) == (count, nbytes)
     assert got_count["all_reduce"] == 16  # 2 blocks × (2 forward + 5 backward) + embedding + lm_head
+
+
+def test_blocks_with_repeated_parts_are_sharded_once(tmp_path):
+    """A Sequential of two Sequential(Linear(16, 32), ReLU, Linear(32, 16)) blocks: the default
+    FSDP2 wrapping shards each block, not also the Linears repeated inside it (that wrapped a
+    child after its parent and failed). Each block gathers (16·32 + 32 + 32·16 + 16) · 4 = 4288 B
+    in forward, and again in backward; it reduce-scatters 4288 / 2 = 2144 B; the root holds no
+    parameter of its own, so it makes no unit."""
+    (tmp_path / "nested.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def make():\n"
+        "    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(2)])\n\n"
+        "def example_inputs(batch):\n"
+        "    return (torch.randn(batch, 16),)\n")
+    p = fxacct.profile(fxacct.Config(target=str(tmp_path / "nested.py") + ":make", batch=4, mesh="fsdp=2"))
+    by = {}
+    for r in p.parallel.rows:
+        acc = by.setdefault((r.op, r.phase), [0, 0])
+        acc[0] += r.count
+        acc[1] += r.bytes
+    assert by == {("all_gather", "forward"): [2, 2 * 4288], ("all_gather", "backward"): [2, 2 * 4288],
+                  ("reduce_scatter", "backward"): [2, 2 * 2144]}

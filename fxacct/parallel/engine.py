@@ -88,16 +88,22 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     units FSDP2 shards one at a time (torchtitan wraps each transformer block). A container of
     another class whose children are all numbered (``layers.2``, ``layers.3``: the stage module
     torch.distributed.pipelining's pipeline() cuts keeps the model's names, in modules of its own
-    class) holds blocks too."""
-    blocks = []
+    class) holds blocks too. Only the outermost count: a block's own repeated parts (two
+    Linears in each of a Sequential's blocks) are inside a unit already, and FSDP2 cannot wrap a
+    child after its parent."""
+    blocks, inside = [], set()
     for container in model.modules():
+        if id(container) in inside:
+            continue
         if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
             items = list(container.values() if isinstance(container, torch.nn.ModuleDict) else container)
         else:
             named = list(container.named_children())
             items = [m for _, m in named] if len(named) > 1 and all(n.isdigit() for n, _ in named) else []
         classes = [type(m) for m in items]
-        blocks += [m for m in items if classes.count(type(m)) > 1]
+        found = [m for m in items if classes.count(type(m)) > 1]
+        blocks += found
+        inside.update(id(d) for m in found for d in m.modules())
     return blocks
 
 
