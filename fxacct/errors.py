@@ -26,6 +26,7 @@ by the traceback, innermost frame first:
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -140,11 +141,16 @@ def _is_module_forward(frame) -> bool:
 
 # -- the decision ----------------------------------------------------------------------------------
 
+_FORWARDED = re.compile(r"\bfunc\(")  # the forwarded call's line in a passes_through function
+
+
 def _blame(frames: list) -> tuple[str, object]:
     """(USER or FXACCT, the frame to name or None) for an exception with these frames, outermost first."""
     if not frames:
         return FXACCT, None
     kinds = [TORCH if f.code in _AS_TORCH else frame_kind(f.filename) for f in frames]
+    if kinds[-1] == FXACCT and frames[-1].code in _PASS_THROUGH and _FORWARDED.search(frames[-1].line):
+        kinds[-1] = TORCH  # the call it forwarded raised in torch's C++ (a conv given a long tensor)
     if kinds[-1] in (USER, FXACCT):
         return kinds[-1], frames[-1]
     entries = _model_entries()

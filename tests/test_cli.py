@@ -549,6 +549,23 @@ def test_model_failure_says_how_to_find_where(args):
     assert "--debug" in line, line
 
 
+def test_a_wrong_input_dtype_caught_by_a_kernel_is_the_models_failure(tmp_path):
+    """A conv given a long tensor fails in torch's C++ kernel, reached through the recorder's
+    function mode that forwards the call: the model's failure (exit 3) at the model's line, not
+    fxacct's internal error (4), which it once was."""
+    (tmp_path / "conv.py").write_text(
+        "from torch import nn\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.c = nn.Conv2d(3, 8, 3)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.c(x)\n")
+    result = invoke("profile", str(tmp_path / "conv.py") + ":Net", "--input", "long[B,3,16,16]")
+    line = assert_one_line_error(result, 3)
+    assert "conv.py:9" in line, line
+
+
 @pytest.mark.parametrize("args, code", [
     ([f"{MODELS}/forward_raises.py:ForwardRaises"], 3),
     # A shape mismatch fails inside a fake-tensor meta kernel; torch logs its own traceback through

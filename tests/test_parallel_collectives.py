@@ -148,7 +148,8 @@ def test_blocks_with_repeated_parts_are_sharded_once(tmp_path):
     (tmp_path / "nested.py").write_text(
         "import torch\nfrom torch import nn\n\n"
         "def make():\n"
-        "    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(2)])\n\n"
+        "    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))\n"
+        "                           for _ in range(2)])\n\n"
         "def example_inputs(batch):\n"
         "    return (torch.randn(batch, 16),)\n")
     p = fxacct.profile(fxacct.Config(target=str(tmp_path / "nested.py") + ":make", batch=4, mesh="fsdp=2"))
