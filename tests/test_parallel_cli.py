@@ -91,6 +91,25 @@ def test_user_parallelize_raising_is_a_model_error(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("source, flags, expected", [
+    ("def parallelize(model):\n    return model\n", ("--mesh", "fsdp=2", "--parallelize"),
+     "parallelize cannot be called as fn(model, mesh) (too many positional arguments)"),
+    ("def stage(model, stage):\n    return model\n", ("--mesh", "pp=2", "--pp-split"),
+     "stage cannot be called as fn(model, stage, stages) (too many positional arguments)"),
+    ("def other(model, mesh):\n    return model\n", ("--mesh", "fsdp=2", "--parallelize"),
+     "has no name 'missing'; functions defined there: other"),
+], ids=["parallelize-signature", "pp-split-signature", "missing-function"])
+def test_a_function_flag_that_cannot_be_called_as_documented_is_a_usage_error(tmp_path, source, flags, expected):
+    """The user's function is called as the README says; one that cannot take those arguments, or
+    that is not there, is a usage error naming the flag (it was an internal error, exit 4)."""
+    f = tmp_path / "fns.py"
+    f.write_text(source)
+    name = "missing" if "missing" in expected else source.split("(")[0].split()[-1]
+    r = _invoke(LLAMA, *flags, f"{f}:{name}")
+    assert r.exit_code == 2 and flags[-1] in r.stderr and expected in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_a_real_mesh_run_failing_in_the_users_file_keeps_the_account_and_exits_3():
     """The model traces on fake tensors and raises on real ones: every rank of the gloo run fails in
     the user's file. The account is written first, then one line naming the rank, the error and

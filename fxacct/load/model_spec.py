@@ -118,6 +118,35 @@ def build(obj, kwargs: dict, name: str, device="meta") -> torch.nn.Module:
     return model
 
 
+def resolve_function(target: str, flag: str, form: str):
+    """The function ``flag`` names as PATH.py:fn, which fxacct will call as ``form``
+    ("fn(model, mesh)"): a missing file, name or a signature that cannot take those arguments is
+    a usage error naming the flag (the model's own loading says "model")."""
+    path_text, sep, name = target.rpartition(":")
+    if not sep or not path_text or not name or not path_text.endswith(".py"):
+        raise UsageError(f"{flag} {target}: give PATH.py:fn, a function called as {form}")
+    if not Path(path_text).is_file():
+        raise UsageError(f"{flag} {target}: file {path_text!r} not found (relative to {os.getcwd()})")
+    module = _import_file(Path(path_text))
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
+        what = "no name" if fn is None else f"{_a(type(fn).__name__)}, not a function, as"
+        hint = f"functions defined there: {', '.join(found)}" if found else "it defines no function"
+        raise UsageError(f"{flag} {target}: {path_text} has {what} {name!r}; {hint}")
+    return fn
+
+
+def check_call(fn, flag: str, target: str, form: str, *args) -> None:
+    """A usage error when ``fn`` cannot be called with ``args`` (the form fxacct calls it in)."""
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as e:
+        raise UsageError(f"{flag} {target}: {fn.__name__} cannot be called as {form} ({e})") from e
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        pass
+
+
 @calls_user_code
 def call_user(fn, /, *args, **kwargs):
     """``fn(*args, **kwargs)`` for the user's class, factory or example_inputs: what it raises is

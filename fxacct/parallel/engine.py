@@ -69,11 +69,10 @@ def parallelize(model: torch.nn.Module, spec: MeshSpec, mesh, options) -> torch.
 
 
 def _user_parallelize(model, mesh, target: str):
-    from fxacct.load.model_spec import call_user, resolve
+    from fxacct.load.model_spec import call_user, check_call, resolve_function
 
-    fn, _ = resolve(target)
-    if not callable(fn):
-        raise UsageError(f"--parallelize {target}: not a function; give PATH.py:fn with fn(model, mesh)")
+    fn = resolve_function(target, "--parallelize", "fn(model, mesh)")
+    check_call(fn, "--parallelize", target, "fn(model, mesh)", model, mesh)
     try:
         out = call_user(fn, model, mesh)
     except UsageError:

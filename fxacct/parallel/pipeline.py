@@ -63,11 +63,13 @@ class PipelineAccount:
 
 def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=None):
     """Stage ``stage``'s module: the user's --pp-split function's, or the model cut at ``points``."""
-    from fxacct.load.model_spec import call_user, resolve
+    from fxacct.load.model_spec import call_user, check_call, resolve_function
 
     if points is not None:
         return stage_module(model, args, kwargs or {}, points, stage)
-    fn, _ = resolve(config.pp_split)
+    form = "fn(model, stage, stages)"
+    fn = resolve_function(config.pp_split, "--pp-split", form)
+    check_call(fn, "--pp-split", config.pp_split, form, model, stage, stages)
     try:
         part = call_user(fn, model, stage, stages)
     except Exception as e:
