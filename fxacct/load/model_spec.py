@@ -130,7 +130,8 @@ def resolve_function(target: str, flag: str, form: str):
     module = _import_file(Path(path_text))
     fn = getattr(module, name, None)
     if not callable(fn):
-        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
+        found = sorted(n for n, v in vars(module).items()
+                       if inspect.isfunction(v) and v.__module__ == module.__name__)
         what = "no name" if fn is None else f"{_a(type(fn).__name__)}, not a function, as"
         hint = f"functions defined there: {', '.join(found)}" if found else "it defines no function"
         raise UsageError(f"{flag} {target}: {path_text} has {what} {name!r}; {hint}")

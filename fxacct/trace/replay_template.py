@@ -4,11 +4,12 @@ template maps onto any block of its run."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 from fxacct.trace.dispatch_recorder import BACKWARD
 from fxacct.trace.records import (
-    NO_NUMBERS, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, UnderAutogradNode, iter_nested, map_nested,
+    NO_NUMBERS, TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, UnderAutogradNode, iter_nested, map_nested,
 )
 from fxacct.trace.replay import _relative
 
@@ -148,3 +149,29 @@ def comparable(t: Template):
     recs = [replace(r, outputs=val(r.outputs)) for r in t.records]
     return (recs, t.fwd_len, t.in_meta, t.plain, t.out_leaves, [sid(s) for s in t.out_storages],
             t.grads, t.targets, t.saved_inputs)
+
+
+@contextlib.contextmanager
+def tagged(params: dict):
+    """Each parameter tagged as the probe's Slot("probe-param", name) while a probe runs."""
+    before = {n: getattr(p, TAG, None) for n, p in params.items()}
+    for n, p in params.items():
+        setattr(p, TAG, Ref(Slot("probe-param", n)))
+    try:
+        yield
+    finally:
+        for n, p in params.items():
+            setattr(p, TAG, before[n])
+
+
+@contextlib.contextmanager
+def tags_kept(tensors: list):
+    """A probe's in-place ops on the block's buffers (BatchNorm's running statistics and
+    num_batches_tracked) tag them with the probe's own record indices: their tags go back after
+    it, as the program the step records never ran the probe."""
+    before = [(t, getattr(t, TAG, None)) for t in tensors]
+    try:
+        yield
+    finally:
+        for t, tag in before:
+            setattr(t, TAG, tag)

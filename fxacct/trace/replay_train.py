@@ -44,7 +44,8 @@ from fxacct.trace.records import (
 )
 from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
 from fxacct.trace.replay_template import (
-    Template, comparable, find_meta, last_uses, lingering, map_to_block, norm_refs, to_template_space,
+    Template, comparable, find_meta, last_uses, lingering, map_to_block, norm_refs, tags_kept, tagged,
+    to_template_space,
 )
 
 
@@ -144,8 +145,8 @@ class TrainReplay(ForwardPatches):
         first_sid = self.storages.next_id
         # the parameters' own refs may be record indices of the step (FSDP2 gathers them there),
         # which a probe's own records would shadow: inside the probe they are the probe's slots
-        with self._isolated() as records, _tagged({n: tp.local(p) for n, p in params.items()}), \
-                _tags_kept([tp.local(b) for b in block.buffers()]):
+        with self._isolated() as records, tagged({n: tp.local(p) for n, p in params.items()}), \
+                tags_kept([tp.local(b) for b in block.buffers()]):
             fresh, inputs = self._fresh_inputs(leaves)
             args, kwargs = tp.tree_unflatten(fresh, spec)
             rec.module_stack.append(fqn)
@@ -172,7 +173,7 @@ class TrainReplay(ForwardPatches):
             deaths = dict(self.storages.deaths)
             saved_now = dict(self.saved.saved)
         # refs and storages in template space
-        # (a DTensor's shard: what the ops read; its refs were the probe's slots, _tagged)
+        # (a DTensor's shard: what the ops read; its refs were the probe's slots, tagged)
         ext_store = {self.storages.id_of(tp.local(p)): Slot("param", n) for n, p in params.items()}
         for j, x in enumerate(inputs):
             ext_store.setdefault(self.storages.id_of(x), Slot("in", j))
@@ -352,32 +353,6 @@ class _ReplayFn(torch.autograd.Function):
             grads += [as_layout(results.get(Slot("param", n)), layouts.get(Slot("param", n)))
                       for n in ctx.param_names]
         return (None, None, None, None, None, None, *grads)
-
-
-@contextlib.contextmanager
-def _tagged(params: dict):
-    """Each parameter tagged as the probe's Slot("probe-param", name) while a probe runs."""
-    before = {n: getattr(p, TAG, None) for n, p in params.items()}
-    for n, p in params.items():
-        setattr(p, TAG, Ref(Slot("probe-param", n)))
-    try:
-        yield
-    finally:
-        for n, p in params.items():
-            setattr(p, TAG, before[n])
-
-
-@contextlib.contextmanager
-def _tags_kept(tensors: list):
-    """A probe's in-place ops on the block's buffers (BatchNorm's running statistics and
-    num_batches_tracked) tag them with the probe's own record indices: their tags go back after
-    it, as the program the step records never ran the probe."""
-    before = [(t, getattr(t, TAG, None)) for t in tensors]
-    try:
-        yield
-    finally:
-        for t, tag in before:
-            setattr(t, TAG, tag)
 
 
 def _gathered_in_hooks(block) -> bool:
