@@ -661,6 +661,69 @@ def test_untagged_floor_divide_histc_and_scatter():
         HIT.add(_key(op))
 
 
+def test_untagged_activations_cost_as_their_tagged_siblings():
+    # hardsigmoid, elu, hardtanh, leaky_relu, softplus and mish carry torch's pointwise tag (1 FLOP
+    # per output element, the transcendental convention above); these siblings do not, and cost
+    # the same: 4·6 = 24. masked_fill_ as masked_fill (tagged)
+    x = (4, 6)
+    for op in (aten.hardswish.default, aten.hardswish_.default, aten.mish_.default, aten._prelu_kernel.default,
+               aten.log_sigmoid_forward.default, aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
+               aten.mish_backward.default, aten.elu_backward.default, aten.hardtanh_backward.default,
+               aten.leaky_relu_backward.default, aten.log_sigmoid_backward.default, aten.softplus_backward.default,
+               aten.softshrink_backward.default, aten.hardshrink_backward.default, aten.masked_fill_.Scalar):
+        assert lookup(op).formula(x, x, out_shape=x, ctx=CostContext(op=op)) == Flops(other=24), op
+        HIT.add(_key(op))
+    assert torch.Tag.pointwise in aten.masked_fill.Scalar.tags and torch.Tag.pointwise in aten.hardsigmoid.default.tags
+    # PReLU's backward: where(x > 0, g, w·g) and x·g where x ≤ 0, two passes each: 4·24 = 96
+    got = fx_cost(aten._prelu_kernel_backward.default, (r(*x), r(*x), r(6)))
+    assert got == Flops(other=96)
+
+
+def test_interpolation_padding_backward_and_distances():
+    # bilinear: 4 taps, a multiply and an add each, per output element: (1, 2, 6, 8) → 2·4·96 = 768;
+    # its backward per incoming gradient element, the same 768; bicubic 16 taps: 2·16·96 = 3072;
+    # linear 2 taps on (1, 2, 10): 2·2·20 = 80; trilinear 8 on (1, 1, 2, 4, 4): 2·8·32 = 512
+    x4 = r(1, 2, 3, 4)
+    assert fx_cost(aten.upsample_bilinear2d.default, (x4, [6, 8], False)) == Flops(other=768)
+    assert fx_cost(aten.upsample_bilinear2d.vec, (x4, [6, 8], False, None)) == Flops(other=768)
+    assert fx_cost(aten.upsample_bilinear2d_backward.default, (r(1, 2, 6, 8), [6, 8], [1, 2, 3, 4], False)) \
+        == Flops(other=768)
+    assert fx_cost(aten.upsample_bicubic2d.default, (x4, [6, 8], False)) == Flops(other=3072)
+    assert fx_cost(aten.upsample_bicubic2d_backward.default, (r(1, 2, 6, 8), [6, 8], [1, 2, 3, 4], False)) \
+        == Flops(other=3072)
+    assert fx_cost(aten.upsample_linear1d.default, (r(1, 2, 5), [10], False)) == Flops(other=80)
+    assert fx_cost(aten.upsample_linear1d_backward.default, (r(1, 2, 10), [10], [1, 2, 5], False)) == Flops(other=80)
+    assert fx_cost(aten.upsample_trilinear3d.default, (r(1, 1, 1, 2, 2), [2, 4, 4], False)) == Flops(other=512)
+    assert fx_cost(aten.upsample_trilinear3d_backward.default,
+                   (r(1, 1, 2, 4, 4), [2, 4, 4], [1, 1, 1, 2, 2], False)) == Flops(other=512)
+    # a padding's backward: (1, 1, 4, 4) padded by 1 on each side is (1, 1, 6, 6); each of the 36
+    # gradient elements lands in one of the 16 inputs, the first arrival a write: 36 − 16 = 20 adds
+    x, g = r(1, 1, 4, 4), r(1, 1, 6, 6)
+    for op in (aten.reflection_pad2d_backward.default, aten.replication_pad2d_backward.default):
+        assert fx_cost(op, (g, x, [1, 1, 1, 1])) == Flops(other=20), op
+    for op in (aten.reflection_pad1d_backward.default, aten.replication_pad1d_backward.default):
+        assert fx_cost(op, (r(1, 1, 6), r(1, 1, 4), [1, 1])) == Flops(other=2), op  # 6 − 4
+    for op in (aten.reflection_pad3d_backward.default, aten.replication_pad3d_backward.default):
+        assert fx_cost(op, (r(1, 1, 4, 4, 4), r(1, 1, 2, 2, 2), [1] * 6)) == Flops(other=56), op  # 64 − 8
+    # cdist of (2, 5, 3) and (2, 4, 3): 2·5·4 = 40 pairs of 3-vectors, 3 passes each: 360, and
+    # its backward the same per pair
+    a, b = r(2, 5, 3), r(2, 4, 3)
+    d = torch.cdist(a, b)
+    assert fx_cost(aten._cdist_forward.default, (a, b, 2.0, None)) == Flops(other=360)
+    assert fx_cost(aten._cdist_backward.default, (r(2, 5, 4), a, b, 2.0, d)) == Flops(other=360)
+
+
+def test_smooth_l1_and_huber_losses():
+    # n = 24: d = x − y, |d|, |d| < β, the branch's value (2): 5·24 = 120, + 24 for the mean or sum;
+    # backward x − y, the compare, d/β or sign(d), · grad: 4·24 = 96
+    for fwd, bwd in ((aten.smooth_l1_loss.default, aten.smooth_l1_loss_backward.default),
+                     (aten.huber_loss.default, aten.huber_loss_backward.default)):
+        for red, expected in ((0, 120), (1, 144), (2, 144)):
+            assert fx_cost(fwd, (X2, r(4, 6), red, 1.0)) == Flops(other=expected), (fwd, red)
+        grad = r(4, 6)
+        assert fx_cost(bwd, (grad, X2, r(4, 6), 0, 1.0)) == Flops(other=96), bwd
+
+
 def test_unknown_op_is_reported_not_zero():
     import torch.fx as fx
     from fxacct.account.annotate import node_cost

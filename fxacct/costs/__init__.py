@@ -5,4 +5,4 @@ Public: ``register(op)`` (a decorator: a formula for a user's own op, README "Cu
 ``Flops`` (what a formula returns) and ``CostContext`` (what it receives as ``ctx``)."""
 
 from fxacct.costs.registry import CostContext, Flops, OpInfo, lookup, register  # noqa: F401
-from fxacct.costs import matmul, attention, pointwise, norms, losses, movement, rnn  # noqa: F401  (they register)
+from fxacct.costs import matmul, attention, pointwise, norms, losses, movement, resample, rnn  # noqa: F401  (they register)

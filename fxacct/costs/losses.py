@@ -53,6 +53,18 @@ def mse_loss_backward(grad_shape, x_shape, *args, out_shape, ctx, **kwargs) -> F
     return Flops(other=3 * numel(x_shape))  # (x - y) · (2/N or 2) · grad: 3 passes
 
 
+@register(aten.smooth_l1_loss, aten.huber_loss)
+def smooth_l1_loss(x_shape, target_shape, reduction=MEAN, *args, out_shape, ctx, **kwargs) -> Flops:
+    # d = x − y, |d|, |d| < β, then 0.5·d²/β or |d| − 0.5·β (counted as 2): 5 passes, and the mean/sum
+    n = numel(x_shape)
+    return Flops(other=5 * n + (n if reduction != NONE else 0))
+
+
+@register(aten.smooth_l1_loss_backward, aten.huber_loss_backward)
+def smooth_l1_loss_backward(grad_shape, x_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    return Flops(other=4 * numel(x_shape))  # x − y, |d| < β, d/β or sign(d), · grad (1/N folded in)
+
+
 @register(aten.binary_cross_entropy_with_logits)
 def bce_with_logits(x_shape, target_shape, weight=None, pos_weight=None, reduction=MEAN, *args,
                     out_shape, ctx, **kwargs) -> Flops:

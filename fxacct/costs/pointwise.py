@@ -47,6 +47,16 @@ register(aten.__or__.Tensor, aten.__or__.Scalar, aten.__and__.Tensor, aten.__and
 register(aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor,
          aten.floor_divide_.Scalar)(per_output_element(1))
 register(aten.histc)(per_input_element(1))
+# activations torch leaves untagged where their siblings carry the pointwise tag (hardsigmoid,
+# elu, hardtanh, leaky_relu, softplus, mish; gelu_backward, silu_backward, threshold_backward):
+# 1 FLOP per output element, as those siblings; masked_fill_ as masked_fill
+register(aten.hardswish, aten.hardswish_, aten.hardswish_backward, aten.hardsigmoid_backward, aten.mish_,
+         aten.mish_backward, aten.elu_backward, aten.hardtanh_backward, aten.leaky_relu_backward,
+         aten.log_sigmoid_forward, aten.log_sigmoid_backward, aten.softplus_backward, aten.softshrink_backward,
+         aten.hardshrink_backward, aten._prelu_kernel, aten.masked_fill_)(per_output_element(1))
+# PReLU's backward: the input's gradient where(x > 0, g, w·g) and the weight's x·g where x ≤ 0,
+# 2 passes each over the input (the weight's sum over the broadcast dims is autograd's own op)
+register(aten._prelu_kernel_backward)(lambda g, x, w, *a, out_shape, ctx, **k: Flops(other=4 * numel(x)))
 # scatter with a reduction: one add (or multiply) per source element, as scatter_reduce
 register(aten.scatter.reduce, aten.scatter.value_reduce, aten.scatter_.reduce, aten.scatter_.value_reduce)(
     lambda x_shape, dim, index_shape, *a, out_shape, ctx, **k: Flops(other=numel(index_shape)))
