@@ -173,6 +173,9 @@ def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dic
 
     if options.device not in ("auto", "cpu") or options.inference:
         raise UsageError("--runtime with --mesh runs CPU processes on gloo: use --device cpu, without --inference")
+    if config.gpu is not None:
+        raise UsageError(f"--gpu {config.gpu} is a CUDA target but the real run with --mesh runs CPU processes: "
+                         "drop --gpu to compare with them")
     result = fxacct.profile(config)
     prediction = predict_profile(result)
     try:

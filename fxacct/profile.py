@@ -230,6 +230,9 @@ def load_model(config: Config):
 
 def profile(config: Config) -> Profile:
     """Load config.target and profile it."""
+    from fxacct.parallel.mesh import check_pipeline_flags
+
+    check_pipeline_flags(config)
     if config.mesh is not None:  # one rank of the model parallelized by PyTorch's own engine
         from fxacct.parallel.profile import profile_mesh
 

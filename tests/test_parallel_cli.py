@@ -53,7 +53,13 @@ def test_text_table_sums_to_its_total():
     (["--mesh", "tp=3", "--parallelize", PAR], "tp=3 does not divide the model's n_heads=4"),
     (["--mesh", "fsdp=2,tp=2", "--world-size", "8"], "has 4 ranks but --world-size is 8"),
     (["--mesh", "tp=2,fsdp=2"], "outer to inner"),
-    (["--mesh", "xp=2"], "is not NAME=SIZE"),
+    (["--mesh", "xp=2"], "fxacct has no mesh dimension 'xp'"),
+    (["--mesh", "fsdp"], "'fsdp' is not NAME=SIZE"),
+    # the pipeline's flags without pp would do nothing
+    (["--pp-split", "layers.1"], "--pp-split says how a pipeline runs, but --mesh has no pp dimension"),
+    (["--mesh", "fsdp=2", "--microbatches", "4"], "add one (e.g. --mesh pp=2,fsdp=2) or drop --microbatches"),
+    # a CUDA target beside a real run of CPU processes compares unlike things
+    (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--gpu", "h100"], "--gpu h100 is a CUDA target"),
     (["--mesh", "tp=2"], "carries no tensor-parallel plan"),
     (["--parallelize", PAR], "--parallelize needs --mesh"),
     (["--mesh", "fsdp=2", "--world-size", "2", "--shard", "zero3"], "--mesh and --shard zero3"),

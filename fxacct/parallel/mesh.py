@@ -44,9 +44,12 @@ def parse_mesh(text: str) -> MeshSpec:
     for part in (p.strip() for p in text.split(",")):
         name, eq, size = part.partition("=")
         name = name.strip().lower()
-        if not eq or name not in DIMS:
+        if not eq:
             raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE with NAME one of "
                              f"{', '.join(DIMS)} (e.g. {EXAMPLE})")
+        if name not in DIMS:
+            raise UsageError(f"--mesh {text!r}: fxacct has no mesh dimension {name!r} (expert and context "
+                             f"parallelism are not built in); the dimensions are {', '.join(DIMS)} (e.g. {EXAMPLE})")
         if not size.strip().isdigit() or int(size) < 1:
             raise UsageError(f"--mesh {text!r}: the size of {name} must be a positive integer")
         if name in dict(dims):
@@ -90,3 +93,19 @@ def check_config(config) -> None:
     if config.shard != "none":
         raise UsageError(f"--mesh and --shard {config.shard} both say how ranks share the model: "
                          f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")
+
+
+PIPELINE_FLAGS = (("--pp-split", "pp_split"), ("--microbatches", "microbatches"),
+                  ("--pp-stages-per-rank", "pp_stages_per_rank"))
+
+
+def check_pipeline_flags(config) -> None:
+    """The flags that say how a pipeline runs do nothing without pp in --mesh: a usage error, as
+    --parallelize without --mesh is."""
+    if config.mesh is not None and parse_mesh(config.mesh).size("pp") > 1:
+        return
+    given = [flag for flag, field in PIPELINE_FLAGS if getattr(config, field) is not None]
+    if given:
+        mesh = f"pp=2,{config.mesh}" if config.mesh else "pp=2"
+        raise UsageError(f"{given[0]} says how a pipeline runs, but --mesh has no pp dimension: add one "
+                         f"(e.g. --mesh {mesh}) or drop {given[0]}")

@@ -75,7 +75,8 @@ def render_collectives(parallel, width: int | None = None) -> str:
         acc[0] += r.count
         acc[1] += r.bytes
         acc[2] += r.wire_bytes
-    lines = [f"mesh {parallel.mesh} ({parallel.mesh.world_size} ranks); figures are rank {parallel.rank}'s "
+    n = parallel.mesh.world_size
+    lines = [f"mesh {parallel.mesh} ({n} rank{'s' if n != 1 else ''}); figures are rank {parallel.rank}'s "
              "(parameters, gradients, optimizer state, activations and peaks above are per rank)"]
     if parallel.pipeline is not None:
         lines.append(render_pipeline(parallel.pipeline, width))
