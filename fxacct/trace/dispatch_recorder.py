@@ -112,6 +112,7 @@ class Recorder(tp.TorchDispatchMode):
         # and the collectives it issues), as torch.distributed.tensor.debug.CommDebugMode does
         self.defer = frozenset(defer)
         self.group: TookSequenceNumbers | None = None  # the numbers the running subclass op took
+        self.recomputing = False  # the running subclass op is a recompute in the backward (_deferred)
         self.records: list[OpRecord] = []
         self.constants: list[tuple[Slot, TensorMeta]] = []  # tensors no traced op produced
         self.phase = FORWARD
@@ -139,7 +140,11 @@ class Recorder(tp.TorchDispatchMode):
     def _deferred(self):
         """A subclass-level op (DTensor) runs first; the sequence numbers it took go to its local ops."""
         hi = tp.next_autograd_number()
+        if self.phase == BACKWARD and not torch.is_grad_enabled():
+            return NotImplemented  # a no-grad op (checkpointing packing what it saves) consumes no number
         self.group = TookSequenceNumbers(self.last_seq, hi) if hi != self.last_seq and self.phase != BACKWARD else None
+        # in the backward, a subclass op that made a grad_fn is checkpointing's recompute: so are its local ops
+        self.recomputing = self.phase == BACKWARD and hi != self.last_seq
         self.last_seq = hi
         return NotImplemented
 
@@ -231,7 +236,7 @@ class Recorder(tp.TorchDispatchMode):
             # checkpointing's recompute packs what it saves with detach ops under no_grad, after
             # the op that took the number and before it runs: they neither take nor consume it
             grad_on = torch.is_grad_enabled()
-            scope = RECOMPUTE if grad_on and hi != self.last_seq else None
+            scope = RECOMPUTE if grad_on and (hi != self.last_seq or self.recomputing) else None
             if not grad_on:
                 hi = self.last_seq
             seq = tp.current_autograd_number()
