@@ -221,6 +221,18 @@ def test_confirm_falls_back_to_a_smaller_micro_batch_when_the_full_trace_is_over
     assert out[lays[0]].dominated == "slower than mb 2" and out[other].source == "screen"
 
 
+def test_every_pipeline_micro_batch_is_judged_on_its_own():
+    """pp=2,fsdp=2 at global batch 8: each fsdp rank has 4 examples, so micro-batches 1, 2, 4 run
+    M = 4, 2, 1 micro-batches. M = 1 is fewer than the 2 stages (its own usage error); micro-batch
+    2 (M = 2) is traced, not rejected with micro-batch 4's reason as it once was."""
+    cfg = replace(llama(pp_split=target("examples/llama.py:pipeline_stage")), mesh="fsdp=4")
+    cands = {c.micro_batch: c for c in plan(cfg, 4, 8, confirm_top=0).candidates
+             if c.mesh == "pp=2,fsdp=2" and not c.layout.checkpoint}
+    assert "--microbatches 1 is fewer than the 2 pipeline stages" in cands[4].rejected
+    assert cands[2].step_s is not None and cands[1].step_s is not None, cands
+    assert cands[2].rejected is None or "over memory" in cands[2].rejected, cands[2]
+
+
 def test_a_pipeline_alone_gets_no_parallelize_function():
     """With --parallelize, a pp=4 layout of 4 GPUs has no fsdp or tp for the function to shard
     over: its config drops it (as a profile of --mesh pp=4 --parallelize is refused), so the plan

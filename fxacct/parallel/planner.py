@@ -199,15 +199,18 @@ def _bisect(planner: Planner, group: list[Layout], probed: dict) -> None:
 
 def _search_group(planner: Planner, group: list[Layout]) -> dict:
     """Every layout of a group (by micro-batch): micro-batch 1 first (over memory: all are), then
-    the largest, then bisection between them."""
+    the largest, then bisection between them; a pipeline's upwards from 1."""
     probed = {group[0]: planner.probe(group[0])}
-    if probed[group[0]].fits and len(group) > 1:
+    if group[0].pp > 1:  # the bubble shrinks with more micro-batches: every one that fits is traced,
+        # upwards until one does not (a larger one holds more; its M = share ÷ mb is smaller still)
+        for prev, lay in zip(group, group[1:]):
+            if not probed[prev].fits:
+                break
+            probed[lay] = planner.probe(lay)
+    elif probed[group[0]].fits and len(group) > 1:
         top = probed[group[-1]] = planner.probe(group[-1])
         if top.over_memory:
             _bisect(planner, group, probed)
-    if group[0].pp > 1:  # the bubble shrinks with more micro-batches: every one that fits is traced
-        fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
-        probed.update({lay: planner.probe(lay) for lay in group if lay not in probed and lay.micro_batch < fit})
     fit = max((lay.micro_batch for lay, c in probed.items() if c.fits), default=0)
     slower = {} if group[0].pp > 1 else {lay: replace(c, dominated=f"slower than mb {fit}")
                                          for lay, c in probed.items() if c.fits and lay.micro_batch < fit}
