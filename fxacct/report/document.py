@@ -28,7 +28,8 @@ def document(p: Profile, prediction=None, runtime=None) -> dict:
     if prediction is not None:
         from fxacct.report.runtime_json import predicted
 
-        doc["totals"]["predicted_step_ms"] = prediction.step_ms
+        if p.parallel is None or p.parallel.time is None:  # under --mesh: the critical path (add_to_document)
+            doc["totals"]["predicted_step_ms"] = prediction.step_ms
         doc["predicted"] = predicted(prediction)
     if runtime is not None:
         from fxacct.report.runtime_json import runtime as runtime_json

@@ -78,7 +78,26 @@ def _memory_facts(p: Profile) -> list[tuple[str, str]]:
     return rows
 
 
+def _rate(x: float) -> str:
+    return f"{x:.3g}" if x < 100 else format_count(round(x))
+
+
+def _mesh_time(p: Profile, prediction) -> str:
+    """--mesh with --gpu: rank 0's critical path of compute and communication (the roofline's
+    single stream would time the collectives as local copies)."""
+    par = p.parallel
+    t, th = par.time, par.throughput
+    where = prediction.device.name if prediction is not None else p.config.gpu
+    scope = " for one micro-batch of stage 0" if par.pipeline is not None else ""
+    text = f"{format_ms(1e3 * t.step_s)}{scope} predicted on {where} (compute and communication)"
+    if th.tokens_per_s_rank is not None:
+        text += f"; {_rate(th.tokens_per_s_rank)} tokens/s per rank, {_rate(th.tokens_per_s_job)} for the job"
+    return text
+
+
 def _time_facts(p: Profile, prediction) -> list[tuple[str, str]]:
+    if p.parallel is not None and p.parallel.time is not None:
+        return [("step time", _mesh_time(p, prediction))]
     if prediction is None:
         return [("step time", "not predicted (run `fxacct calibrate --device cpu`, or give --gpu NAME)")]
     c, t = p.config, p.accounting.totals
@@ -86,11 +105,11 @@ def _time_facts(p: Profile, prediction) -> list[tuple[str, str]]:
     step_s = prediction.step_s
     if t.tokens_per_example and step_s > 0:
         per_rank = c.batch * t.tokens_per_example / step_s
-        text += f"; {format_count(round(per_rank))} tokens/s"
+        text += f"; {_rate(per_rank)} tokens/s"
         if c.world_size > 1:
-            text += f" per rank, {format_count(round(per_rank * c.world_size))} over {c.world_size}"
+            text += f" per rank, {_rate(per_rank * c.world_size)} over {c.world_size}"
     elif step_s > 0:
-        text += f"; {format_count(round(c.batch / step_s))} examples/s"
+        text += f"; {_rate(c.batch / step_s)} examples/s"
     return [("step time", text)]
 
 
