@@ -142,3 +142,16 @@ def test_a_rank_failing_in_fxacct_is_an_internal_error():
     assert "rank 1: KeyError: 'rank'" in str(err) and "gloo_run.py:130 in _measure" in str(err)
     torch_text = text.replace("/repo/fxacct/parallel/gloo_run.py", "/x/site-packages/torch/distributed/c10d.py")
     assert isinstance(rank_failure(0, torch_text), ModelError)
+
+
+def test_six_n_d_counts_the_whole_model_under_a_mesh():
+    """A rank holds a shard of the parameters but works on the whole model for its batch (FSDP2
+    shards storage, not work; a tp group shares one batch's work): the 6·N·D line of fsdp=2,tp=2
+    is the single-device one, N and exact FLOPs alike (the oracle: a profile with no mesh, whose
+    per-rank batch is the same). It once divided N by the 4 ranks and doubled the ratio."""
+    single = _invoke(LLAMA, "--batch", "2")
+    mesh = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2,tp=2", "--parallelize", PAR)
+    line = next(x for x in single.stdout.splitlines() if x.startswith("6·N·D"))
+    got = next(x for x in mesh.stdout.splitlines() if x.startswith("6·N·D"))
+    want = line.replace("exact matmul+attention", "exact matmul+attention of a tp group (rank's × 2)")
+    assert got == want, (got, line)

@@ -23,6 +23,7 @@ class ParallelAccount:
     throughput: Throughput | None = None
     pipeline: object = None  # fxacct.parallel.pipeline.PipelineAccount under --mesh pp=P
     node_seconds: dict | None = None  # collective node -> predicted seconds (with --gpu), else None
+    model_params: int | None = None  # the whole model's parameters (global shapes), not this rank's shards
 
     @property
     def comm_wire_bytes(self) -> int:
@@ -62,7 +63,8 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
         walk(with_resizes(lifetimes(inference), resizes_i)) if inference is not None else None)
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
-                               throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None)
+                               throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
+                               model_params=sum(t.numel() for t in model.parameters()))  # a DTensor's: global
     return Profile(config, acct, memory, cap, precision_warnings(cap), parallel=parallel)
 
 

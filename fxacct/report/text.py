@@ -61,13 +61,25 @@ def summary(p: Profile) -> str:
         tokens = c.batch * t.tokens_per_example
         lines.append(f"FLOPs per token: {_flops((t.forward.total + t.backward.total) // tokens)} "
                      f"({t.tokens_per_example} tokens per example)")
-        six = t.six_n_d
-        ratio = t.model_flops / six if six else float("nan")
-        frozen = (f"; N counts all parameters, {t.params - t.trainable_params:,} of them frozen (their "
-                  "weight gradients are not computed)" if t.trainable_params != t.params else "")
-        lines.append(f"6·N·D rule of thumb: {_flops(six)} (N={t.params:,}, D={tokens:,}); exact matmul+attention "
-                     f"{_flops(t.model_flops)}; exact / 6ND = {ratio:.3f}{frozen}")
+        lines.append(_six_n_d(p, tokens))
     return "\n".join(lines)
+
+
+def _six_n_d(p: Profile, tokens: int) -> str:
+    """6·N·D beside the exact model FLOPs. Under --mesh a rank holds a shard of N but works on the
+    whole model for its batch, tensor parallelism aside: N is the model's, and the exact figure
+    is the rank's × tp (a tp group's work on one batch)."""
+    t, par = p.accounting.totals, p.parallel
+    n, exact, whose = t.params, t.model_flops, ""
+    if par is not None and par.model_params:
+        tp_size = par.mesh.size("tp")
+        n, exact = par.model_params, t.model_flops * tp_size
+        whose = f" of a tp group (rank's × {tp_size})" if tp_size > 1 else ""
+    six = 6 * n * tokens
+    frozen = (f"; N counts all parameters, {t.params - t.trainable_params:,} of them frozen (their "
+              "weight gradients are not computed)" if t.trainable_params != t.params else "")
+    return (f"6·N·D rule of thumb: {_flops(six)} (N={n:,}, D={tokens:,}); exact matmul+attention{whose} "
+            f"{_flops(exact)}; exact / 6ND = {exact / six:.3f}{frozen}")
 
 
 def modules_table(p: Profile, depth: int, width: int | None = None) -> str:
