@@ -319,6 +319,20 @@ def test_peaks_match_the_storage_tracker(case, optimizer, record_property):
     assert abs(infer_ratio - 1) <= TOLERANCE
 
 
+@pytest.mark.parametrize("case", ["MLP-256x1024-b8", "ResNet18-small"])
+def test_amp_inference_peak_keeps_autocasts_weight_copies(case):
+    """Eager inference under autocast (eval, no_grad) still caches each weight's bf16 copy until
+    autocast exits, as the weights require grad: the oracle is the storage tracker in that run.
+    The inference trace once cleared requires_grad, so autocast cached nothing and the peak was
+    21-32% low; exact now."""
+    rel, kwargs, batch = PEAK_CASES[case]
+    p = fxacct.profile(fxacct.Config(target=target(rel), batch=batch, kwargs=dict(kwargs), amp=BF16))
+    model, args, kw = real_model(rel, kwargs, batch)
+    with torch.autocast("cpu", dtype=BF16):
+        infer = measure_inference(model, args, kwargs=kw)
+    assert p.memory.peak_inference.bytes == infer.peak_bytes
+
+
 # --------------------------------------------------------------------------------------------------
 # 5. Replaying repeated blocks changes nothing
 # --------------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
     if prep is not None:
         prep.resizes.attach(recorder)  # FSDP2's storage resizes, noted against the recorded ops
     with mode:
-        fake = fake_model(model, options.dtype, options.inference) if prep is None else prep.fake
+        fake = fake_model(model, options.dtype) if prep is None else prep.fake
         fake_args = tp.tree_map(lambda t: _to_fake(t, options), args)
         fake_kwargs = tp.tree_map(lambda t: _to_fake(t, options), kwargs)
     flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))

@@ -32,12 +32,14 @@ class FakeModel:
         return [self.fake_of[pid] for pid in self.param_groups if self.fake_of[pid].requires_grad]
 
 
-def fake_model(model: torch.nn.Module, dtype: torch.dtype | None, inference: bool) -> FakeModel:
+def fake_model(model: torch.nn.Module, dtype: torch.dtype | None) -> FakeModel:
     """Call inside the FakeTensorMode."""
     fake = FakeModel({}, {}, {}, {}, [])
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in fake.fake_of:
-            fake.fake_of[id(p)] = fake_like(p, dtype).requires_grad_(p.requires_grad and not inference)
+            # as the model has it, in inference too: under no_grad it records nothing, but autocast
+            # caches its low-precision copy of a weight that requires grad until the region ends
+            fake.fake_of[id(p)] = fake_like(p, dtype).requires_grad_(p.requires_grad)
         fake.param_groups.setdefault(id(p), []).append(name)
         fake.state[name] = fake.fake_of[id(p)]
     for name, b in model.named_buffers(remove_duplicate=False):
