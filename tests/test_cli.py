@@ -566,6 +566,26 @@ def test_a_wrong_input_dtype_caught_by_a_kernel_is_the_models_failure(tmp_path):
     assert "conv.py:9" in line, line
 
 
+def test_a_constructor_reading_tensor_values_is_built_on_the_cpu(tmp_path):
+    """Widths from tensor math and .tolist() (torchvision's RegNet does this) cannot be read on the
+    meta device: the model is built on the CPU instead, and profiles. Linear(4, 8), (8, 16),
+    (16, 24): 4·8 + 8 + 8·16 + 16 + 16·24 + 24 = 592 parameters."""
+    (tmp_path / "widths.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        widths = (torch.arange(1, 4) * 8.0).round().int().tolist()\n"
+        "        self.layers = nn.Sequential(*[nn.Linear(a, b) for a, b in zip([4] + widths[:-1], widths)])\n\n"
+        "    def forward(self, x):\n"
+        "        return self.layers(x)\n\n"
+        "    def example_inputs(self, batch):\n"
+        "        return (torch.randn(batch, 4),)\n")
+    result = invoke("profile", str(tmp_path / "widths.py") + ":Net", "--batch", "2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["totals"]["params"] == 592
+
+
 @pytest.mark.parametrize("args, code", [
     ([f"{MODELS}/forward_raises.py:ForwardRaises"], 3),
     # A shape mismatch fails inside a fake-tensor meta kernel; torch logs its own traceback through

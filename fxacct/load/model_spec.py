@@ -111,11 +111,19 @@ def build(obj, kwargs: dict, name: str, device="meta") -> torch.nn.Module:
     except (FxacctError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as e:
+        if device == "meta" and _reads_values(e):  # torchvision's RegNet: widths from tensor math, .tolist()
+            return build(obj, kwargs, name, device="cpu")  # its weights are allocated, once
         raise classify(e, f"{name}({_kwargs_text(kwargs)})") from e
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{name} returned {_a(type(model).__name__)}, not an nn.Module; "
                          "name an nn.Module class or a factory that returns one")
     return model
+
+
+def _reads_values(e: Exception) -> bool:
+    """A constructor that reads tensor values, which the meta device does not have."""
+    text = str(e)
+    return "Cannot copy out of meta tensor" in text or "cannot be called on meta tensors" in text
 
 
 def resolve_function(target: str, flag: str, form: str):
