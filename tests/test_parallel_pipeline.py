@@ -296,3 +296,23 @@ def test_a_model_without_repeated_blocks_needs_its_split_named(tmp_path):
     pipe = fxacct.profile(fxacct.Config(target=target, batch=2, mesh="pp=2", pp_split="head", microbatches=2)
                           ).parallel.pipeline
     assert [(s.sends, s.send_bytes) for s in pipe.stages] == [(2, 2 * 8192), (2, 2 * 8192)]
+
+
+def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
+    """Under pp the account is stage 0's for one micro-batch: the summary's FLOPs and step time say
+    so (no tokens/s from one micro-batch), its config gives micro-batch × M, and its peak is rank
+    0's over the step (the replay held against gloo in test_parallel_gloo), beside the largest
+    rank's and the one-micro-batch figure it once gave alone."""
+    from fxacct.predict.roofline import predict_profile
+    from fxacct.report.summary_text import exact_bytes, render_summary
+
+    cfg = fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh="pp=2", pp_split=target(SPLIT),
+                        microbatches=4, gpu="h100", find_max_batch=False)
+    p = fxacct.profile(cfg)
+    pipe = p.parallel.pipeline
+    text = render_summary(p, predict_profile(p))
+    assert "micro-batch 2 × 4 per step (1f1b)" in text
+    assert " per micro-batch of stage 0 = forward" in text and " per step =" not in text
+    assert f"training step, rank 0 {exact_bytes(pipe.stages[0].peak_bytes)} (2 micro-batches in flight)" in text
+    step = next(line for line in text.splitlines() if "step time" in line)
+    assert "for one micro-batch of stage 0" in step and "tokens/s" not in step, step

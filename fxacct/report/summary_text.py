@@ -51,7 +51,35 @@ def facts(p: Profile, prediction=None) -> list[tuple[str, str]]:
     rows += _memory_facts(p)
     rows += _time_facts(p, prediction)
     rows.append(("uncosted", _uncosted(p)))
-    return rows
+    pipe = p.parallel.pipeline if p.parallel is not None else None
+    return rows if pipe is None else _pipeline_facts(rows, p, pipe)
+
+
+def _pipeline_facts(rows: list, p: Profile, pipe) -> list[tuple[str, str]]:
+    """Under pp the account above is stage 0's for one micro-batch: said so where it is, and the
+    peak and fit are the ranks' over the whole step (the schedule's micro-batches in flight)."""
+    m, first = pipe.microbatches, pipe.stages[0]
+    out = []
+    for label, text in rows:
+        if label == "config":
+            text = text.replace(f"batch {p.config.batch}",
+                                f"micro-batch {p.config.batch} × {m} per step ({pipe.schedule})", 1)
+        elif label == "FLOPs":
+            text = text.replace(" per step =", " per micro-batch of stage 0 =", 1)
+        elif label == "peak":
+            text = (f"training step, rank 0 {exact_bytes(first.peak_bytes)} ({first.in_flight} micro-batches in "
+                    f"flight); the largest rank's {format_bytes(max(s.peak_bytes for s in pipe.stages))}; "
+                    f"one micro-batch of stage 0: {format_bytes(p.memory.rank_peak.bytes)}")
+        elif label == "step time" and "micro-batch" not in text and "predicted on" in text:
+            # the roofline of stage 0's one micro-batch: no pipeline step, no throughput
+            text = text.split(";")[0].replace(" predicted on", " for one micro-batch of stage 0 predicted on", 1)
+        elif label == "fit" and p.memory.fit is not None:
+            f, worst = p.memory.fit, max(s.peak_bytes for s in pipe.stages)
+            room = f.capacity_bytes - worst
+            text = (f"fits, {room / GiB:.2f} GiB headroom" if room >= 0 else f"DOES NOT FIT, {-room / GiB:.2f} GiB "
+                    f"short") + f" of {f.capacity_bytes / GiB:.2f} GiB on {f.gpu} (the largest rank's peak)"
+        out.append((label, text))
+    return out
 
 
 def _memory_facts(p: Profile) -> list[tuple[str, str]]:
