@@ -144,6 +144,24 @@ def test_a_rank_failing_in_fxacct_is_an_internal_error():
     assert isinstance(rank_failure(0, torch_text), ModelError)
 
 
+def test_mixed_dtypes_in_one_fsdp_unit_is_a_usage_error(tmp_path):
+    """FSDP2 asserts one original dtype per unit; the root unit here holds a bf16 Linear beside a
+    float32 one: a usage error naming the unit and the way out, not the engine's AssertionError."""
+    f = tmp_path / "mixed.py"
+    f.write_text("import torch\nfrom torch import nn\n\n"
+                 "class Mixed(nn.Module):\n"
+                 "    def __init__(self):\n"
+                 "        super().__init__()\n"
+                 "        self.a, self.b = nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8)\n\n"
+                 "    def forward(self, x):\n"
+                 "        return self.b(self.a(x.to(torch.bfloat16)).float())\n\n"
+                 "    def example_inputs(self, batch):\n"
+                 "        return (torch.randn(batch, 8),)\n")
+    r = _invoke(f"{f}:Mixed", "--mesh", "fsdp=2")
+    assert r.exit_code == 2 and "the root holds bfloat16, float32: give --dtype" in r.stderr, r.stderr
+    assert _invoke(f"{f}:Mixed", "--mesh", "fsdp=2", "--dtype", "bf16").exit_code == 0
+
+
 def test_six_n_d_counts_the_whole_model_under_a_mesh():
     """A rank holds a shard of the parameters but works on the whole model for its batch (FSDP2
     shards storage, not work; a tp group shares one batch's work): the 6·N·D line of fsdp=2,tp=2

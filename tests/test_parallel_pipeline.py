@@ -269,6 +269,11 @@ def test_tensor_parallel_needs_a_split_function():
     assert "tensor parallelism cannot shard those traced graphs" in out and "--pp-split PATH.py:fn" in out
 
 
+def test_a_models_own_loss_under_pp_is_a_usage_error():
+    assert "with --loss model: a pipeline's stages are cut from the model's forward" in _usage(
+        "-k", "n_layers=4", "--mesh", "pp=2", "--loss", "model")
+
+
 def test_parallelize_with_pp_alone_is_a_usage_error():
     assert "--parallelize with --mesh pp=2: the function shards each pipeline stage over the other mesh" in _usage(
         "--mesh", "pp=2", "--parallelize", str(ROOT / "examples/llama.py:parallelize"))

@@ -106,6 +106,21 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+def _one_dtype_per_unit(model, blocks, spec: MeshSpec) -> None:
+    """FSDP2 gathers a unit's parameters as one flat buffer of one dtype (it asserts "uniform
+    original parameter dtype"): each block, and the root with what no block holds."""
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [(names[id(b)], {p.dtype for p in b.parameters()}) for b in blocks]
+    units.append(("the root", {p.dtype for p in model.parameters() if id(p) not in inside}))
+    for name, dtypes in units:
+        if len(dtypes) > 1:
+            listed = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+            raise UsageError(f"--mesh {spec}: FSDP2 gathers each unit's parameters as one buffer of one dtype, and "
+                             f"{name} holds {listed}: give --dtype to cast the model to one, or --parallelize "
+                             "with your own fully_shard units")
+
+
 def _fully_shard(model, spec: MeshSpec, mesh, options) -> None:
     """FSDP2 per repeated block and at the root, also for a Hugging Face model (whose tp plan is
     transformers' own, fxacct.parallel.plans): what Trainer / Accelerate's FSDP2 users get
@@ -123,6 +138,8 @@ def _fully_shard(model, spec: MeshSpec, mesh, options) -> None:
     mp = MixedPrecisionPolicy()
     if options.amp is not None:  # the usual FSDP2 recipe: compute in the autocast dtype, reduce in fp32
         mp = MixedPrecisionPolicy(param_dtype=options.amp, reduce_dtype=torch.float32)
-    for block in repeated_blocks(model):
+    blocks = repeated_blocks(model)
+    _one_dtype_per_unit(model, blocks, spec)
+    for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=False, mp_policy=mp)  # the root: as torchtitan

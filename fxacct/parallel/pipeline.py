@@ -179,6 +179,10 @@ def profile_pipeline(config):
                          "tensor parallelism cannot shard those traced graphs (their layers are no nn.Linear, their "
                          "reshapes fixed to every head); give --pp-split PATH.py:fn returning each stage as the "
                          "model's own modules, as torchtitan does (examples/llama.py:pipeline_stage)")
+    if config.loss == "model":
+        raise UsageError(f"--mesh {spec} with --loss model: a pipeline's stages are cut from the model's forward, "
+                         "which computes its own loss from labels only as a whole; use --loss cross-entropy (the "
+                         "same next-token loss, taken by fxacct on the last stage's logits)")
     ranks, m = spec.size("pp"), config.microbatches or spec.size("pp")
     v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
     stages = ranks * v
