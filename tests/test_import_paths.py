@@ -143,6 +143,9 @@ def test_bad_hf_configs_are_one_line_usage_errors(tmp_path, llama_json):
     assert_one_line_error(invoke("profile", f"hf:{tmp_path / 'missing'}"), 2, "no hugging face config")
     assert_one_line_error(invoke("profile", f"hf:{llama_json}", "-k", "hiden_size=8"), 2, "no field 'hiden_size'")
     assert_one_line_error(invoke("profile", f"hf:{llama_json}", "--hf-class", "Nope"), 2, "--hf-class 'Nope'")
+    # a class of another family (it would fail inside transformers on a missing field: exit 3)
+    assert_one_line_error(invoke("profile", f"hf:{llama_json}", "--hf-class", "BertModel"), 2,
+                          "--hf-class BertModel builds from a BertConfig, and this config is a LlamaConfig")
     assert_one_line_error(invoke("profile", target("examples/two_layer.py:TwoLayer"), "--seq-len", "8"), 2,
                           "--seq-len")
     assert_one_line_error(invoke("profile", target("examples/two_layer.py:TwoLayer"), "--hf-class", "AutoModel"),

@@ -100,6 +100,11 @@ def model_class(config, name: str | None):
     if not is_hf_class(cls):
         raise UsageError(f"--hf-class {name!r} is not a transformers model class: name one such as "
                          f"{DEFAULT_CLASS}, AutoModel or LlamaForCausalLM")
+    wants = getattr(cls, "config_class", None)  # None for the Auto* classes, which pick by config
+    if isinstance(wants, type) and not isinstance(config, wants):
+        raise UsageError(f"--hf-class {name} builds from a {wants.__name__}, and this config is a "
+                         f"{type(config).__name__}: name a {getattr(config, 'model_type', 'matching')} class, "
+                         f"or AutoModel / {DEFAULT_CLASS}")
     return cls
 
 
