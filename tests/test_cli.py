@@ -566,6 +566,28 @@ def test_a_wrong_input_dtype_caught_by_a_kernel_is_the_models_failure(tmp_path):
     assert "conv.py:9" in line, line
 
 
+def test_a_plain_dataclass_output_is_opened_field_by_field(tmp_path):
+    """pytree does not know a plain @dataclass: its tensors were not seen ("no floating-point
+    tensor"). Linear(8, 4) on batch 2: 2·2·8·4 = 128 matmul + 8 bias adds, then relu 8: forward 144;
+    the default loss sums both fields, and --loss-output 1 picks the second."""
+    (tmp_path / "dc.py").write_text(
+        "import dataclasses\nimport torch\nfrom torch import nn\n\n"
+        "@dataclasses.dataclass\nclass Out:\n    logits: torch.Tensor\n    hidden: torch.Tensor\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Linear(8, 4)\n\n"
+        "    def forward(self, x):\n"
+        "        h = self.a(x)\n"
+        "        return Out(h, h.relu())\n\n"
+        "    def example_inputs(self, batch):\n"
+        "        return (torch.randn(batch, 8),)\n")
+    for extra in ([], ["--loss-output", "1"]):
+        result = invoke("profile", str(tmp_path / "dc.py") + ":Net", "--batch", "2", "--format", "json", *extra)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["totals"]["forward_flops"] == 144
+
+
 def test_a_constructor_reading_tensor_values_is_built_on_the_cpu(tmp_path):
     """Widths from tensor math and .tolist() (torchvision's RegNet does this) cannot be read on the
     meta device: the model is built on the CPU instead, and profiles. Linear(4, 8), (8, 16),

@@ -19,6 +19,7 @@ input of the step, resident like the model's inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,20 @@ class TargetSpec:
         return t.to(device)
 
 
+def _leaves(output) -> list:
+    """pytree's leaves, with a plain @dataclass output opened field by field (pytree does not know
+    it; Hugging Face's ModelOutput it does)."""
+    out = []
+    for x in tp.tree_leaves(output):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            out += _leaves([getattr(x, f.name) for f in dataclasses.fields(x)])
+        else:
+            out.append(x)
+    return out
+
+
 def _floating(output) -> list[torch.Tensor]:
-    return [t for t in tp.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in _leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _pick(leaves: list, index: int | None) -> list:
