@@ -116,7 +116,11 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
         memory = _with_fit(memory, model, config, inputs_for)
     loss_note = (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
     whatif = _checkpoint_whatif(model, args, kwargs, config, acct, memory, inputs_for) if config.checkpoint else None
-    notes = precision_warnings(cap) + loss_note + fastpath_warnings(model)
+    untrained = () if cap.has_backward else (
+        "nothing trains: no parameter and no input requires grad, so the step has no backward and no "
+        "optimizer step and there is no training peak (eager loss.backward() would raise); the forward "
+        "and inference account stand",)
+    notes = precision_warnings(cap) + loss_note + fastpath_warnings(model) + untrained
     return Profile(config, acct, memory, cap, notes, checkpoint=whatif)
 
 

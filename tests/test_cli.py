@@ -566,6 +566,27 @@ def test_a_wrong_input_dtype_caught_by_a_kernel_is_the_models_failure(tmp_path):
     assert "conv.py:9" in line, line
 
 
+def test_a_model_where_nothing_trains_says_so(tmp_path):
+    """Every parameter frozen and no input requiring grad: no backward, no optimizer step, no
+    training peak (eager loss.backward() raises); a warning says so instead of a silently missing
+    line. An input that requires grad makes a backward again."""
+    (tmp_path / "frozen.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Frozen(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.l = nn.Linear(8, 4).requires_grad_(False)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.l(x)\n\n"
+        "    def example_inputs(self, batch):\n"
+        "        return (torch.randn(batch, 8),)\n")
+    model = str(tmp_path / "frozen.py") + ":Frozen"
+    doc = json.loads(invoke("profile", model, "--batch", "2", "--format", "json").stdout)
+    assert doc["memory"]["peak_train"] is None and any("nothing trains" in w for w in doc["warnings"])
+    doc = json.loads(invoke("profile", model, "--batch", "2", "--input-requires-grad", "--format", "json").stdout)
+    assert doc["memory"]["peak_train"] is not None and not any("nothing trains" in w for w in doc["warnings"])
+
+
 def test_a_plain_dataclass_output_is_opened_field_by_field(tmp_path):
     """pytree does not know a plain @dataclass: its tensors were not seen ("no floating-point
     tensor"). Linear(8, 4) on batch 2: 2·2·8·4 = 128 matmul + 8 bias adds, then relu 8: forward 144;
