@@ -148,7 +148,9 @@ def test_more_stages_than_blocks_is_a_usage_error():
 
 
 def test_unknown_split_fqn_is_a_usage_error():
-    assert "the model has no module 'layers.7'" in _usage("--mesh", "pp=2", "--pp-split", "layers.7")
+    # the example names one FQN for two stages, the middle block of the default llama's 2
+    assert "the model has no module 'layers.7'; give the 1 FQN where stages begin, such as layers.1" in _usage(
+        "--mesh", "pp=2", "--pp-split", "layers.7")
 
 
 def test_too_few_microbatches_for_1f1b_is_a_usage_error():

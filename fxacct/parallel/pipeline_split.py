@@ -39,8 +39,10 @@ def split_points(model, pp_split: str | None, stages: int, block_cost=None) -> l
         known = set(names.values())
         for p in points:
             if p not in known:
-                raise UsageError(f"--pp-split {p}: the model has no module {p!r}; give the FQNs where stages "
-                                 f"begin, such as {', '.join(blocks[1:3]) or 'layers.1'}")
+                example = ",".join(blocks[i * len(blocks) // stages] for i in range(1, stages)) \
+                    if len(blocks) >= stages else "layers.1"
+                raise UsageError(f"--pp-split {p}: the model has no module {p!r}; give the {stages - 1} FQN"
+                                 f"{'s' if stages > 2 else ''} where stages begin, such as {example}")
         if len(points) != stages - 1:
             raise UsageError(f"--pp-split {pp_split} gives {len(points) + 1} stages but --mesh has pp={stages}: "
                              f"give {stages - 1} FQN{'s' if stages > 2 else ''} where stages begin")
