@@ -245,7 +245,9 @@ def profile(config: Config) -> Profile:
     try:
         return profile_module(model, args, kwargs, config, inputs_for)
     except ModelError as e:
-        note = seq_len_note(model, config.seq_len)
+        from fxacct.load.source import guessed_input_note
+
+        note = seq_len_note(model, config.seq_len) or guessed_input_note(config, model)
         if note is None:
             raise
         raise ModelError(f"{note}: {e}") from e

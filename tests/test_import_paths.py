@@ -123,6 +123,38 @@ def test_hf_default_inputs_of_encoder_decoder_and_vision_models(tmp_path):
     assert tuple(kwargs["decoder_input_ids"].shape) == (2, 12)
 
 
+def test_hf_vision_encoder_decoder_reads_its_two_configs(tmp_path):
+    """A VisionEncoderDecoder's image size is its encoder's (32, not the family's 224) and its
+    token ids its decoder's (vocab 64, n_positions 32); it once got 224 × 224 images and no ids.
+    A model that still fails on inputs fxacct chose says which it fed and the flag for others."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, ViTConfig, VisionEncoderDecoderConfig
+
+    enc = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=64)
+    dec = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=32, add_cross_attention=True,
+                     is_decoder=True, bos_token_id=0, eos_token_id=0)
+    cfg = VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id = cfg.pad_token_id = 0
+    cfg.save_pretrained(tmp_path / "ved")
+    spec = f"hf:{tmp_path / 'ved'}"
+    _, _, kwargs, _ = load_model(fxacct.Config(target=spec, hf_class="VisionEncoderDecoderModel", batch=2))
+    assert {k: tuple(v.shape) for k, v in kwargs.items()} == {"pixel_values": (2, 3, 32, 32),
+                                                              "decoder_input_ids": (2, 32)}
+    enc.image_size = 64  # the model wants 64 × 64; a wrong default is fed through --input's flag name
+    VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec).save_pretrained(tmp_path / "ved64")
+    line = assert_one_line_error(invoke("profile", f"hf:{tmp_path / 'ved64'}", "--hf-class",
+                                        "VisionEncoderDecoderModel", "--input", "pixel_values=float[B,3,32,32]"), 3)
+    assert "fed the model" not in line  # the inputs were the user's
+    from fxacct.load.source import guessed_input_note
+
+    bad = fxacct.Config(target=f"hf:{tmp_path / 'ved64'}", hf_class="VisionEncoderDecoderModel", batch=2)
+    model, _, _, _ = load_model(bad)
+    assert guessed_input_note(bad, model) == (
+        "fxacct fed the model its default input (--input 'pixel_values=float32[B,3,64,64]' "
+        "--input 'decoder_input_ids=int64[B,32]<64'); if the model takes another, give --input")
+
+
 @pytest.mark.parametrize("model, fragments", [
     ("nosuchpackage_xyz.models:Net", ("no module named 'nosuchpackage_xyz'",)),
     ("torchvision_not_here.models:resnet50", ("no module named",)),

@@ -160,12 +160,16 @@ def default_inputs(model: torch.nn.Module, seq_len: int | None, with_labels: boo
         params = {"input_ids"}
     specs = []
     text = _sub(config, "text_config")
+    if getattr(text, "vocab_size", None) is None:  # an encoder-decoder of two configs (VisionEncoderDecoder)
+        text = getattr(config, "decoder", None) or text
     vocab = getattr(text, "vocab_size", None)
     seq = seq_len or min(_positions(text, FALLBACK_SEQ), MAX_DEFAULT_SEQ)
     if "input_ids" in params and vocab:
         specs.append(InputSpec("input_ids", torch.long, ("B", seq), vocab))
     if "pixel_values" in params:
         vision = _sub(config, "vision_config")
+        if not hasattr(vision, "image_size"):
+            vision = getattr(config, "encoder", None) or vision
         size = getattr(vision, "image_size", 224)
         h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
         specs.append(InputSpec("pixel_values", torch.float32, ("B", getattr(vision, "num_channels", 3), h, w)))

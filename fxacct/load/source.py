@@ -155,4 +155,20 @@ def inputs(source: ModelSource, model, config, batch: int, device="meta") -> tup
     return specs_inputs(specs, batch, device)
 
 
-__all__ = ["ModelSource", "open_source", "inputs", "default_inputs", "import_name", "is_module_path"]
+def guessed_input_note(config, model) -> str | None:
+    """When the model failed on inputs fxacct chose (no --input, no example_inputs): which, and
+    the flag that gives others (torchvision's inception_v3 wants 299 × 299, not the family's 224)."""
+    if config.inputs:
+        return None
+    src = open_source(config)
+    if callable(getattr(model, "example_inputs", None)) or callable(getattr(src.file_module, "example_inputs", None)):
+        return None
+    specs = default_inputs(src, model, getattr(config, "seq_len", None), getattr(config, "loss", "sum") == "model")
+    if not specs:
+        return None
+    shown = " ".join(f"--input '{s}'" for s in specs)
+    return f"fxacct fed the model its default input ({shown}); if the model takes another, give --input"
+
+
+__all__ = ["ModelSource", "open_source", "inputs", "default_inputs", "import_name", "is_module_path",
+           "guessed_input_note"]
