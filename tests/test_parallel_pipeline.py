@@ -323,3 +323,8 @@ def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
     assert f"training step, rank 0 {exact_bytes(pipe.stages[0].peak_bytes)} (2 micro-batches in flight)" in text
     step = next(line for line in text.splitlines() if "step time" in line)
     assert "for one micro-batch of stage 0" in step and "tokens/s" not in step, step
+    # what rank 0 sends in a step: 4 micro-batches of its (2, 64, 64) fp32 output, 4 · 32768 B
+    # (pp alone: no collective), once reported as 0
+    from fxacct.report import document
+
+    assert document(p)["totals"]["comm_wire_bytes"] == 4 * 32768

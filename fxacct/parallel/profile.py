@@ -27,7 +27,10 @@ class ParallelAccount:
 
     @property
     def comm_wire_bytes(self) -> int:
-        return sum(r.wire_bytes for r in self.rows)
+        """What this rank sends in a step: its collectives' wire bytes, and under pp its stage's
+        sends (activations forward, input gradients back; a send's wire bytes are its bytes)."""
+        sends = self.pipeline.stages[self.rank].send_bytes if self.pipeline is not None else 0
+        return sum(r.wire_bytes for r in self.rows) + sends
 
 
 def profile_parallel(config, loader=None, with_inference: bool = True):
