@@ -328,3 +328,15 @@ def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
     from fxacct.report import document
 
     assert document(p)["totals"]["comm_wire_bytes"] == 4 * 32768
+
+
+def test_only_the_last_stage_takes_the_loss():
+    """torch's pipelining runs loss_fn on the last stage alone; an earlier stage receives its
+    output's gradient. So stage 0's account is the same under --loss cross-entropy as under sum
+    (it once took a cross-entropy over its hidden states: their 64 "classes"), while the last
+    stage's account changes (the loss and its gradient over the logits)."""
+    pipes = {loss: _pipe("pp=2", "1f1b", loss=loss) for loss in ("sum", "cross-entropy")}
+    first = [(p.stages[0].profile.accounting.totals, p.stages[0].peak_bytes) for p in pipes.values()]
+    assert first[0] == first[1]
+    last = [(p.stages[1].profile.accounting.totals, p.stages[1].peak_bytes) for p in pipes.values()]
+    assert last[0] != last[1]

@@ -211,6 +211,8 @@ def _profile_stage(config, s: int, stages: int, points, args, kwargs):
 
     # a received activation requires grad where the stage that made it gave it one (StageInput)
     cfg = replace(config, mesh=without_pp(parse_mesh(config.mesh)))
+    if s < stages - 1:  # the loss is the last stage's; an earlier one receives its output's gradient
+        cfg = replace(cfg, loss="sum", loss_output=None)  # (a sum's backward: a gradient, no loss op)
 
     def loader(c):
         model, full_args, full_kwargs, _ = load_model(c)
