@@ -34,52 +34,49 @@ def _precision(p: Profile) -> str:
 
 
 def facts(p: Profile, prediction=None) -> list[tuple[str, str]]:
-    """(label, text) pairs, in reading order: the summary as data, for text and markdown alike."""
+    """(label, text) pairs, in reading order: the summary as data, for text and markdown alike.
+    Under pp the account is stage 0's for one micro-batch, and the lines say so; the peak and fit
+    are the ranks' over the whole step (the schedule's micro-batches in flight)."""
     c, t = p.config, p.accounting.totals
+    pipe = _pipeline(p)
     fb = t.forward.total + t.backward.total
-    flops = (f"{format_count(fb)} per step = forward {format_count(t.forward.total)} + backward "
-             f"{format_count(t.backward.total)}; {format_count(fb // c.batch)} per example")
+    flops = (f"{format_count(fb)} {'per micro-batch of stage 0' if pipe else 'per step'} = forward "
+             f"{format_count(t.forward.total)} + backward {format_count(t.backward.total)}; "
+             f"{format_count(fb // c.batch)} per example")
     if t.tokens_per_example:
         flops += f", {format_count(fb // (c.batch * t.tokens_per_example))} per token"
-    rows = [("config", f"batch {c.batch}"
-                      + (f" × {c.world_size} ranks ({c.shard})" if c.world_size > 1 else "")
-                      + f", {_precision(p)}, {c.optimizer}"),
+    batch = f"micro-batch {c.batch} × {pipe.microbatches} per step ({pipe.schedule})" if pipe else f"batch {c.batch}"
+    rows = [("config", batch
+                       + (f" × {c.world_size} ranks ({c.shard})" if c.world_size > 1 else "")
+                       + f", {_precision(p)}, {c.optimizer}"),
             ("FLOPs", flops),
             ("parameters", f"{exact_count(t.params)}"
                            + (f", trainable {exact_count(t.trainable_params)}" if t.trainable_params != t.params else "")
                            + f"; {format_bytes(t.param_bytes)}")]
-    rows += _memory_facts(p)
+    memory = _memory_facts(p)
+    rows += memory if pipe is None else [(k, _pipeline_memory(k, v, p, pipe)) for k, v in memory]
     rows += _time_facts(p, prediction)
     rows.append(("uncosted", _uncosted(p)))
-    pipe = p.parallel.pipeline if p.parallel is not None else None
-    return rows if pipe is None else _pipeline_facts(rows, p, pipe)
+    return rows
 
 
-def _pipeline_facts(rows: list, p: Profile, pipe) -> list[tuple[str, str]]:
-    """Under pp the account above is stage 0's for one micro-batch: said so where it is, and the
-    peak and fit are the ranks' over the whole step (the schedule's micro-batches in flight)."""
-    m, first = pipe.microbatches, pipe.stages[0]
-    out = []
-    for label, text in rows:
-        if label == "config":
-            text = text.replace(f"batch {p.config.batch}",
-                                f"micro-batch {p.config.batch} × {m} per step ({pipe.schedule})", 1)
-        elif label == "FLOPs":
-            text = text.replace(" per step =", " per micro-batch of stage 0 =", 1)
-        elif label == "peak":
-            text = (f"training step, rank 0 {exact_bytes(first.peak_bytes)} ({first.in_flight} micro-batches in "
-                    f"flight); the largest rank's {format_bytes(max(s.peak_bytes for s in pipe.stages))}; "
-                    f"one micro-batch of stage 0: {format_bytes(p.memory.rank_peak.bytes)}")
-        elif label == "step time" and "micro-batch" not in text and "predicted on" in text:
-            # the roofline of stage 0's one micro-batch: no pipeline step, no throughput
-            text = text.split(";")[0].replace(" predicted on", " for one micro-batch of stage 0 predicted on", 1)
-        elif label == "fit" and p.memory.fit is not None:
-            f, worst = p.memory.fit, max(s.peak_bytes for s in pipe.stages)
-            room = f.capacity_bytes - worst
-            text = (f"fits, {room / GiB:.2f} GiB headroom" if room >= 0 else f"DOES NOT FIT, {-room / GiB:.2f} GiB "
-                    f"short") + f" of {f.capacity_bytes / GiB:.2f} GiB on {f.gpu} (the largest rank's peak)"
-        out.append((label, text))
-    return out
+def _pipeline(p: Profile):
+    return p.parallel.pipeline if p.parallel is not None else None
+
+
+def _pipeline_memory(label: str, text: str, p: Profile, pipe) -> str:
+    """The peak and fit lines of a pipeline: the ranks' over the step, not stage 0's one micro-batch."""
+    first, worst = pipe.stages[0], max(s.peak_bytes for s in pipe.stages)
+    if label == "peak":
+        return (f"training step, rank 0 {exact_bytes(first.peak_bytes)} ({first.in_flight} micro-batches in "
+                f"flight); the largest rank's {format_bytes(worst)}; one micro-batch of stage 0: "
+                f"{format_bytes(p.memory.rank_peak.bytes)}")
+    if label == "fit" and p.memory.fit is not None:
+        f = p.memory.fit
+        room = f.capacity_bytes - worst
+        verdict = f"fits, {room / GiB:.2f} GiB headroom" if room >= 0 else f"DOES NOT FIT, {-room / GiB:.2f} GiB short"
+        return f"{verdict} of {f.capacity_bytes / GiB:.2f} GiB on {f.gpu} (the largest rank's peak)"
+    return text
 
 
 def _memory_facts(p: Profile) -> list[tuple[str, str]]:
@@ -129,6 +126,9 @@ def _time_facts(p: Profile, prediction) -> list[tuple[str, str]]:
     if prediction is None:
         return [("step time", "not predicted (run `fxacct calibrate --device cpu`, or give --gpu NAME)")]
     c, t = p.config, p.accounting.totals
+    if _pipeline(p) is not None:  # the roofline of stage 0's one micro-batch: no pipeline step, no throughput
+        return [("step time", f"{format_ms(prediction.step_ms)} for one micro-batch of stage 0 predicted on "
+                              f"{prediction.device.name} (roofline)")]
     text = f"{format_ms(prediction.step_ms)} predicted on {prediction.device.name} (roofline)"
     step_s = prediction.step_s
     if t.tokens_per_example and step_s > 0:
