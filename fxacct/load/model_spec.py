@@ -163,12 +163,18 @@ def call_user(fn, /, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch: int, device="meta"):
-    """(args, kwargs) from the model's or the file's example_inputs(batch), or None."""
+def example_inputs_fn(model: torch.nn.Module, file_module: ModuleType | None):
+    """The model's example_inputs method, else its file's example_inputs function, else None."""
     fn = getattr(model, "example_inputs", None)
     if not callable(fn) and file_module is not None:
         fn = getattr(file_module, "example_inputs", None)
-    if not callable(fn):
+    return fn if callable(fn) else None
+
+
+def example_inputs(model: torch.nn.Module, file_module: ModuleType | None, batch: int, device="meta"):
+    """(args, kwargs) from the model's or the file's example_inputs(batch), or None."""
+    fn = example_inputs_fn(model, file_module)
+    if fn is None:
         return None
     try:
         with torch.device(device):

@@ -149,10 +149,14 @@ def inputs(source: ModelSource, model, config, batch: int, device="meta") -> tup
     found = loading.example_inputs(model, source.file_module, batch, device)
     if found is not None:
         return found
-    specs = default_inputs(source, model, seq_len, getattr(config, "loss", "sum") == "model")
+    specs = _config_defaults(source, model, config)
     if specs is None:
         return loading.require_inputs(None)
     return specs_inputs(specs, batch, device)
+
+
+def _config_defaults(source: ModelSource, model, config) -> tuple[InputSpec, ...] | None:
+    return default_inputs(source, model, getattr(config, "seq_len", None), getattr(config, "loss", "sum") == "model")
 
 
 def guessed_input_note(config, model) -> str | None:
@@ -161,9 +165,9 @@ def guessed_input_note(config, model) -> str | None:
     if config.inputs:
         return None
     src = open_source(config)
-    if callable(getattr(model, "example_inputs", None)) or callable(getattr(src.file_module, "example_inputs", None)):
+    if loading.example_inputs_fn(model, src.file_module) is not None:
         return None
-    specs = default_inputs(src, model, getattr(config, "seq_len", None), getattr(config, "loss", "sum") == "model")
+    specs = _config_defaults(src, model, config)
     if not specs:
         return None
     shown = " ".join(f"--input '{s}'" for s in specs)
