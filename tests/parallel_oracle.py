@@ -7,6 +7,8 @@ from the real tensors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 from collections import Counter
 
@@ -85,13 +87,14 @@ def fxacct_collectives(doc: dict) -> tuple[Counter, Counter]:
     return count, nbytes
 
 
-def eager_peak(model_fn, parallelize, dims: dict, inputs, inference: bool = False) -> int:
+def eager_peak(model_fn, parallelize, dims: dict, inputs, inference: bool = False, amp=None) -> int:
     """The op-level peak of one steady-state training step on rank 0 (fxacct.runtime's
     StorageTracker, as fxacct.runtime.storage_tracker.measure_training_step runs it: a warm-up
     step, zero_grad(set_to_none=True), then the tracked step), with FSDP2's storage resizes (made
     outside the dispatcher) shown to the tracker as they happen. ``inference``: after the same
     warm-up, one forward in eval mode under no_grad is tracked instead (parameters, buffers and
-    inputs resident, as measure_inference counts them)."""
+    inputs resident, as measure_inference counts them). ``amp``: the forward and loss under
+    autocast to that dtype, as --amp runs them."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     from fxacct.runtime.storage_tracker import StorageTracker, _gc_paused
@@ -118,7 +121,8 @@ def eager_peak(model_fn, parallelize, dims: dict, inputs, inference: bool = Fals
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
         def step():
-            loss = default_loss(model(*inputs))  # DESIGN.md: the sum of t.float().sum() over floating outputs
+            with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+                loss = default_loss(model(*inputs))  # DESIGN.md: the sum of t.float().sum() over floating outputs
             loss.backward()
             opt.step()
             return loss

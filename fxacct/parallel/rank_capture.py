@@ -20,6 +20,7 @@ from fxacct.parallel.engine import parallelize
 from fxacct.parallel.fsdp_storage import StorageResizes
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
+from fxacct.trace.fake_mode import FakeTensorMode
 from fxacct.trace.fake_model import FakeModel, fake_like
 
 
@@ -55,7 +56,7 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
         model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
     with tp.shared_mesh_concatenation():
         parallelize(model, spec, mesh, config)
-    mode = tp.FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
             model.to_empty(device="cpu")

@@ -37,6 +37,7 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases)
     BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
 )
+from fxacct.trace.fake_mode import FakeTensorMode
 from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
@@ -175,7 +176,7 @@ _GROUPED_MM_DTYPE = "Expected inputs of BF16 type"
 def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
     prep = options.prepared
     # a stray CPU tensor becomes a fake one
-    mode = tp.FakeTensorMode(allow_non_fake_inputs=True) if prep is None else prep.mode
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if prep is None else prep.mode
     storages = Storages()
     recorder = Recorder(storages, () if prep is None else prep.defer)
     if prep is not None:

@@ -44,6 +44,10 @@ from torch._subclasses import fake_tensor as _fake_tensor  # noqa: E402
 
 FakeTensorMode = _require(_fake_tensor, "FakeTensorMode", "torch._subclasses.fake_tensor")
 FakeTensor = _require(_fake_tensor, "FakeTensor", "torch._subclasses.fake_tensor")
+# The context FakeTensorMode runs a meta kernel in, its fake tensors acting as meta ones.
+in_kernel_invocation_manager = _require(
+    _fake_tensor, "in_kernel_invocation_manager", "torch._subclasses.fake_tensor"
+)
 # Raised when a model's Python code needs a tensor's value (data-dependent control flow).
 DataDependentOutputException = _require(
     _fake_tensor, "DataDependentOutputException", "torch._subclasses.fake_tensor"

@@ -1,0 +1,85 @@
+"""The FakeTensorMode fxacct traces in, with a short path for ops that only make metadata.
+
+FakeTensorMode dispatches every op through its cache (a hash of every argument's metadata, then
+a rebuilt output) or its general path (subclass, constant and symbolic-shape checks, decomposition
+and fake-impl lookups), about 0.1-0.2 ms an op. Views and ``empty`` allocations need none of it:
+their output is the meta kernel's, wrapped as a FakeTensor on the input's device (a view) or the
+requested one (a new tensor), which is what the general path ends in for them too
+(``in_kernel_invocation_manager`` around the kernel, then ``FakeTensor(mode, out, device)``;
+torch 2.13 ``fake_tensor.py::_dispatch_impl``, ``fake_impls.py::constructors``). FSDP2's hooks
+make thousands of such ops per step under ``--mesh`` (views of all-gather outputs, ``detach``,
+``as_strided``, ``empty`` buffers), and ``to_empty`` one ``empty_like`` per parameter.
+
+The short path is taken only where the general one could do nothing else: every tensor argument
+is a plain FakeTensor of this mode with no constant value behind it, sizes are plain ints (no
+shape environment), and no real tensors are propagated. Anything else goes the usual way.
+``aten.view`` and ``aten._unsafe_view`` have a Python fake impl in torch (``_view_meta``, the
+reference reshape helper, kept for unbacked symbolic sizes); with plain ints the C++ meta kernel
+computes the same view, the one eager runs. tests/test_fake_mode.py compares every short-path op
+with FakeTensorMode's own result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxacct.errors import passes_through
+from fxacct.trace import torch_private as tp
+
+aten = torch.ops.aten
+
+# Ops whose output aliases their first argument (schema alias info ``Tensor(a)``) and whose meta
+# kernel is the eager one: the output's metadata is all there is to compute.
+VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.detach.default,
+    aten.alias.default, aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+    aten.unsqueeze.default, aten.squeeze.dim,
+})
+# Uninitialized allocations: the tensor is its shape, strides, dtype and device.
+NEW = frozenset({aten.empty.memory_format, aten.empty_strided.default})
+LIKE = frozenset({aten.empty_like.default})
+
+_META = torch.device("meta")
+_CPU = torch.device("cpu")  # FakeTensorMode's default device for a factory given none
+
+
+class FakeTensorMode(tp.FakeTensorMode):
+    """torch's FakeTensorMode; views and ``empty`` allocations skip its cache and checks."""
+
+    @passes_through  # a kernel refusing the model's op is the model's error, judged at its line
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func in VIEWS or func in NEW or func in LIKE:
+            out = self._short(func, args, kwargs or {})
+            if out is not None:
+                return out
+        return super().dispatch(func, types, args, kwargs)
+
+    @passes_through
+    def _short(self, func, args, kwargs):
+        if self.shape_env is not None or self.propagate_real_tensors or not self._plain(args):
+            return None
+        if func in VIEWS:
+            if kwargs:
+                return None
+            device = args[0].fake_device
+        else:
+            if kwargs.get("layout") not in (None, torch.strided):
+                return None
+            device = kwargs.get("device") or (args[0].fake_device if func in LIKE else _CPU)
+            kwargs = {**kwargs, "device": _META}
+        with tp.in_kernel_invocation_manager(self):
+            out = func(*args, **kwargs)
+        return tp.FakeTensor(self, out, device)
+
+    def _plain(self, args) -> bool:
+        """Every tensor a FakeTensor of this mode without a constant; every size a plain int."""
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if type(a) is not tp.FakeTensor or a.fake_mode is not self or a.constant is not None:
+                    return False
+            elif isinstance(a, (list, tuple)):
+                if not all(type(x) is int for x in a):
+                    return False
+            elif not isinstance(a, (int, float, bool, torch.dtype, torch.memory_format, type(None))):
+                return False
+        return True

@@ -1,0 +1,163 @@
+"""fxacct.trace.fake_mode's short path against torch's own FakeTensorMode, op by op: the same
+shape, strides, storage offset, dtype, device and storage (shared with the input for a view, of
+the same size for a new tensor), the same error where the op refuses; and a whole --mesh account,
+whose FSDP2 hooks make thousands of such ops, equal node for node to one traced without it."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import fxacct
+from fxacct.trace import fake_mode
+from fxacct.trace import torch_private as tp
+from helpers import assert_same_account, target
+
+aten = torch.ops.aten
+
+
+@st.composite
+def base_tensors(draw):
+    """(shape, a permutation of its dims, storage offset): the input is a possibly transposed,
+    offset view into a larger buffer, so strides and offsets are not the trivial ones."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
+    perm = tuple(draw(st.permutations(range(len(shape)))))
+    return shape, perm, draw(st.integers(0, 3))
+
+
+def _make(mode, case, dtype=torch.float32):
+    shape, perm, offset = case
+    numel = 1
+    for s in shape:
+        numel *= s
+    with mode:
+        flat = torch.empty(numel + offset, dtype=dtype)
+        return flat[offset:].view(shape).permute(perm)
+
+
+@st.composite
+def view_calls(draw):
+    """(op, extra arguments as a function of the input's shape) for every short-path view."""
+    case = draw(base_tensors())
+    shape, perm = case[0], case[1]
+    dims = tuple(shape[p] for p in perm)  # the permuted input's shape
+    rank = len(dims)
+    d = draw(st.integers(0, rank - 1))
+    e = draw(st.integers(0, rank - 1))
+    numel = 1
+    for s in dims:
+        numel *= s
+    calls = [
+        (aten.detach.default, ()),
+        (aten.alias.default, ()),
+        (aten.transpose.int, (d, e)),
+        (aten.permute.default, (list(reversed(range(rank))),)),
+        (aten.unsqueeze.default, (d,)),
+        (aten.squeeze.dim, (d,)),
+        (aten.expand.default, ([2, *dims],)),
+        (aten.as_strided.default, ([numel], [1], 0)),
+        (aten.view.default, ([numel],)),  # raises where the permuted input is not viewable
+        (aten._unsafe_view.default, ([-1],)),
+    ]
+    if rank <= 2:
+        calls.append((aten.t.default, ()))
+    return case, draw(st.sampled_from(calls))
+
+
+def _described(t: torch.Tensor, base: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+            t.untyped_storage().nbytes(), t.untyped_storage()._cdata == base.untyped_storage()._cdata)
+
+
+def _both(func, args_of, case, kwargs=None):
+    """(fxacct's short path, torch's FakeTensorMode): each a description, or "refused"."""
+    results = []
+    for mode, fast in ((fake_mode.FakeTensorMode(), True), (tp.FakeTensorMode(), False)):
+        x = _make(mode, case)
+        args = args_of(x)
+        try:
+            if fast:  # the short path itself, so the comparison cannot pass by falling back
+                out = mode._short(func, args, dict(kwargs or {}))
+                assert out is not None, f"{func} did not take the short path"
+            else:
+                with mode:
+                    out = func(*args, **(kwargs or {}))
+            results.append(_described(out, x))
+        except (RuntimeError, ValueError):  # eager's kernel raises RuntimeError, torch's reference
+            results.append("refused")  # view helper (FakeTensorMode's view) ValueError: both refuse
+    return results
+
+
+@given(view_calls())
+def test_short_views_equal_fake_tensor_mode(call):
+    case, (func, extra) = call
+    fast, stock = _both(func, lambda x: (x, *extra), case)
+    assert fast == stock
+
+
+@given(base_tensors(), st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+       st.sampled_from([torch.contiguous_format, torch.preserve_format, torch.channels_last]))
+def test_short_allocations_equal_fake_tensor_mode(case, dtype, memory_format):
+    shape = case[0]
+    if memory_format is torch.channels_last and len(shape) != 4:
+        memory_format = torch.preserve_format
+    new = {"dtype": dtype, "device": torch.device("cpu")}
+    layout = torch.contiguous_format if memory_format is torch.preserve_format else memory_format
+    fast, stock = _both(aten.empty.memory_format, lambda x: (list(shape),), case, {**new, "memory_format": layout})
+    assert fast[:6] == stock[:6] and fast[3] == dtype
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1] * 2  # padded rows: not the contiguous strides
+    fast, stock = _both(aten.empty_strided.default, lambda x: (list(shape), strides), case, new)
+    assert fast[:6] == stock[:6] and fast[1] == tuple(strides)
+    # empty_like follows the input's layout under preserve_format, and its device with none given
+    fast, stock = _both(aten.empty_like.default, lambda x: (x,), case, {"memory_format": memory_format})
+    assert fast[:6] == stock[:6]
+    assert not fast[6] and not stock[6]  # a new storage, not the input's
+
+
+def test_short_path_declines_what_it_cannot_answer():
+    mode = fake_mode.FakeTensorMode(allow_non_fake_inputs=True)
+    other = tp.FakeTensorMode()
+    with other:
+        foreign = torch.empty(4, 4)
+    # a fake tensor with its value kept (FakeTensorMode propagates small literals' values)
+    constant = mode.fake_tensor_converter.from_real_tensor(mode, torch.tensor([1.0, 2.0]), make_constant=True)
+    assert constant.constant is not None
+    for t in (torch.empty(4, 4), foreign, constant):  # a real tensor, another mode's, a constant
+        assert mode._short(aten.detach.default, (t,), {}) is None
+    with mode:
+        x = torch.empty(4, 4)
+    assert mode._short(aten.empty.memory_format, ([4],), {"layout": torch.sparse_coo}) is None
+    assert mode._short(aten.view.default, (x, [16]), {}) is not None
+
+
+def test_mesh_account_equal_without_short_path(monkeypatch):
+    """FSDP2 + TP on the llama example: its hooks' views and buffers go the short way; the
+    account must be the one torch's own dispatch gives."""
+    def profile():
+        return fxacct.profile(fxacct.Config(
+            target=target("examples/llama.py:Llama"), batch=2, kwargs=dict(n_layers=3), mesh="fsdp=2,tp=2",
+            parallelize=target("examples/llama.py:parallelize")))
+
+    fast = profile()
+    monkeypatch.setattr(fake_mode.FakeTensorMode, "_short", lambda self, func, args, kwargs: None)
+    assert_same_account(fast, profile())
+
+
+def test_a_view_the_kernel_refuses_is_the_models_error(tmp_path):
+    """The short path runs eager's own view kernel: its refusal is the model's error (exit 3)
+    at the model's line, with eager's message, not an internal one from fxacct's frame."""
+    from click.testing import CliRunner
+
+    from fxacct_cli.main import cli
+
+    model = tmp_path / "badview.py"
+    model.write_text("import torch\n\n\nclass M(torch.nn.Module):\n    def __init__(self):\n"
+                     "        super().__init__()\n        self.l = torch.nn.Linear(4, 4)\n\n"
+                     "    def forward(self, x):\n        return self.l(x).t().view(-1)\n")
+    result = CliRunner().invoke(cli, ["profile", f"{model}:M", "--input", "float[B,4]", "--batch", "3"])
+    assert result.exit_code == 3, result.output
+    assert "view size is not compatible" in result.output and "badview.py:10" in result.output
