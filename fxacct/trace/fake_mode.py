@@ -8,7 +8,8 @@ requested one (a new tensor), which is what the general path ends in for them to
 (``in_kernel_invocation_manager`` around the kernel, then ``FakeTensor(mode, out, device)``;
 torch 2.13 ``fake_tensor.py::_dispatch_impl``, ``fake_impls.py::constructors``). FSDP2's hooks
 make thousands of such ops per step under ``--mesh`` (views of all-gather outputs, ``detach``,
-``as_strided``, ``empty`` buffers), and ``to_empty`` one ``empty_like`` per parameter.
+``as_strided``, ``empty`` buffers), and ``to_empty`` one ``empty_like`` per parameter (of a meta
+tensor: FSDP2's and DTensor's local shards of a model built on meta).
 
 The short path is taken only where the general one could do nothing else: every tensor argument
 is a plain FakeTensor of this mode with no constant value behind it, sizes are plain ints (no
@@ -56,7 +57,7 @@ class FakeTensorMode(tp.FakeTensorMode):
 
     @passes_through
     def _short(self, func, args, kwargs):
-        if self.shape_env is not None or self.propagate_real_tensors or not self._plain(args):
+        if self.shape_env is not None or self.propagate_real_tensors or not self._plain(args, func in LIKE):
             return None
         if func in VIEWS:
             if kwargs:
@@ -65,16 +66,20 @@ class FakeTensorMode(tp.FakeTensorMode):
         else:
             if kwargs.get("layout") not in (None, torch.strided):
                 return None
-            device = kwargs.get("device") or (args[0].fake_device if func in LIKE else _CPU)
+            device = kwargs.get("device") or (_device(args[0]) if func in LIKE else _CPU)
             kwargs = {**kwargs, "device": _META}
         with tp.in_kernel_invocation_manager(self):
             out = func(*args, **kwargs)
         return tp.FakeTensor(self, out, device)
 
-    def _plain(self, args) -> bool:
-        """Every tensor a FakeTensor of this mode without a constant; every size a plain int."""
+    def _plain(self, args, like: bool = False) -> bool:
+        """Every tensor a FakeTensor of this mode without a constant; every size a plain int. An
+        ``empty_like`` reads only its input's metadata: a meta tensor will do as well (``to_empty``
+        of a model built on meta: FakeTensorMode would first convert it, for nothing)."""
         for a in args:
             if isinstance(a, torch.Tensor):
+                if like and type(a) is torch.Tensor and a.is_meta:
+                    continue
                 if type(a) is not tp.FakeTensor or a.fake_mode is not self or a.constant is not None:
                     return False
             elif isinstance(a, (list, tuple)):
@@ -83,3 +88,7 @@ class FakeTensorMode(tp.FakeTensorMode):
             elif not isinstance(a, (int, float, bool, torch.dtype, torch.memory_format, type(None))):
                 return False
         return True
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    return t.fake_device if type(t) is tp.FakeTensor else t.device
