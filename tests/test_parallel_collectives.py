@@ -160,3 +160,25 @@ def test_blocks_with_repeated_parts_are_sharded_once(tmp_path):
         acc[1] += r.bytes
     assert by == {("all_gather", "forward"): [2, 2 * 4288], ("all_gather", "backward"): [2, 2 * 4288],
                   ("reduce_scatter", "backward"): [2, 2 * 2144]}
+
+
+def test_gloo_reduce_scatter_note_only_where_a_rank_measured_over():
+    """The real-run table explains a peak over the prediction by gloo's reduce-scatter (a full
+    copy of its input) only where a rank measured over it and reduce-scatters ran."""
+    from types import SimpleNamespace
+
+    from fxacct.parallel.collectives import CollectiveRow
+    from fxacct.parallel.gloo_run import RankMeasured
+    from fxacct.report.collectives import GLOO_REDUCE_SCATTER, render_ranks
+
+    rows = (CollectiveRow("reduce_scatter", "fsdp", "backward", "layers.0", 3, 300, 150),)
+    parallel = SimpleNamespace(rows=rows, pipeline=None, mesh="fsdp=2")
+    note = GLOO_REDUCE_SCATTER.split()[:4]
+
+    def rendered(peak: int, collectives: dict) -> str:
+        ranks = [RankMeasured(r, 10.0, peak, collectives) for r in (0, 1)]
+        return " ".join(render_ranks(parallel, ranks, 1000, width=200).split())
+
+    assert " ".join(note) in rendered(1062, {"reduce_scatter": [3, 300]})  # 6.2% over
+    assert " ".join(note) not in rendered(1000, {"reduce_scatter": [3, 300]})  # equal
+    assert " ".join(note) not in rendered(1062, {"all_reduce": [3, 300]})  # over, but no reduce-scatter

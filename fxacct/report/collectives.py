@@ -170,6 +170,17 @@ def render_ranks(parallel, ranks, predicted_peak: int | None, width: int | None 
         rows.append(cells)
     head = ["rank", "step ms", "op-level peak", "measured/predicted"] + list(ops)
     whose = "each rank's pipeline rank" if parallel.pipeline is not None else "rank 0's account"
-    return "\n".join([wrap_lines(f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: "
-                                 f"{whose}); per collective: measured count/predicted count, measured bytes", width),
-                      fit_table(head, rows, width, optional=(1,))])
+    lines = [wrap_lines(f"real run: {len(ranks)} CPU processes on gloo, mesh {parallel.mesh} (predicted: "
+                        f"{whose}); per collective: measured count/predicted count, measured bytes", width),
+             fit_table(head, rows, width, optional=(1,))]
+    over = any(m.op_level_peak_bytes > _peak_for(parallel, m.rank, predicted_peak) for m in ranks
+               if _peak_for(parallel, m.rank, predicted_peak))
+    if over and any(op == "reduce_scatter" for m in ranks for op in m.collectives):
+        lines.append(wrap_lines(GLOO_REDUCE_SCATTER, width))
+    return "\n".join(lines)
+
+
+# README Limits; measured: the same eager step on the fake process group peaks at the prediction
+GLOO_REDUCE_SCATTER = ("note: gloo reduce-scatters through an all-reduce of a full copy of its input, so while one "
+                       "runs a rank holds a whole unit's gradients in the reduce dtype; NCCL, and the account, "
+                       "reduce into the shard. A peak that falls there measures over the prediction on gloo only.")
