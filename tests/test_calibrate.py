@@ -428,3 +428,40 @@ def test_attention_latency_is_the_intercept_through_two_query_lengths(monkeypatc
         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
     assert latency == pytest.approx({fwd: 28.8e-6, bwd: 46.8e-6}) and spread == 0.0
     assert microbench.attention("cuda", 0.01) == ({}, 0.0)  # CUDA's kernels are other ops
+
+
+def test_a_contended_cpu_keeps_the_one_thread_step_and_warns(monkeypatch):
+    # on 2 threads the small step "takes" 600 ms (other work holds the cores: OpenMP's threads
+    # wait), on one thread 6 ms: 100× over, past CONTENDED (3×). The one-thread step is what the
+    # per-op overhead is fit on, as in the test above: (6 − 1.7 − 35·0.002) / 70 ms per op
+    from fxacct.predict import microbench
+
+    monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: 2e-6)
+    monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.0))
+    phases = {"forward": 1e-3, "backward": 2e-3, "optimizer": 3e-3}
+
+    def dispatch(kind, budget_s, timer=None, profiled=False):
+        scale = 100 if torch.get_num_threads() > 1 else 1
+        return microbench.TinyTiming(microbench.Timing(6e-3 * scale, 0.0, 2, True),
+                                     {} if profiled else {p: s * scale for p, s in phases.items()})
+
+    monkeypatch.setattr(microbench, "dispatch", dispatch)
+    monkeypatch.setattr(overhead, "tiny_roofline", lambda cal: (
+        {"forward": 2e-4, "backward": 5e-4, "optimizer": 1e-3}, {"forward": 10, "backward": 20, "optimizer": 40},
+        {"forward": 5, "backward": 10, "optimizer": 20}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cal = calibrate.calibrate("cpu")
+        assert torch.get_num_threads() == 2  # restored after the one-thread timing
+    finally:
+        torch.set_num_threads(threads)
+    assert cal.dispatch_s_per_op == pytest.approx((6e-3 - 1.7e-3 - 35 * 2e-6) / 70)
+    assert cal.profiled_dispatch_s_per_op == pytest.approx((6e-3 - 1.7e-3) / 105)
+    assert [w for w in cal.warnings if w.startswith("per-op overhead: the small training step took 600 ms on 2 "
+                                                     "threads and 6 ms on one")]
+
+
+def test_contention_is_judged_against_one_thread():
+    assert overhead.contended(2.9e-3, 1e-3, 2) is None  # an idle machine: 1.0-1.3× measured here
+    assert "Calibrate again on an idle machine" in overhead.contended(3.1e-3, 1e-3, 2)

@@ -47,7 +47,9 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
   forward's was 3.5 µs: an op on real activations pays allocation and OpenMP's parallel region
   too). A small model's step is mostly this (issue 10: a small CNN was 4.7× slower than a roofline
   without it). Also the whole step under torch.profiler, which `--runtime` runs the model under to
-  join modules (it records every op: views pay as much as any op there).
+  join modules (it records every op: views pay as much as any op there). The step is timed on one
+  thread too: over 3× slower on all of them, the cores are contended (a busy machine once stored
+  60× an idle one's figures), and the one-thread figures are kept with a warning (overhead.py).
 - attention's fixed cost per call on the CPU (the fused kernel, forward and backward): fit through
   two query lengths (microbench.attention), in ``op_latency_s``.
 - training kernels in bytes/s: the non-matmul kernels a CPU runs far below its streaming rate
@@ -291,9 +293,9 @@ def calibrate(device: str = "cpu", budget_s: float = BUDGET_S,
         say("convolution float32")
         conv, conv_bwd, latency, spread["convolution float32"] = measure_convolutions(kind, trivial_s, budget_s)
         say("per-op overhead")
-        tiny = microbench.dispatch(kind, budget_s)  # a median over ~100 steps: the steadiest figure
+        tiny, profiled, contention = overhead.small_steps(kind, budget_s)
+        warnings += [contention] if contention else []
         spread["per-op overhead"] = tiny.step.spread
-        profiled = microbench.dispatch(kind, budget_s / 3, profiled=True)
         spread["per-op overhead under torch.profiler"] = profiled.step.spread
         say("training kernels")
         kernel_rates, kernel_latency, spread["training kernels"] = microbench.kernels(kind, budget_s / 6)
