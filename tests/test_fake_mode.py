@@ -7,7 +7,6 @@ whose FSDP2 hooks make thousands of such ops, equal node for node to one traced 
 from __future__ import annotations
 
 import hypothesis.strategies as st
-import pytest
 import torch
 from hypothesis import given
 
