@@ -63,3 +63,16 @@ def test_mesh_same_account_both_ways(rel, kwargs, mesh, par, trained, replayed):
     assert a.parallel.collectives == b.parallel.collectives
     # 4 identical blocks: the inference forward traces two and replays two
     assert replayed == {"train": [trained], "inference": [2]}
+
+
+def test_hugging_face_plan_blocks_compare_with_process_groups_in_their_ops():
+    """transformers' tp plan issues c10d ops whose arguments hold the ProcessGroup (a ScriptObject
+    whose == raises): comparing the first two blocks crashed every HF model of 3+ layers under tp
+    (exit 4). Now they compare, and the account is the one tracing every block gives."""
+    def run(dedup):
+        return fxacct.profile(fxacct.Config(target=target("tests/models/hf_llama_tp.py:make"), batch=2,
+                                            kwargs=dict(layers=3), mesh="tp=2", dedup=dedup))
+
+    a, b = run(True), run(False)
+    assert_same_account(a, b)
+    assert a.parallel.rows == b.parallel.rows

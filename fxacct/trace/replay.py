@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from fxacct.trace import torch_private as tp
-from fxacct.trace.records import NO_NUMBERS, TAG, Ref, Slot, TensorMeta, map_nested
+from fxacct.trace.records import NO_NUMBERS, TAG, Ref, Slot, TensorMeta, comparable, map_nested
 from fxacct.trace.replay_runs import find_runs  # noqa: F401  (re-exported)
 
 
@@ -206,7 +206,8 @@ class BlockReplay(ForwardPatches):
                     norm_val.append((v.shape, v.stride, v.dtype, v.requires_grad, where))
                 else:
                     norm_val.append(v)
-            out.append((r.op, self._norm_args(r.args, span, refs), self._norm_args(r.kwargs, span, refs),
+            out.append((r.op, comparable(self._norm_args(r.args, span, refs)),
+                        comparable(self._norm_args(r.kwargs, span, refs)),
                         tuple(norm_val), r.phase, _relative(r.module, fqn), r.args_requires_grad,
                         len(r.link.numbers()), r.scope))
         outputs = [(self._norm_ref(x.ref, span, refs), x.shape, x.stride, x.dtype, x.whole)

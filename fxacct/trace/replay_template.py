@@ -8,6 +8,7 @@ import contextlib
 from dataclasses import dataclass, replace
 
 from fxacct.trace.dispatch_recorder import BACKWARD
+from fxacct.trace.records import comparable as comparable_args
 from fxacct.trace.records import (
     NO_NUMBERS, TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, UnderAutogradNode, iter_nested, map_nested,
 )
@@ -146,7 +147,8 @@ def comparable(t: Template):
             return (v.shape, v.stride, v.dtype, v.requires_grad, sid(v.storage))
         return v
 
-    recs = [replace(r, outputs=val(r.outputs)) for r in t.records]
+    recs = [replace(r, outputs=val(r.outputs), args=comparable_args(r.args), kwargs=comparable_args(r.kwargs))
+            for r in t.records]
     return (recs, t.fwd_len, t.in_meta, t.plain, t.out_leaves, [sid(s) for s in t.out_storages],
             t.grads, t.targets, t.saved_inputs)
 
