@@ -249,7 +249,9 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
-              costs=(), **_) -> Config:
+              costs=(), mesh=None, **_) -> Config:
+    # with --mesh (with_mesh adds its other flags): a clash with --shard is named as that, not as
+    # --shard's own want of a --world-size
     return Config(
         target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
         inputs=tuple(parse_input_spec(s) for s in input_specs),
@@ -259,7 +261,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
-        checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs),
+        checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
     )
 
 

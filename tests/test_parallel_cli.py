@@ -63,6 +63,11 @@ def test_text_table_sums_to_its_total():
     (["--mesh", "tp=2"], "carries no tensor-parallel plan"),
     (["--parallelize", PAR], "--parallelize needs --mesh"),
     (["--mesh", "fsdp=2", "--world-size", "2", "--shard", "zero3"], "--mesh and --shard zero3"),
+    # without --world-size too: not "give --world-size N", which the next try would refuse
+    (["--mesh", "fsdp=2", "--shard", "zero3"], "--mesh and --shard zero3"),
+    # the optimizer's fp32 copies would be plain tensors beside DTensor shards (it crashed, exit 4)
+    (["--mesh", "fsdp=2", "--dtype", "bf16", "--master-weights"], "use --amp bf16 instead"),
+    (["--mesh", "tp=2", "--parallelize", PAR, "--dtype", "bf16", "--master-weights"], "use --amp bf16 instead"),
     # tp alone leaves the norms plain tensors; AdamW(foreach=True), CUDA's default under --gpu, raises
     # on that mix in eager PyTorch too ("got mixed torch.Tensor and DTensor")
     (["--mesh", "tp=2", "--parallelize", PAR, "--gpu", "h100"], "mix DTensor and plain tensors"),

@@ -73,12 +73,12 @@ class Config:
         if self.gpu is not None:
             get_device(self.gpu)
         self._check_loading()
-        check(self.shard, self.world_size)
-        if self.mesh is not None:
+        if self.mesh is not None:  # first: --mesh with --shard names the clash, not a --world-size to add
             from fxacct.parallel.mesh import check_config
 
             check_config(self)
-        elif self.parallelize is not None:
+        check(self.shard, self.world_size)
+        if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self.optimizer_spec().resolve()
 

@@ -93,6 +93,10 @@ def check_config(config) -> None:
     if config.shard != "none":
         raise UsageError(f"--mesh and --shard {config.shard} both say how ranks share the model: "
                          f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")
+    if config.master_weights:  # its fp32 copies are plain tensors beside FSDP2's and DTensor's shards
+        raise UsageError(f"--master-weights with --mesh {spec}: fxacct keeps no fp32 copies beside the engine's "
+                         "sharded parameters; use --amp bf16 instead of --dtype bf16 --master-weights (fp32 "
+                         "parameters, bf16 compute; under FSDP2 its MixedPrecisionPolicy gathers them in bf16)")
 
 
 PIPELINE_FLAGS = (("--pp-split", "pp_split"), ("--microbatches", "microbatches"),
