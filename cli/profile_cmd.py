@@ -168,9 +168,13 @@ def _run_runtime(config, options: RuntimeOptions):
 
 def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dict) -> None:
     """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
-    from fxacct.parallel.gloo_run import run_mesh
+    from fxacct.parallel.gloo_run import check_runnable, run_mesh
     from fxacct.report.collectives import ranks_json, render_ranks
 
+    check_runnable(config)
+    if options.keep_trace:  # the ranks run without torch.profiler: no events to write
+        raise UsageError("--trace with --mesh --runtime: the real run of the ranks records no profiler trace; "
+                         "drop --trace, or trace one device's run without --mesh")
     if options.device not in ("auto", "cpu") or options.inference:
         raise UsageError("--runtime with --mesh runs CPU processes on gloo: use --device cpu, without --inference")
     if config.gpu is not None:

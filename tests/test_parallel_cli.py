@@ -68,6 +68,11 @@ def test_text_table_sums_to_its_total():
     # the optimizer's fp32 copies would be plain tensors beside DTensor shards (it crashed, exit 4)
     (["--mesh", "fsdp=2", "--dtype", "bf16", "--master-weights"], "use --amp bf16 instead"),
     (["--mesh", "tp=2", "--parallelize", PAR, "--dtype", "bf16", "--master-weights"], "use --amp bf16 instead"),
+    # the real pipeline run takes torch's plain step: it would print ratios against another step
+    (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--amp", "bf16"], "drop --amp for the real check"),
+    (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--loss", "cross-entropy"], "not what --loss cross-entropy"),
+    (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--checkpoint", "layers.*"], "drop --checkpoint for"),
+    (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--trace", "t.json"], "records no profiler trace"),
     # tp alone leaves the norms plain tensors; AdamW(foreach=True), CUDA's default under --gpu, raises
     # on that mix in eager PyTorch too ("got mixed torch.Tensor and DTensor")
     (["--mesh", "tp=2", "--parallelize", PAR, "--gpu", "h100"], "mix DTensor and plain tensors"),

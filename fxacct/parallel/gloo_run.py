@@ -76,14 +76,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...]:
-    """Run the parallelized model for real in world-size CPU processes; one RankMeasured each."""
-    import torch.multiprocessing as mp
-
+def check_runnable(config):
+    """The MeshSpec of a mesh the real check can run as the account was traced, else a UsageError."""
     spec = parse_mesh(config.mesh)
     if spec.world_size > MAX_RANKS:
         raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
                          f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
+    if spec.size("pp") > 1:  # _measure_pipeline: torch's schedule with a sum loss, no autocast, no wrappers
+        given = [flag for flag, on in (("--amp", config.amp is not None), (f"--loss {config.loss}", config.loss != "sum"),
+                                       ("--checkpoint", bool(config.checkpoint))) if on]
+        if given:
+            raise UsageError(f"--runtime with --mesh {spec} runs the pipeline's plain step (the sum of the "
+                             f"outputs, no autocast, no checkpointing), not what {given[0]} traces: drop "
+                             f"{given[0]} for the real check, or drop --runtime")
+    return spec
+
+
+def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...]:
+    """Run the parallelized model for real in world-size CPU processes; one RankMeasured each."""
+    import torch.multiprocessing as mp
+
+    spec = check_runnable(config)
     if spec.size("pp") > 1:  # every rank cuts the model at the same points, into P × V stages
         from fxacct.parallel.pipeline import resolve_points
         from fxacct.parallel.pipeline_schedule import per_rank
@@ -175,8 +188,7 @@ def _measure(rank, config, steps, warmup) -> dict:
         dist.barrier()
         start = time.perf_counter()
         step()
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # with or without an optimizer: each step starts from none
         dist.barrier()
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
@@ -187,8 +199,7 @@ def _measure(rank, config, steps, warmup) -> dict:
         with resizes_seen(tracker), tracker, counter:
             tracker.track(model, opt, args, kwargs)
             step()
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         peaks.append(tracker.peak_bytes)
     times.sort()
     return {"rank": rank, "step_ms": times[len(times) // 2], "op_level_peak_bytes": min(peaks),
@@ -251,7 +262,8 @@ def _measure_pipeline(rank, spec, config, steps, warmup) -> dict:
             schedule.step(target=torch.zeros(config.batch * m))
         if opt is not None:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+        for part in parts:
+            part.zero_grad(set_to_none=True)
 
     times = []
     for i in range(warmup + steps):
