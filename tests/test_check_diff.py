@@ -207,3 +207,28 @@ def test_diff_bad_budgets_are_usage_errors(profiles, budget, says):
 def test_diff_of_a_missing_file_is_a_usage_error(profiles, tmp_path):
     line = exits(2, "diff", str(profiles["baseline"]), str(tmp_path / "missing.json")).stderr
     assert "missing.json" in line, line
+
+
+def test_diff_budgets_the_pipeline_ranks_peak_and_names_differing_steps(tmp_path):
+    """Under pp the totals are stage 0's micro-batch, unchanged by M; pipeline_peak_bytes is the
+    largest rank's step peak, which 1F1B's in-flight micro-batches raise from M = 2 to M = 4 (on
+    the last stage: its outputs are kept to the step's end). A baseline without the mesh is
+    flagged as another step."""
+    gpt = [target("examples/gpt2.py:GPT"), "-k", "n_layer=2", "-k", "n_embd=64", "-k", "n_head=4", "-k",
+           "vocab_size=1001", "-k", "block_size=32", "--batch", "2", "--format", "json"]
+    paths = {}
+    for name, extra in (("m2", ["--mesh", "pp=2", "--microbatches", "2"]), ("m4", ["--mesh", "pp=2", "--microbatches", "4"]),
+                        ("single", [])):
+        paths[name] = tmp_path / f"{name}.json"
+        exits(0, "profile", *gpt, *extra, "-o", str(paths[name]))
+    docs = {k: json.loads(p.read_text()) for k, p in paths.items()}
+    peaks = {k: max(s["peak_bytes"] for s in docs[k]["pipeline"]["stages"]) for k in ("m2", "m4")}
+    assert peaks["m4"] > peaks["m2"]
+    assert docs["m4"]["totals"]["peak_train_bytes"] == docs["m2"]["totals"]["peak_train_bytes"]
+    doc = json.loads(exits(1, "diff", str(paths["m2"]), str(paths["m4"]), "--max-increase",
+                           "pipeline_peak_bytes=1%", "--format", "json").stdout)
+    assert [(b["key"], b["old"], b["new"], b["ok"]) for b in doc["budgets"]] == \
+        [("pipeline_peak_bytes", peaks["m2"], peaks["m4"], False)]
+    assert doc["config_changes"] == []
+    out = exits(0, "diff", str(paths["single"]), str(paths["m2"])).stdout
+    assert "note: the two profiles are of different steps (mesh none -> pp=2; world_size 1 -> 2)" in out, out

@@ -264,3 +264,14 @@ def test_flops_six_n_d():
 def test_bad_inputs_are_one_line_usage_errors(args, says):
     line = usage_error(*args)
     assert says in line, line
+
+
+def test_train_time_from_a_mesh_profile_is_a_usage_error(gpt_profile, tmp_path):
+    """A --mesh profile's FLOPs are one rank's share (a tp group's, a pipeline stage's): taken as the
+    model's per token, they gave a training time 2-3× too short."""
+    doc = json.loads(gpt_profile.read_text())
+    doc["config"]["mesh"] = "tp=2"
+    path = tmp_path / "rank.json"
+    path.write_text(json.dumps(doc))
+    line = usage_error("train-time", "--from", str(path), "--tokens", "1e12", "--gpu", "h100")
+    assert "one rank's account under --mesh tp=2" in line, line

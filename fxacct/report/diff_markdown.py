@@ -44,7 +44,12 @@ def render_diff_markdown(result: DiffResult, old_path: str, new_path: str) -> st
     if result.budgets:
         parts += [budgets_table(result), ""]
     note = " (different models)" if result.old_model != result.new_model else ""
-    parts += [f"#### Totals: `{old_path}` → `{new_path}`{note}", "", totals_table(result), ""]
+    parts += [f"#### Totals: `{old_path}` → `{new_path}`{note}", ""]
+    if result.config_changes:
+        from fxacct.report.diff_text import config_note
+
+        parts += [config_note(result).replace("note:", "Note:", 1), ""]
+    parts += [totals_table(result), ""]
     if result.modules:
         parts += [f"#### Modules that changed most ({len(result.modules)} of {result.modules_changed} changed; "
                   "FLOPs forward+backward, inclusive)", "", modules_table(result)]

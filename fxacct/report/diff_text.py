@@ -33,10 +33,19 @@ def _ratio(c: Change) -> str:
     return f"{float(r):+.2%}"
 
 
+def config_note(result: DiffResult) -> str:
+    """The settings that make the two profiles different steps (a mesh rank's totals are its share)."""
+    changed = "; ".join(f"{c.key} {c.old if c.old is not None else 'none'} -> {c.new if c.new is not None else 'none'}"
+                        for c in result.config_changes)
+    return f"note: the two profiles are of different steps ({changed}): their totals differ by that too"
+
+
 def render_diff(result: DiffResult, old_path: str, new_path: str) -> str:
     lines = [f"fxacct diff: {old_path} ({result.old_model}) -> {new_path} ({result.new_model})"]
     if result.old_model != result.new_model:
         lines.append("note: the two profiles are of different models")
+    if result.config_changes:
+        lines.append(config_note(result))
     lines.append("")
     rows = [[c.key, _num(c.old), _num(c.new), _delta(c), _ratio(c)] for c in result.totals]
     lines += [tabulate(rows, headers=["totals", "old", "new", "change", "change %"],
@@ -76,6 +85,7 @@ def diff_document(result: DiffResult, old_path: str, new_path: str) -> dict:
         "modules": [{"module": m.module, "status": m.status, "flops": _change(m.flops),
                      "activation_bytes": _change(m.activation_bytes)} for m in result.modules],
         "modules_changed": result.modules_changed,
+        "config_changes": [{"key": c.key, "old": c.old, "new": c.new} for c in result.config_changes],
         "budgets": [{**_change(b.change), "max_increase_percent": plain_number(b.max_percent), "ok": b.ok}
                     for b in result.budgets],
     }

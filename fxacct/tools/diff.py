@@ -68,10 +68,28 @@ class DiffResult:
     modules: tuple[ModuleChange, ...]  # changed most first, at most `top`
     modules_changed: int
     budgets: tuple[IncreaseBudget, ...]
+    config_changes: tuple[Change, ...] = ()  # the step's own settings that differ (CONFIG_KEYS)
 
     @property
     def ok(self) -> bool:
         return all(b.ok for b in self.budgets)
+
+
+# What makes two profiles different steps rather than two versions of one: shown beside the totals
+CONFIG_KEYS = ("mesh", "batch", "tokens_per_example", "dtype", "amp", "optimizer", "loss", "world_size", "shard")
+
+
+def _config_changes(old: dict, new: dict) -> tuple[Change, ...]:
+    a, b = old.get("config") or {}, new.get("config") or {}
+    return tuple(Change(k, a.get(k), b.get(k)) for k in CONFIG_KEYS if a.get(k) != b.get(k))
+
+
+def _with_pipeline(totals: dict, doc: dict) -> dict:
+    """Under --mesh pp=P the totals are stage 0's micro-batch; ``pipeline_peak_bytes`` is the
+    largest rank's peak over the whole step (the schedule's in-flight micro-batches included)."""
+    stages = (doc.get("pipeline") or {}).get("stages") or []
+    peaks = [s.get("peak_bytes") for s in stages if isinstance(s.get("peak_bytes"), int)]
+    return {**totals, "pipeline_peak_bytes": max(peaks)} if peaks else totals
 
 
 def flatten_totals(totals: dict) -> dict[str, int | float | None]:
@@ -123,7 +141,7 @@ def _module_changes(old: list, new: list, top: int) -> tuple[tuple[ModuleChange,
 
 def diff(old: dict, new: dict, max_increase: tuple[str, ...] = (), top: int = 10) -> DiffResult:
     """Compare two profile documents of the same schema (fxacct.load.profile_file checks both)."""
-    ta, tb = flatten_totals(old["totals"]), flatten_totals(new["totals"])
+    ta, tb = (flatten_totals(_with_pipeline(d["totals"], d)) for d in (old, new))
     keys = [k for k in ta if k in tb] + [k for k in ta if k not in tb] + [k for k in tb if k not in ta]
     changes = {k: Change(k, ta.get(k), tb.get(k)) for k in keys}
     budgets = []
@@ -141,4 +159,4 @@ def diff(old: dict, new: dict, max_increase: tuple[str, ...] = (), top: int = 10
         budgets.append(IncreaseBudget(change, pct))
     modules, n_changed = _module_changes(old.get("modules"), new.get("modules"), top)
     return DiffResult(old.get("model"), new.get("model"), old["schema"], tuple(changes.values()), modules,
-                      n_changed, tuple(budgets))
+                      n_changed, tuple(budgets), _config_changes(old, new))

@@ -111,6 +111,9 @@ def profile_flops_per_token(doc: dict) -> tuple[Fraction, int | None]:
     """(forward + backward matmul + attention FLOPs ÷ (batch × tokens per example), parameters)
     of a profile document (fxacct.load.profile_file.read_profile has checked its schema)."""
     totals, config = doc.get("totals") or {}, doc.get("config") or {}
+    if config.get("mesh"):  # its FLOPs are one rank's share: a tp group's, a pipeline stage's
+        raise UsageError(f"the profile is one rank's account under --mesh {config['mesh']}, not the model's: "
+                         "estimate from a profile written without --mesh")
     tokens, batch = config.get("tokens_per_example"), config.get("batch")
     if not isinstance(batch, int) or batch <= 0:
         raise UsageError("the profile has no config.batch: write it with fxacct profile --format json")
