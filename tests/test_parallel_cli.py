@@ -183,3 +183,12 @@ def test_six_n_d_counts_the_whole_model_under_a_mesh():
     got = next(x for x in mesh.stdout.splitlines() if x.startswith("6·N·D"))
     want = line.replace("exact matmul+attention", "exact matmul+attention of a tp group (rank's × 2)")
     assert got == want, (got, line)
+
+
+def test_checkpoint_under_a_mesh_says_the_what_if_is_single_device():
+    """The what-if table is computed on one device only; under --mesh it was dropped silently."""
+    r = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2", "--checkpoint", "layers.*", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["checkpoint"] is None
+    assert any("the what-if table" in w and "run without --mesh" in w for w in doc["warnings"]), doc["warnings"]

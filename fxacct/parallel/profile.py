@@ -68,7 +68,16 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
                                model_params=sum(t.numel() for t in model.parameters()))  # a DTensor's: global
-    return Profile(config, acct, memory, cap, precision_warnings(cap), parallel=parallel)
+    return Profile(config, acct, memory, cap, precision_warnings(cap) + whatif_warnings(config), parallel=parallel)
+
+
+def whatif_warnings(config) -> tuple[str, ...]:
+    """The checkpointing what-if (memory saved against FLOPs recomputed, module by module) is
+    traced on one device: under --mesh it is not, and the report says so rather than drop it."""
+    if not config.checkpoint:
+        return ()
+    return ("--checkpoint with --mesh: the rank's step is traced checkpointed; the what-if table (the same step "
+            "without checkpointing, module by module) is computed on one device only: run without --mesh to see it",)
 
 
 def profile_mesh(config):
