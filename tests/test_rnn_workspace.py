@@ -50,3 +50,23 @@ def test_lstm_workspace_equals_the_kernels(shape):
     fake_ws = torch.empty(0, dtype=torch.uint8)
     _onednn_lstm_workspace(storages, args, (None, None, None, fake_ws))
     assert storages.real[storages.id_of(fake_ws)] == (torch.uint8, real.untyped_storage().nbytes())
+
+
+@pytest.mark.parametrize("cls,dtype,warned", [
+    (nn.LSTM, torch.bfloat16, True), (nn.LSTM, torch.float32, False), (nn.GRU, torch.bfloat16, False),
+])
+def test_a_low_precision_cpu_lstm_backward_is_flagged_where_eager_holds_more(cls, dtype, warned):
+    """oneDNN's LSTM backward makes float32 gradients for bf16 inputs and casts them; the fake
+    kernel returns bf16, so the bf16 account is below eager's peak (warned); fp32 and the GRU
+    (another kernel) are within 1% and not warned."""
+    torch.manual_seed(0)
+    model, x = Recurrent(cls, 1, False).to(dtype), torch.randn(T, B, I, dtype=dtype)
+    step = measure_training_step(model, (x,), torch.optim.AdamW)
+    with torch.device("meta"):
+        meta_model = Recurrent(cls, 1, False)
+    p = fxacct.profile_module(meta_model, (torch.empty(T, B, I, device="meta"),), {},
+                              fxacct.Config(batch=B, dtype=dtype))
+    flagged = any("CPU LSTM backward runs in bfloat16" in w for w in p.warnings)
+    assert flagged == warned, p.warnings
+    ratio = step.peak_bytes / p.memory.peak_train.bytes
+    assert (ratio > 1.05) if warned else abs(ratio - 1) <= 0.01, ratio
