@@ -192,3 +192,37 @@ def test_checkpoint_under_a_mesh_says_the_what_if_is_single_device():
     doc = json.loads(r.stdout)
     assert doc["checkpoint"] is None
     assert any("the what-if table" in w and "run without --mesh" in w for w in doc["warnings"]), doc["warnings"]
+
+
+STACK = """import torch, torch.nn as nn
+class Stack(nn.Module):
+    def __init__(self, inplace=False):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+        self.act = nn.ReLU(inplace=inplace)
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + self.act(layer(x))
+        return x
+    @staticmethod
+    def example_inputs(b):
+        return (torch.randn(b, 16, 64),)
+def inplace():
+    return Stack(inplace=True)
+"""
+
+
+@pytest.mark.parametrize("name,warned", [("Stack", False), ("inplace", True)])
+def test_a_block_output_changed_in_place_under_fsdp_is_flagged(tmp_path, name, warned):
+    """ReLU(inplace=True) on each block's output (a view FSDP2 returns) drops FSDP2's pre-backward
+    hook: the backward gathers none of the 3 blocks (eager PyTorch fails the step, "setStorage ...
+    storage of size 0"); out of place, each block is gathered again in backward."""
+    path = tmp_path / "stack.py"
+    path.write_text(STACK)
+    r = _invoke(f"{path}:{name}", "--batch", "2", "--mesh", "fsdp=2", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    backward = sum(c["count"] for c in doc["collectives"] if c["op"] == "all_gather" and c["phase"] == "backward")
+    assert backward == (0 if warned else 3)
+    flagged = [w for w in doc["warnings"] if w.startswith("FSDP2 gathered 3 blocks in forward but only 0")]
+    assert bool(flagged) == warned, doc["warnings"]

@@ -68,7 +68,28 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
                                model_params=sum(t.numel() for t in model.parameters()))  # a DTensor's: global
-    return Profile(config, acct, memory, cap, precision_warnings(cap) + whatif_warnings(config), parallel=parallel)
+    notes = precision_warnings(cap) + whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
+    return Profile(config, acct, memory, cap, notes, parallel=parallel)
+
+
+def skipped_gather_warnings(rows, config) -> tuple[str, ...]:
+    """fxacct's own FSDP2 wrapping reshards every block after its forward, so the backward gathers
+    each block again. Fewer backward gathers than forward ones mean FSDP2's pre-backward hook did
+    not run for some block: an in-place op on a block's output view (``ReLU(inplace=True)`` after
+    it) drops it, and eager PyTorch then fails the step on the freed parameters."""
+    if config.parallelize is not None or not config.reshard_after_forward:
+        return ()
+
+    def gathers(phase):
+        return sum(r.count for r in rows if r.op == "all_gather" and "fsdp" in r.mesh_dim and r.phase == phase
+                   and r.module)  # the root ("") keeps its parameters gathered after forward
+
+    forward, backward = gathers("forward"), gathers("backward")
+    if backward >= forward:
+        return ()
+    return (f"FSDP2 gathered {forward} blocks in forward but only {backward} again in backward: where a block's "
+            "output is a view changed in place (e.g. ReLU(inplace=True) after the block), FSDP2 skips its "
+            "pre-backward hook and eager PyTorch fails the step on its freed parameters; make that op out of place",)
 
 
 def whatif_warnings(config) -> tuple[str, ...]:
