@@ -6,6 +6,7 @@ import json
 
 import click
 
+from fxacct.errors import UsageError
 from fxacct.parallel.planner import plan
 from fxacct.report.plan_text import plan_json, render_plan
 from fxacct_cli.main import cli, examples, write_output
@@ -32,7 +33,14 @@ def plan_command(fmt, gpus, global_batch, confirm, output, **options):
     \b
     Exit codes: 0 success; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
     """
-    config = with_mesh(to_config(**options), **{**options, "mesh": f"fsdp={gpus}"})  # each layout replaces it
+    given = click.get_current_context().get_parameter_source
+    for flag, name in (("--mesh", "mesh"), ("--batch", "batch"), ("--microbatches", "microbatches")):
+        if given(name) == click.core.ParameterSource.COMMANDLINE:  # the plan chooses each of these per layout
+            raise UsageError(f"fxacct plan chooses {flag} for each layout it tries: drop {flag} (give --gpus and "
+                             "--global-batch)")
+    if gpus < 2 or global_batch < 1:
+        raise UsageError("--gpus must be at least 2 and --global-batch positive")
+    config = with_mesh(to_config(**{**options, "mesh": None}), **{**options, "mesh": f"fsdp={gpus}"})
     result = plan(config, gpus, global_batch, confirm)
     text = (json.dumps(plan_json(result), indent=2) + "\n") if fmt == "json" else \
         render_plan(result, gpus, global_batch, config.gpu, terminal_width())

@@ -244,3 +244,15 @@ def test_a_pipeline_alone_gets_no_parallelize_function():
     assert alone.mesh == "pp=4" and alone.parallelize is None
     inner = planner.layout_config(Layout(pp=2, fsdp=2, tp=1, micro_batch=1, accumulation=2, checkpoint=False))
     assert inner.mesh == "pp=2,fsdp=2" and inner.parallelize == PARALLELIZE
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--mesh", "fsdp=2"], "chooses --mesh for each layout"),  # it was accepted and ignored
+    (["--batch", "4"], "chooses --batch for each layout"),
+    (["--microbatches", "2"], "chooses --microbatches for each layout"),
+    (["--gpus", "0"], "--gpus must be at least 2"),  # it named a --mesh 'fsdp=0' nobody gave
+])
+def test_plan_flags_it_chooses_itself_are_usage_errors(flags, says):
+    args = ["plan", target("examples/gpt2.py:GPT"), "--gpus", "4", "--gpu", "h100", "--global-batch", "8", *flags]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (r.stdout, r.stderr)
