@@ -169,9 +169,10 @@ def test_interleaved_microbatches_in_whole_rounds():
 
 
 def test_interleaved_stages_beyond_the_blocks_is_a_usage_error():
-    """The default llama has 2 layers: pp=2 with 2 stages per rank needs 4."""
-    assert "pp=2 with 2 stages per rank asks for more pipeline stages than the model has repeated blocks (2)" in \
-        _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b")
+    """The default llama has 2 layers: pp=2 with 2 stages per rank needs 4. The fix offered is one
+    stage per rank (it said "use pp <= 1": no pipeline at all)."""
+    assert "pp=2 with 2 stages per rank asks for more pipeline stages than the model has repeated blocks (2): " \
+        "use --pp-stages-per-rank 1 or --pp-schedule 1f1b" in _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b")
 
 
 def test_split_points_must_match_the_stage_count():

@@ -192,8 +192,11 @@ def profile_pipeline(config):
         raise UsageError(f"--mesh {asked}: the model has no repeated blocks to cut between automatically; give "
                          "--pp-split FQN,... (the modules where stages 1, 2, ... begin) or --pp-split PATH.py:fn")
     if blocks and stages > blocks:
+        fix = f"use pp <= {blocks // v}" if blocks // v >= 2 else \
+            f"use --pp-stages-per-rank {blocks // ranks} or --pp-schedule 1f1b" if blocks >= ranks else \
+            f"use pp <= {blocks}"
         raise UsageError(f"--mesh {asked} asks for more pipeline stages than the model has repeated blocks "
-                         f"({blocks}): use pp <= {blocks // v}")
+                         f"({blocks}): {fix}")
     check_microbatches(config.pp_schedule, ranks, m)
     orders = simulate(config.pp_schedule, ranks, m, v)
     points = resolve_points(config, stages)
