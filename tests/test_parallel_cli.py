@@ -226,3 +226,15 @@ def test_a_block_output_changed_in_place_under_fsdp_is_flagged(tmp_path, name, w
     assert backward == (0 if warned else 3)
     flagged = [w for w in doc["warnings"] if w.startswith("FSDP2 gathered 3 blocks in forward but only 0")]
     assert bool(flagged) == warned, doc["warnings"]
+
+
+def test_markdown_under_a_mesh_says_whose_figures_and_lists_the_collectives():
+    """The markdown report said nothing of the mesh: a rank's 34,976 parameters read as the model's."""
+    r = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2,tp=2", "--parallelize", PAR, "--format", "markdown")
+    assert r.exit_code == 0, r.stderr
+    assert "#### Mesh `fsdp=2,tp=2`" in r.stdout and "figures are rank 0's" in r.stdout
+    doc = json.loads(_invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2,tp=2", "--parallelize", PAR,
+                             "--format", "json").stdout)
+    total = sum(c["count"] for c in doc["collectives"])
+    row = next(line for line in r.stdout.splitlines() if line.startswith("total "))
+    assert row.split()[1] == f"{total:,}", (row, total)
