@@ -384,3 +384,27 @@ def test_an_example_input_that_requires_grad_gets_its_gradient_as_in_eager():
     x = torch.randn(2, 4, requires_grad=True)  # the eager oracle: the same step gives x a gradient
     model(x).sum().backward()
     assert x.grad is not None and x.grad.shape == (2, 4)
+
+
+@pytest.mark.parametrize("length,fails", [(8, False), (9, True)])
+def test_an_embedding_looked_up_past_its_rows_fails_as_in_eager(length, fails):
+    """A Hugging Face GPT-2 of 8 learned positions at T = 9: eager raises "index out of range in
+    self" at its position embedding; the fake trace accounted the step as if it ran (--seq-len
+    past the maximum exited 0). The position ids, arange(T), have known values
+    (fxacct.trace.known_values), so the lookup is checked as eager's kernel checks it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8, use_cache=False)
+    torch.manual_seed(0)
+    eager_fails = False
+    try:
+        transformers.GPT2LMHeadModel(config)(torch.zeros(1, length, dtype=torch.long))
+    except IndexError:
+        eager_fails = True
+    assert eager_fails == fails
+    model = on_meta(transformers.GPT2LMHeadModel, config)
+    ids = torch.zeros(1, length, dtype=torch.long, device="meta")
+    if not fails:
+        profile_meta(model, (ids,))
+        return
+    with pytest.raises(fxacct.ModelError, match="index out of range in self"):
+        profile_meta(model, (ids,))

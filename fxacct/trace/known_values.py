@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from fxacct.errors import passes_through
+from fxacct.errors import acts_for_torch, passes_through
 from fxacct.trace import torch_private as tp
 from fxacct.trace.aliasing import INPLACE, schema_kind
 
 VALUE = "_fxacct_known_value"
 MAX_NUMEL = 1 << 16
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_EMBEDDING = torch.ops.aten.embedding.default
 _NO_VALUE = object()
 
 
@@ -70,12 +71,28 @@ class KnownValues(tp.TorchDispatchMode):
             if value is not None:
                 with tp.disable_current_modes():
                     return value.item()
+        if func is _EMBEDDING:
+            _check_rows(args[0], args[1])
         out = func(*args, **kwargs)
         real = _real_arguments((args, kwargs))
         attached = real is not _NO_VALUE and not _seeded(func) and _attach(func, real, out)
         if not attached and schema_kind(func) == INPLACE:
             _forget(args, kwargs)
         return out
+
+
+@acts_for_torch  # the bounds check eager's kernel makes: its error is the model's, at its line
+def _check_rows(weight, indices) -> None:
+    """An embedding lookup of known indices past the table (learned positions ``arange(T)`` with T
+    above the model's maximum): eager raises there, with this message; fake tensors would not."""
+    value = known(indices) if isinstance(indices, tp.FakeTensor) else None
+    if value is None or not value.numel():
+        return
+    with tp.disable_current_modes():  # the real value, past the fake mode
+        low, high = int(value.min()), int(value.max())
+    if high >= weight.shape[0] or low < 0:
+        raise IndexError(f"index out of range in self (an embedding of {weight.shape[0]} rows looked up at "
+                         f"{high if high >= weight.shape[0] else low})")
 
 
 def _real_arguments(tree):
