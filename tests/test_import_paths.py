@@ -178,6 +178,10 @@ def test_bad_hf_configs_are_one_line_usage_errors(tmp_path, llama_json):
     # a class of another family (it would fail inside transformers on a missing field: exit 3)
     assert_one_line_error(invoke("profile", f"hf:{llama_json}", "--hf-class", "BertModel"), 2,
                           "--hf-class BertModel builds from a BertConfig, and this config is a LlamaConfig")
+    # an encoder-decoder config the default causal-LM class cannot build: the seq2seq class is offered
+    t5 = _write(tmp_path, "t5.json", dict(model_type="t5", vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                          num_heads=2))
+    assert_one_line_error(invoke("profile", f"hf:{t5}"), 2, "--hf-class (e.g. AutoModelForSeq2SeqLM")
     assert_one_line_error(invoke("profile", target("examples/two_layer.py:TwoLayer"), "--seq-len", "8"), 2,
                           "--seq-len")
     assert_one_line_error(invoke("profile", target("examples/two_layer.py:TwoLayer"), "--hf-class", "AutoModel"),
@@ -264,5 +268,10 @@ def test_a_seq_len_past_learned_positions_is_named_as_the_cause(tmp_path, llama_
     assert_one_line_error(invoke("profile", f"hf:{bert}", "--seq-len", "32"), 3,
                           "--seq-len 32 is longer than BertForMaskedLM's max_position_embeddings (16)")
     assert invoke("profile", f"hf:{bert}", "--seq-len", "16", "--summary").exit_code == 0
+    # GPT-2 looks its positions up at arange(T), whose values fxacct knows: past the table it failed
+    # in eager only, and the account said nothing (exit 0)
+    gpt2 = _write(tmp_path, "gpt2.json", dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=64,
+                                              n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    assert_one_line_error(invoke("profile", f"hf:{gpt2}", "--seq-len", "32"), 3, "index out of range in self")
     positions = json.loads(llama_json.read_text())["max_position_embeddings"]
     assert invoke("profile", f"hf:{llama_json}", "--seq-len", str(2 * positions), "--summary").exit_code == 0

@@ -116,8 +116,10 @@ def build(cls, config, build_kwargs: dict) -> torch.nn.Module:
             return cls.from_config(config, **kwargs)
         except ValueError as e:
             if "Unrecognized configuration class" in str(e):
+                examples = "AutoModelForSeq2SeqLM, AutoModel" if getattr(config, "is_encoder_decoder", False) \
+                    else "AutoModel, AutoModelForImageClassification"
                 raise UsageError(f"{cls.__name__} cannot build a {type(config).__name__}: pick the class "
-                                 "with --hf-class (e.g. AutoModel, AutoModelForImageClassification)") from None
+                                 f"with --hf-class (e.g. {examples})") from None
             raise
     return cls._from_config(config, **kwargs)
 
