@@ -10,13 +10,13 @@ import sys
 import click
 
 import fxacct
-from fxacct.tools.budgets import Limits, evaluate, validate
+from fxacct.tools.budgets import Limits, check_mesh, evaluate, validate
 from fxacct.load.quantities import parse_duration
 from fxacct.report import document
 from fxacct.report.check_text import check_document, render_check
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (DEBUG, MFU, OUTPUT, OUTPUT_GROUP, count_or_none, format_option, group,
-                                max_memory_option, model_options, to_config)
+                                max_memory_option, mesh_options, model_options, to_config, with_mesh)
 
 
 BUDGETS = [
@@ -37,8 +37,10 @@ BUDGETS = [
 @cli.command("check", epilog=examples(
     "fxacct check model.py:Model --batch 32 --amp bf16 --gpu h100 --world-size 8 --shard zero2",
     "fxacct check model.py:Model --max-memory 40GB --max-params 7B --require-no-unsupported-ops",
-    "fxacct check model.py:Model --gpu h100 --max-step-time 500ms --mfu 0.4 --format json"))
+    "fxacct check model.py:Model --gpu h100 --max-step-time 500ms --mfu 0.4 --format json",
+    "fxacct check examples/llama.py:Llama --gpu h100 --mesh fsdp=2,tp=2 --parallelize examples/llama.py:parallelize"))
 @model_options
+@mesh_options
 @group("Budgets", *BUDGETS)
 @group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
 def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_step_time, mfu,
@@ -55,8 +57,9 @@ def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_
         max_flops_per_example=count_or_none(max_flops_per_example, "--max-flops-per-example"),
         max_step_seconds=parse_duration(max_step_time, "--max-step-time") if max_step_time is not None else None,
         mfu=mfu, require_no_unsupported_ops=require_no_unsupported_ops)
-    config = dataclasses.replace(to_config(**options), find_max_batch=False)
+    config = dataclasses.replace(with_mesh(to_config(**options), **options), find_max_batch=False)
     validate(limits, config.gpu)
+    check_mesh(limits, config.mesh)
     profile = fxacct.profile(config)
     result = evaluate(profile, limits)
     if fmt == "json":

@@ -232,3 +232,24 @@ def test_diff_budgets_the_pipeline_ranks_peak_and_names_differing_steps(tmp_path
     assert doc["config_changes"] == []
     out = exits(0, "diff", str(paths["single"]), str(paths["m2"])).stdout
     assert "note: the two profiles are of different steps (mesh none -> pp=2; world_size 1 -> 2)" in out, out
+
+
+def test_check_under_a_mesh_budgets_a_ranks_memory_and_the_models_parameters():
+    """--mesh: the memory budget is the rank's peak (under pp the largest rank's over the step, not
+    stage 0's micro-batch), the params budget the model's (not the rank's shards: the single-device
+    count); FLOP and step-time budgets, a rank's share, are refused before any trace."""
+    llama = [target("examples/llama.py:Llama"), "--batch", "2"]
+    single = json.loads(exits(0, "profile", *llama, "--format", "json").stdout)
+    for mesh in (["--mesh", "fsdp=2"], ["--mesh", "pp=2", "--microbatches", "4"]):
+        pipeline = mesh[1].startswith("pp")
+        prof = json.loads(exits(0, "profile", *llama, *mesh, "--format", "json").stdout)
+        params = [] if pipeline else ["--max-params", "1e9"]
+        doc = json.loads(exits(1, "check", *llama, *mesh, "--max-memory", "1KB", *params, "--format", "json").stdout)
+        budgets = {b["name"]: b for b in doc["budgets"]}
+        expected = max(s["peak_bytes"] for s in prof["pipeline"]["stages"]) if pipeline \
+            else prof["totals"]["peak_train_bytes"]
+        assert (budgets["memory"]["value"], budgets["memory"]["ok"]) == (expected, False), (mesh, doc)
+        if not pipeline:
+            assert budgets["params"]["value"] == single["totals"]["params"] > prof["totals"]["params"], doc
+    assert "--max-flops with --mesh" in exits(2, "check", *llama, "--mesh", "fsdp=2", "--max-flops", "1e9").stderr
+    assert "--max-params with --mesh pp=2" in exits(2, "check", *llama, "--mesh", "pp=2", "--max-params", "1e9").stderr

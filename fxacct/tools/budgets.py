@@ -99,23 +99,49 @@ def validate(limits: Limits, gpu: str | None) -> None:
                          "peak × --mfu")
 
 
+def _rank_peak(profile: Profile) -> tuple[int, str]:
+    """(bytes, label) of the peak one rank holds: under --mesh pp=P the largest rank's over the
+    whole step (its in-flight micro-batches included), else the training peak (per rank under
+    --shard or --mesh), or the inference peak of a model that does not train."""
+    c, m, par = profile.config, profile.memory, profile.parallel
+    if par is not None and par.pipeline is not None:
+        return max(s.peak_bytes for s in par.pipeline.stages), "pipeline_peak_bytes (the largest rank's step)"
+    peak, what = m.rank_peak, "peak_train_bytes"
+    if peak is None:
+        peak, what = m.peak_inference, "peak_inference_bytes"
+    shared = f" ({c.shard} over {c.world_size})" if c.shard != "none" else f" (--mesh {par.mesh})" if par else ""
+    return peak.bytes, f"{what} per rank{shared}"
+
+
+def check_mesh(limits: Limits, mesh: str | None) -> None:
+    """A rank's FLOPs are its share (a tp group's, a pipeline stage's micro-batch), and under pp its
+    parameters too: those budgets are the model's, checked without --mesh (before any trace)."""
+    pipeline = mesh is not None and "pp=" in mesh  # a stage's parameters are its share too
+    given = [flag for flag, v in (("--max-flops", limits.max_flops), ("--max-flops-per-example",
+             limits.max_flops_per_example), ("--max-step-time", limits.max_step_seconds),
+             ("--max-params", limits.max_params if pipeline else None)) if v is not None]
+    if mesh is not None and given:
+        raise UsageError(f"{given[0]} with --mesh {mesh}: a rank's figure is its share of the model's; check "
+                         f"{given[0]} without --mesh, and the per-rank memory with it")
+
+
 def evaluate(profile: Profile, limits: Limits) -> CheckResult:
     """Every budget ``limits`` sets, checked against ``profile`` (validated as ``validate`` does)."""
     c, t, m = profile.config, profile.accounting.totals, profile.memory
     validate(limits, c.gpu)
+    check_mesh(limits, c.mesh)
     device = get_device(c.gpu) if c.gpu is not None else None
     budgets, step = [], {}
     memory_limit, memory_source = limits.max_memory_bytes, "--max-memory"
     if memory_limit is None and device is not None and limits.memory_defaults_to_gpu:
         memory_limit, memory_source = device.capacity_reported, f"{device.name}, as the driver reports"
     if memory_limit is not None:
-        peak, what = m.rank_peak, "peak_train_bytes"
-        if peak is None:
-            peak, what = m.peak_inference, "peak_inference_bytes"
-        label = f"{what} per rank" + (f" ({c.shard} over {c.world_size})" if c.shard != "none" else "")
-        budgets.append(Budget("memory", label, peak.bytes, memory_limit, "bytes", memory_source))
+        peak, label = _rank_peak(profile)
+        budgets.append(Budget("memory", label, peak, memory_limit, "bytes", memory_source))
     if limits.max_params is not None:
-        budgets.append(Budget("params", "parameters", t.params, limits.max_params, "params", "--max-params"))
+        params = profile.parallel.model_params if profile.parallel is not None else t.params
+        budgets.append(Budget("params", "parameters" + (" (the model's)" if profile.parallel is not None else ""),
+                              params, limits.max_params, "params", "--max-params"))
     step_flops = t.forward.total + t.backward.total
     if limits.max_flops is not None:
         budgets.append(Budget("flops", "forward+backward FLOPs per step", step_flops, limits.max_flops,
