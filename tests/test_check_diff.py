@@ -217,8 +217,8 @@ def test_diff_budgets_the_pipeline_ranks_peak_and_names_differing_steps(tmp_path
     gpt = [target("examples/gpt2.py:GPT"), "-k", "n_layer=2", "-k", "n_embd=64", "-k", "n_head=4", "-k",
            "vocab_size=1001", "-k", "block_size=32", "--batch", "2", "--format", "json"]
     paths = {}
-    for name, extra in (("m2", ["--mesh", "pp=2", "--microbatches", "2"]), ("m4", ["--mesh", "pp=2", "--microbatches", "4"]),
-                        ("single", [])):
+    for name, extra in (("m2", ["--mesh", "pp=2", "--microbatches", "2"]),
+                        ("m4", ["--mesh", "pp=2", "--microbatches", "4"]), ("single", [])):
         paths[name] = tmp_path / f"{name}.json"
         exits(0, "profile", *gpt, *extra, "-o", str(paths[name]))
     docs = {k: json.loads(p.read_text()) for k, p in paths.items()}

@@ -127,7 +127,7 @@ def check_mesh(limits: Limits, mesh: str | None) -> None:
 
 def evaluate(profile: Profile, limits: Limits) -> CheckResult:
     """Every budget ``limits`` sets, checked against ``profile`` (validated as ``validate`` does)."""
-    c, t, m = profile.config, profile.accounting.totals, profile.memory
+    c, t = profile.config, profile.accounting.totals
     validate(limits, c.gpu)
     check_mesh(limits, c.mesh)
     device = get_device(c.gpu) if c.gpu is not None else None
