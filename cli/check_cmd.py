@@ -37,7 +37,6 @@ BUDGETS = [
 @cli.command("check", epilog=examples(
     "fxacct check model.py:Model --batch 32 --amp bf16 --gpu h100 --world-size 8 --shard zero2",
     "fxacct check model.py:Model --max-memory 40GB --max-params 7B --require-no-unsupported-ops",
-    "fxacct check model.py:Model --gpu h100 --max-step-time 500ms --mfu 0.4 --format json",
     "fxacct check examples/llama.py:Llama --gpu h100 --mesh fsdp=2,tp=2 --parallelize examples/llama.py:parallelize"))
 @model_options
 @mesh_options
