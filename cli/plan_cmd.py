@@ -7,7 +7,7 @@ import json
 import click
 
 from fxacct.errors import UsageError
-from fxacct.parallel.planner import plan
+from fxacct.parallel.planner import check_job, plan
 from fxacct.report.plan_text import plan_json, render_plan
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (CONFIRM, DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group, mesh_options,
@@ -38,8 +38,7 @@ def plan_command(fmt, gpus, global_batch, confirm, output, **options):
         if given(name) == click.core.ParameterSource.COMMANDLINE:  # the plan chooses each of these per layout
             raise UsageError(f"fxacct plan chooses {flag} for each layout it tries: drop {flag} (give --gpus and "
                              "--global-batch)")
-    if gpus < 2 or global_batch < 1:
-        raise UsageError("--gpus must be at least 2 and --global-batch positive")
+    check_job(gpus, global_batch)  # before the Config: its mesh is fsdp={gpus}
     config = with_mesh(to_config(**{**options, "mesh": None}), **{**options, "mesh": f"fsdp={gpus}"})
     result = plan(config, gpus, global_batch, confirm)
     text = (json.dumps(plan_json(result), indent=2) + "\n") if fmt == "json" else \

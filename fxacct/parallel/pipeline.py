@@ -60,6 +60,11 @@ class PipelineAccount:
     bubble_fraction: float  # idle share of the step on a rank, from the schedule's order
     stages_per_rank: int = 1
 
+    @property
+    def peak_bytes(self) -> int:
+        """The largest rank's peak over the whole step (its in-flight micro-batches included)."""
+        return max(s.peak_bytes for s in self.stages)
+
 
 def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=None):
     """Stage ``stage``'s module: the user's --pp-split function's, or the model cut at ``points``."""

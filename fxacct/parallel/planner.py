@@ -141,7 +141,7 @@ class Planner:
         a = lay.accumulation
         # the stage peaks replay all M micro-batches in the schedule's order, the gradients kept
         # from the first backward included (fxacct.parallel.pipeline_memory): nothing to add
-        peak = max(s.peak_bytes for s in stages)
+        peak = pipe.peak_bytes
         # each rank works M micro-steps and idles the bubble's share of the step (from the schedule's
         # own order): M × its micro-step ÷ (1 − bubble), the slowest rank's ((M + P − 1) × the
         # slowest micro-step for GPipe and 1F1B), then one optimizer step, the slowest rank's
@@ -280,13 +280,17 @@ def confirm(planner: Planner, out: dict, n: int) -> None:
                         if x.group == lay.group and x.micro_batch < lay.micro_batch})
 
 
+def check_job(gpus: int, global_batch: int) -> None:
+    if gpus < 2 or global_batch < 1:
+        raise UsageError("--gpus must be at least 2 and --global-batch positive")
+
+
 def plan(config, gpus: int, global_batch: int, confirm_top: int = 1) -> PlanResult:
     """Every layout: the fitting ones by tokens/s (highest first), then those that fit but are
     slower than another micro-batch of theirs, then the rejected, in enumeration order."""
     if config.gpu is None:
         raise UsageError("fxacct plan needs --gpu NAME (capacity, peak FLOP/s and links)")
-    if gpus < 2 or global_batch < 1:
-        raise UsageError("--gpus must be at least 2 and --global-batch positive")
+    check_job(gpus, global_batch)
     if confirm_top < 0:
         raise UsageError(f"--confirm must be 0 or more, got {confirm_top}")
     if config.pp_schedule == "interleaved-1f1b":  # a rank's account holds its first stage's time only

@@ -48,7 +48,7 @@ def render_diff_markdown(result: DiffResult, old_path: str, new_path: str) -> st
     if result.config_changes:
         from fxacct.report.diff_text import config_note
 
-        parts += [config_note(result).replace("note:", "Note:", 1), ""]
+        parts += [f"Note: {config_note(result)}", ""]
     parts += [totals_table(result), ""]
     if result.modules:
         parts += [f"#### Modules that changed most ({len(result.modules)} of {result.modules_changed} changed; "

@@ -37,7 +37,7 @@ def config_note(result: DiffResult) -> str:
     """The settings that make the two profiles different steps (a mesh rank's totals are its share)."""
     changed = "; ".join(f"{c.key} {c.old if c.old is not None else 'none'} -> {c.new if c.new is not None else 'none'}"
                         for c in result.config_changes)
-    return f"note: the two profiles are of different steps ({changed}): their totals differ by that too"
+    return f"the two profiles are of different steps ({changed}): their totals differ by that too"
 
 
 def render_diff(result: DiffResult, old_path: str, new_path: str) -> str:
@@ -45,7 +45,7 @@ def render_diff(result: DiffResult, old_path: str, new_path: str) -> str:
     if result.old_model != result.new_model:
         lines.append("note: the two profiles are of different models")
     if result.config_changes:
-        lines.append(config_note(result))
+        lines.append(f"note: {config_note(result)}")
     lines.append("")
     rows = [[c.key, _num(c.old), _num(c.new), _delta(c), _ratio(c)] for c in result.totals]
     lines += [tabulate(rows, headers=["totals", "old", "new", "change", "change %"],

@@ -66,7 +66,7 @@ def _pipeline(p: Profile):
 
 def _pipeline_memory(label: str, text: str, p: Profile, pipe) -> str:
     """The peak and fit lines of a pipeline: the ranks' over the step, not stage 0's one micro-batch."""
-    first, worst = pipe.stages[0], max(s.peak_bytes for s in pipe.stages)
+    first, worst = pipe.stages[0], pipe.peak_bytes
     if label == "peak":
         return (f"training step, rank 0 {exact_bytes(first.peak_bytes)} ({first.in_flight} micro-batches in "
                 f"flight); the largest rank's {format_bytes(worst)}; one micro-batch of stage 0: "

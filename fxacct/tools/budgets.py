@@ -105,7 +105,7 @@ def _rank_peak(profile: Profile) -> tuple[int, str]:
     --shard or --mesh), or the inference peak of a model that does not train."""
     c, m, par = profile.config, profile.memory, profile.parallel
     if par is not None and par.pipeline is not None:
-        return max(s.peak_bytes for s in par.pipeline.stages), "pipeline_peak_bytes (the largest rank's step)"
+        return par.pipeline.peak_bytes, "pipeline_peak_bytes (the largest rank's step)"
     peak, what = m.rank_peak, "peak_train_bytes"
     if peak is None:
         peak, what = m.peak_inference, "peak_inference_bytes"
@@ -116,7 +116,9 @@ def _rank_peak(profile: Profile) -> tuple[int, str]:
 def check_mesh(limits: Limits, mesh: str | None) -> None:
     """A rank's FLOPs are its share (a tp group's, a pipeline stage's micro-batch), and under pp its
     parameters too: those budgets are the model's, checked without --mesh (before any trace)."""
-    pipeline = mesh is not None and "pp=" in mesh  # a stage's parameters are its share too
+    from fxacct.parallel.mesh import parse_mesh
+
+    pipeline = mesh is not None and parse_mesh(mesh).size("pp") > 1  # a stage's parameters are its share too
     given = [flag for flag, v in (("--max-flops", limits.max_flops), ("--max-flops-per-example",
              limits.max_flops_per_example), ("--max-step-time", limits.max_step_seconds),
              ("--max-params", limits.max_params if pipeline else None)) if v is not None]
