@@ -12,6 +12,7 @@ from fxacct.trace import torch_private as tp
 
 from fxacct.load import model_spec as loading
 from fxacct.errors import ModelError
+from fxacct.heap import with_frozen_heap
 from fxacct.load.hf import is_causal_lm, seq_len_note
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.account.accounting import Accounting, account
@@ -109,6 +110,7 @@ def rank_peak(cap: Capture, model, config: Config) -> tuple[Peak, Peak | None, t
     return peak, walk(life, sharding.partitioned(config.shard, config.world_size), extra), unit
 
 
+@with_frozen_heap
 def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config | None = None,
                    inputs_for: Callable[[int], tuple] | None = None) -> Profile:
     """Account one training step of ``model(*args, **kwargs)``: forward, loss, backward and the
@@ -250,6 +252,7 @@ def load_model(config: Config):
     return model, args, kwargs, inputs_for
 
 
+@with_frozen_heap
 def profile(config: Config) -> Profile:
     """Load config.target and profile it."""
     from fxacct.parallel.mesh import check_pipeline_flags

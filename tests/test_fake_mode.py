@@ -7,6 +7,7 @@ whose FSDP2 hooks make thousands of such ops, equal node for node to one traced 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given
 
@@ -164,7 +165,38 @@ def test_mesh_account_equal_without_short_path(monkeypatch):
 
     fast = profile()
     monkeypatch.setattr(fake_mode.FakeTensorMode, "_short", lambda self, func, args, kwargs: None)
+    monkeypatch.setattr(fake_mode.FakeTensorMode, "_uncached", lambda self, func, types, args, kwargs:
+                        tp.FakeTensorMode.dispatch(self, func, types, args, kwargs))
     assert_same_account(fast, profile())
+
+
+def test_out_only_ops_run_once_per_signature(monkeypatch):
+    """FSDP2's split_with_sizes_copy writes into its ``out`` views and returns nothing: a second
+    call of the same signature skips the kernel. A call whose kernel resized an ``out`` (wrong
+    shapes) or refused (sizes not summing to the input's) is never taken for done."""
+    import torch.distributed.fsdp  # noqa: F401  (defines torch.ops.fsdp)
+
+    op = torch.ops.fsdp.split_with_sizes_copy.default
+    ran = []
+    kernel = tp.fake_dispatch_uncached
+    monkeypatch.setattr(tp, "fake_dispatch_uncached", lambda mode, func, *rest: ran.append(func) or kernel(
+        mode, func, *rest))
+    with fake_mode.FakeTensorMode():
+        for _ in range(3):
+            op(torch.empty(2, 10), [4, 6], 1, out=[torch.empty(2, 4), torch.empty(2, 6)])
+        assert len(ran) == 1
+        src = torch.empty(2, 10)
+        op(src, [4, 6], 1, out=[src[:, :4], src[:, 4:]])  # the outs share the input's storage: another signature
+        assert len(ran) == 2
+        for _ in range(2):  # the kernel resizes each empty out, as eager's does: run every time
+            wrong = [torch.empty(0), torch.empty(0)]
+            op(src, [4, 6], 1, out=wrong)
+            assert [tuple(w.shape) for w in wrong] == [(2, 4), (2, 6)]
+        assert len(ran) == 4
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="split_with_sizes"):
+                op(src, [4, 5], 1, out=[torch.empty(2, 4), torch.empty(2, 5)])
+        assert len(ran) == 6
 
 
 def test_a_view_the_kernel_refuses_is_the_models_error(tmp_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fxacct.errors import FxacctError, UsageError
+from fxacct.heap import with_frozen_heap
 from fxacct.parallel.layouts import Layout, enumerate_layouts, exact_rejection, model_facts
 from fxacct.parallel.screen import SCREEN_BLOCKS, Point, point, screen
 from fxacct.units import format_bytes
@@ -285,6 +286,7 @@ def check_job(gpus: int, global_batch: int) -> None:
         raise UsageError("--gpus must be at least 2 and --global-batch positive")
 
 
+@with_frozen_heap
 def plan(config, gpus: int, global_batch: int, confirm_top: int = 1) -> PlanResult:
     """Every layout: the fitting ones by tokens/s (highest first), then those that fit but are
     slower than another micro-batch of theirs, then the rejected, in enumeration order."""

@@ -18,6 +18,11 @@ shape environment), and no real tensors are propagated. Anything else goes the u
 reference reshape helper, kept for unbacked symbolic sizes); with plain ints the C++ meta kernel
 computes the same view, the one eager runs. tests/test_fake_mode.py compares every short-path op
 with FakeTensorMode's own result.
+
+Ops outside aten/prims (FSDP2's ``fsdp.*`` copies, the ``c10d.*`` collectives) are ones torch never
+caches; they skip the cache key torch would compute only to bypass it, and the ones that return
+nothing and write only into their ``out`` tensors run their kernel once per signature
+(``FakeTensorMode._uncached``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ VIEWS = frozenset({
 NEW = frozenset({aten.empty.memory_format, aten.empty_strided.default})
 LIKE = frozenset({aten.empty_like.default})
 
+# The namespaces whose ops FakeTensorMode may cache (torch._library.utils.is_builtin); the others
+# (fsdp.*, c10d.*, _c10d_functional.*, a user's custom ops) it runs uncached every time.
+BUILTIN = frozenset({"aten", "prim", "prims"})
+
 _META = torch.device("meta")
 _CPU = torch.device("cpu")  # FakeTensorMode's default device for a factory given none
 
@@ -47,13 +56,35 @@ _CPU = torch.device("cpu")  # FakeTensorMode's default device for a factory give
 class FakeTensorMode(tp.FakeTensorMode):
     """torch's FakeTensorMode; views and ``empty`` allocations skip its cache and checks."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._out_only_done: set = set()  # _out_only_key of calls whose kernel changed nothing
+
     @passes_through  # a kernel refusing the model's op is the model's error, judged at its line
     def dispatch(self, func, types, args=(), kwargs=None):
         if func in VIEWS or func in NEW or func in LIKE:
             out = self._short(func, args, kwargs or {})
             if out is not None:
                 return out
+        elif type(func) is tp.OpOverload and func.namespace not in BUILTIN:
+            return self._uncached(func, types, args, kwargs or {})
         return super().dispatch(func, types, args, kwargs)
+
+    def _uncached(self, func, types, args, kwargs):
+        """An op FakeTensorMode never caches (fsdp.*, c10d.*, a user's custom op): it would hash the
+        arguments, then store or find a bypass entry ("non-builtin", ``_validate_cache_key``) and
+        run ``_dispatch_impl``; this runs it at once. An op that returns nothing and only writes into
+        its ``out`` tensors (FSDP2's ``split_with_sizes_copy`` and ``chunk_cat``, twice per block
+        and step) is run once per signature: a fake kernel reads metadata only, so when it left
+        every argument's shape, strides, offset and dtype as they were, a call with the same
+        signature (aliasing between the arguments included) would too."""
+        key = _out_only_key(func, args, kwargs)
+        if key is not None and key in self._out_only_done:
+            return None
+        out = tp.fake_dispatch_uncached(self, func, types, args, kwargs)
+        if key is not None and out is None and _out_only_key(func, args, kwargs) == key:
+            self._out_only_done.add(key)
+        return out
 
     @passes_through
     def _short(self, func, args, kwargs):
@@ -92,3 +123,36 @@ class FakeTensorMode(tp.FakeTensorMode):
 
 def _device(t: torch.Tensor) -> torch.device:
     return t.fake_device if type(t) is tp.FakeTensor else t.device
+
+
+def _out_only_key(func, args, kwargs):
+    """The signature of a call of an op that returns nothing: each plain FakeTensor argument's
+    shape, strides, storage offset, dtype, device and which earlier argument's storage it shares
+    (a kernel may refuse overlapping ones), and every other argument as it is. None when the op
+    returns something or an argument is anything else (a subclass, a real tensor, an object)."""
+    if func._schema.returns:
+        return None
+    storages: dict = {}
+    key: list = [func]
+
+    def add(a) -> bool:
+        if type(a) is tp.FakeTensor:
+            if a.constant is not None:
+                return False
+            first = storages.setdefault(tp.storage_key(a), len(storages))
+            key.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.fake_device, first))
+        elif isinstance(a, (list, tuple)):
+            key.append(len(a))
+            return all(add(x) for x in a)
+        elif type(a) in _PLAIN:
+            key.append(a)
+        else:
+            return False
+        return True
+
+    if not all(add(a) for a in args) or not all(add(k) and add(v) for k, v in kwargs.items()):
+        return None
+    return tuple(key)
+
+
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format})

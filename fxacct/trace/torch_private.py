@@ -48,6 +48,8 @@ FakeTensor = _require(_fake_tensor, "FakeTensor", "torch._subclasses.fake_tensor
 in_kernel_invocation_manager = _require(
     _fake_tensor, "in_kernel_invocation_manager", "torch._subclasses.fake_tensor"
 )
+# FakeTensorMode's own op dispatch past its cache: what its cached path runs on a miss or bypass.
+fake_dispatch_uncached = _require(FakeTensorMode, "_dispatch_impl", "FakeTensorMode")
 # Raised when a model's Python code needs a tensor's value (data-dependent control flow).
 DataDependentOutputException = _require(
     _fake_tensor, "DataDependentOutputException", "torch._subclasses.fake_tensor"

@@ -1,0 +1,45 @@
+"""fxacct.heap: while a profile traces, what existed before is frozen out of the garbage
+collector's scans; afterwards the process's heap is as it was, a caller's own freeze included."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import fxacct
+
+
+class Seen(torch.nn.Module):
+    """Notes, at each forward, how many objects the collector has frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.frozen: list[int] = []
+
+    def forward(self, x):
+        self.frozen.append(gc.get_freeze_count())
+        return self.lin(x)
+
+
+def test_profile_freezes_the_heap_while_it_traces_and_gives_it_back():
+    model = Seen()
+    before = gc.get_freeze_count()
+    assert before == 0
+    fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
+    assert model.frozen and min(model.frozen) > 1000  # torch's own objects at least
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_callers_frozen_heap_stays_frozen():
+    model = Seen()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
+        # fxacct neither froze more (the model's traced objects stay collectable) nor unfroze the caller's
+        assert set(model.frozen) == {frozen}
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
