@@ -6,8 +6,10 @@ inference forward."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import fxacct
+from fxacct.parallel import rank_capture
 from fxacct.trace import replay as replay_module
 from fxacct.trace import replay_train
 from helpers import assert_same_account, target
@@ -76,3 +78,54 @@ def test_hugging_face_plan_blocks_compare_with_process_groups_in_their_ops():
     a, b = run(True), run(False)
     assert_same_account(a, b)
     assert a.parallel.rows == b.parallel.rows
+
+
+# FSDP2's gathers (fxacct.parallel.fsdp_replay): (model, kwargs, mesh, --parallelize, other
+# settings, gathers replayed in the training step, in the inference forward). With B blocks the
+# step gathers each block twice (forward, backward) and the inference forward once; the first
+# two calls of a signature are traced, and the first forward copy-out of a block makes its
+# storages (always traced): training replays 2B - 2 gathers and B - 2 copy-outs, inference B - 2
+# of each.
+GATHER_CASES = [
+    (LLAMA, dict(n_layers=5), "fsdp=2,tp=2", "examples/llama.py:parallelize", {}, 11, 6),
+    (GPT, GPT_KW, "fsdp=4", None, {}, 8, 4),  # fxacct's own FSDP2 wrapping
+    (LLAMA, dict(n_layers=4), "fsdp=2", "examples/llama.py:parallelize", {"amp": torch.bfloat16}, 8, 4),
+    (LLAMA, dict(n_layers=4), "dp=2,fsdp=2", None, {}, 8, 4),  # HSDP: gathers on the fsdp dim
+    ("tests/models/hf_llama_tp.py:make", dict(layers=4), "fsdp=2,tp=2", None, {}, 8, 4),  # transformers' plan
+]
+
+
+@pytest.mark.parametrize("rel,kwargs,mesh,par,settings,trained,inferred", GATHER_CASES)
+def test_replayed_gathers_give_the_traced_account(rel, kwargs, mesh, par, settings, trained, inferred, monkeypatch):
+    """The same account, collectives and peaks as tracing every gather (block replay on in both:
+    only the gathers differ), and the gathers really replay."""
+    made = []
+    real = rank_capture.GatherReplay
+    monkeypatch.setattr(rank_capture, "GatherReplay", lambda resizes: made.append(real(resizes)) or made[-1])
+
+    def run():
+        return fxacct.profile(fxacct.Config(target=target(rel), batch=2, kwargs=dict(kwargs), mesh=mesh,
+                                            parallelize=target(par) if par else None, **settings))
+
+    a = run()
+    assert [g.replayed for g in made] == [trained, inferred]
+    monkeypatch.setattr(rank_capture, "GatherReplay", lambda resizes: None)
+    b = run()
+    assert_same_account(a, b)
+    assert a.memory.rank_peak == b.memory.rank_peak
+    assert a.parallel.rows == b.parallel.rows
+
+
+def test_replayed_gathers_in_a_pipeline():
+    """pp=2 with FSDP2 in each stage: every stage's gathers replay, and each stage's account and
+    the pipeline's step peak are the ones tracing every block gives."""
+    def run(dedup):
+        return fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=8), mesh="pp=2,fsdp=2",
+                                            microbatches=4, dedup=dedup))
+
+    a, b = run(True), run(False)
+    assert_same_account(a, b)
+    assert a.parallel.pipeline.peak_bytes == b.parallel.pipeline.peak_bytes
+    for x, y in zip(a.parallel.pipeline.stages, b.parallel.pipeline.stages):
+        assert x.collectives == y.collectives
+        assert_same_account(x.profile, y.profile)

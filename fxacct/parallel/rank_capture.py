@@ -17,6 +17,7 @@ import torch
 
 from fxacct.errors import classify
 from fxacct.parallel.engine import parallelize
+from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
 from fxacct.parallel.fsdp_storage import StorageResizes
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
@@ -33,6 +34,13 @@ class Prepared:
     fake: FakeModel
     defer: tuple
     resizes: StorageResizes  # FSDP2's frees and re-allocations of unsharded parameters
+    gathers: GatherReplay | None = None  # FSDP2's gathers replayed (None: --no-dedup, all traced)
+
+    def attach(self, recorder) -> None:
+        """The capture's recorder: resizes are noted and gathers replayed against its records."""
+        self.resizes.attach(recorder)
+        if self.gathers is not None:
+            self.gathers.attach(recorder)
 
 
 def own_tensors(model: torch.nn.Module) -> FakeModel:
@@ -71,10 +79,12 @@ def rank_capture(model, args, kwargs, prepared: Prepared, config, inference: boo
     model serves the training capture and then the inference one: a capture leaves no tags on
     the tensors FSDP2 keeps (fxacct.trace.dispatch_recorder.Recorder.untag), and the gradients
     the training step left are dropped first, as no inference holds them."""
-    prepared = replace(prepared, resizes=StorageResizes())
+    resizes = StorageResizes()
+    prepared = replace(prepared, resizes=resizes, gathers=GatherReplay(resizes) if config.dedup else None)
     if inference:
         model.zero_grad(set_to_none=True)
-    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching(), warnings.catch_warnings():
+    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching(), gathers_replayed(prepared.gathers), \
+            warnings.catch_warnings():
         # FSDP2 warns that an in-place op on a returned view would skip its hook: the traced step
         # makes none (the loss reads the outputs), so the warning says nothing about this account
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -83,7 +93,8 @@ def rank_capture(model, args, kwargs, prepared: Prepared, config, inference: boo
             optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
             master_weights=config.master_weights, cuda=config.gpu is not None,
             # repeated blocks replay (FSDP2's hooks run around each block's forward and backward,
-            # replayed or not, so its gathers, frees and reduce-scatters stay recorded)
+            # replayed or not, so its frees and reduce-scatters stay recorded; its gathers replay
+            # from their own templates: fxacct.parallel.fsdp_replay)
             dedup=config.dedup, prepared=prepared,
             checkpoint=config.checkpoint, checkpoint_policy=config.checkpoint_policy))
     return cap, prepared.resizes.events

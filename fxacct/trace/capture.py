@@ -180,7 +180,7 @@ def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
     storages = Storages()
     recorder = Recorder(storages, () if prep is None else prep.defer)
     if prep is not None:
-        prep.resizes.attach(recorder)  # FSDP2's storage resizes, noted against the recorded ops
+        prep.attach(recorder)  # FSDP2's storage resizes noted, its gathers replayed, against the recorded ops
     with mode:
         fake = fake_model(model, options.dtype) if prep is None else prep.fake
         fake_args = tp.tree_map(lambda t: _to_fake(t, options), args)

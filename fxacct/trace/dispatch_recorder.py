@@ -224,11 +224,17 @@ class Recorder(tp.TorchDispatchMode):
         fix = _KERNEL_DTYPES.get(func)
         if fix is not None:
             fix(self.storages, args, out)
-        index = len(self.records)
         rg: list[bool] = []
         ref_args = self.refs(args, rg)
         ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
-        val = self._outputs(out, index)
+        self.append(func, ref_args, ref_kwargs, self._outputs(out, len(self.records)), tuple(rg))
+        return out
+
+    def append(self, func, ref_args, ref_kwargs, val, rg: tuple) -> None:
+        """Record ``func`` as run here and now: its phase, module, autograd link and scope are the
+        recorder's present ones (fxacct.parallel.fsdp_replay appends the ops of a replayed FSDP2
+        gather through this too)."""
+        index = len(self.records)
         hi = tp.next_autograd_number()
         if self.phase == BACKWARD:
             # an op that records a grad_fn during the backward is a forward op run again:
@@ -252,9 +258,8 @@ class Recorder(tp.TorchDispatchMode):
                 link = self.group or NO_NUMBERS
             module = self.module_stack[-1]
         self.last_seq = hi
-        self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, tuple(rg), scope))
+        self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope))
         self.storages.clock = index
-        return out
 
 
 def module_tracking(recorder: Recorder, names: dict[int, str]):

@@ -224,6 +224,29 @@ def fsdp_storage_resizes(on_resize):
     finally:
         _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
 
+@__import__("contextlib").contextmanager
+def fsdp_gathers_patched(all_gather, copy_out):
+    """FSDP2's parameter groups call ``foreach_all_gather(fsdp_params, group, async_op,
+    copy_in_stream, stream, device, comm)`` to gather a group's shards and
+    ``foreach_all_gather_copy_out(result, fsdp_params, group)`` to copy them into the unsharded
+    parameters (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``unshard`` and
+    ``wait_for_unshard``). Inside this context they call ``all_gather(original, *args)`` and
+    ``copy_out(original, *args)`` instead."""
+    import functools
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    gather = _require(group_module, "foreach_all_gather", "torch.distributed.fsdp._fully_shard._fsdp_param_group")
+    copy = _require(group_module, "foreach_all_gather_copy_out",
+                    "torch.distributed.fsdp._fully_shard._fsdp_param_group")
+    group_module.foreach_all_gather = functools.partial(all_gather, gather)
+    group_module.foreach_all_gather_copy_out = functools.partial(copy_out, copy)
+    try:
+        yield
+    finally:
+        group_module.foreach_all_gather, group_module.foreach_all_gather_copy_out = gather, copy
+
+
 # The classes of torch.ops.NAMESPACE.OP (a packet) and torch.ops.NAMESPACE.OP.OVERLOAD: what
 # fxacct.costs.register accepts as a key.
 OpOverload = torch._ops.OpOverload

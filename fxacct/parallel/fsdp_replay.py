@@ -1,0 +1,262 @@
+"""FSDP2's gathers replayed: a block's all-gather and its copy into the unsharded parameters are
+the same ops, block after block, so they are traced twice and then appended from a template.
+
+Under ``--mesh`` FSDP2 gathers every block's parameters before its forward, again before its
+backward, and once more in the inference forward: ``foreach_all_gather`` (an ``empty`` output
+buffer, ``fsdp.all_gather_copy_in``, ``c10d._allgather_base_``) and
+``foreach_all_gather_copy_out`` (a view per parameter and ``fsdp.split_with_sizes_copy`` into the
+gathered parameters' storages, resized back first). Tracing those ops costs more than the block
+replay (fxacct.trace.replay_train) saves on the block itself, for the 70B model about a tenth of
+the profile. Only the ops are replayed: FSDP2's own Python runs around them as it is (its states,
+prefetches, the all-gather buffer it keeps until the next block's copy-out, its resharding), and
+each replay hands back what the function would have: a real (fake) output buffer, whose lifetime
+FSDP2 then decides as before, and the gathered parameters' storages resized as FSDP2 resizes them.
+
+What makes two calls the same (``_gather_key``, ``_copy_out_key``): the same process group and
+collective, every parameter's shard shape, strides and dtype, its all-gather dtype, a plain shard
+(no all-gather extension, no CPU offload, no post-forward reshard) and, for a copy-out, gathered
+storages FSDP2 has made already (the first forward's copy-out makes them and is always traced).
+The first two calls of a key are traced and their ops compared in template space (arguments as
+roles: a parameter's shard, the gathered buffer, a parameter's gathered storage; outputs by
+storage, born in the call or a role's); from the third on, calls replay. A template that did
+anything else (an op reading another tensor, a storage resize it does not explain) never
+replays. ``--no-dedup`` traces every call, and tests/test_parallel_replay.py checks that both give
+the same account, collectives and peaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from fxacct.trace import torch_private as tp
+from fxacct.trace.records import TAG, Ref, Slot, TensorMeta, map_nested
+
+_UNSEEN = object()
+
+
+@dataclass
+class _Template:
+    records: list  # (op, args, kwargs, outputs, args_requires_grad) in template space
+    born_bytes: dict  # ("born", n) -> storage bytes
+    deaths: dict  # ("born", n) -> record index (relative) where it died inside the call
+    # what a gather hands back: (template ref of the gathered buffer, its born key, (AllGatherResult's
+    # class, the buffer's shape and dtype, the result's other fields: its inputs' dtypes and sizes))
+    result: tuple | None
+
+    def comparable(self):
+        return ([(op, _groups_named(a), _groups_named(k), out, rg) for op, a, k, out, rg in self.records],
+                self.born_bytes, self.deaths, self.result)
+
+
+class GatherReplay:
+    """For one capture: attached to its recorder, installed around the traced step."""
+
+    def __init__(self, resizes):
+        self.recorder = None
+        self.resizes = resizes  # fxacct.parallel.fsdp_storage.StorageResizes of the same capture
+        self.seen: dict = {}  # key -> _Template (one traced call), a proven _Template, or None (never)
+        self.proven: set = set()
+        self.replayed = 0
+
+    def attach(self, recorder) -> None:
+        self.recorder = recorder
+
+    def installed(self):
+        return tp.fsdp_gathers_patched(self._all_gather, self._copy_out)
+
+    # -- the two functions ---------------------------------------------------------------------
+
+    def _all_gather(self, original, fsdp_params, group, async_op, copy_in_stream, stream, device, comm):
+        key = None if async_op else _gather_key(fsdp_params, group, comm)
+        roles = {Slot("shard", j): p._sharded_param_data for j, p in enumerate(fsdp_params)} if key else {}
+        if key is not None and key in self.proven and self._recording():
+            template = self.seen[key]
+            ref, born, (cls, shape, dtype, fields) = template.result
+            stream.wait_stream(copy_in_stream)
+            with self.recorder.suppressed():
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+            base = self._emit(template, roles, {born: buffer})
+            self.recorder.tag(buffer, _mapped(ref, base))
+            return cls(all_gather_output=buffer, all_gather_event=stream.record_event(), all_gather_work=None,
+                       **fields)
+        return self._traced(key, roles, lambda: original(fsdp_params, group, async_op, copy_in_stream, stream,
+                                                         device, comm), returns_buffer=True)
+
+    def _copy_out(self, original, result, fsdp_params, group):
+        key = _copy_out_key(result, fsdp_params, group)
+        roles = {}
+        if key is not None:
+            roles = {Slot("gathered", j): p.all_gather_outputs[0] for j, p in enumerate(fsdp_params)}
+            roles[Slot("buffer", 0)] = result.all_gather_output
+        if key is not None and key in self.proven and self._recording():
+            for p in fsdp_params:  # FSDP2 resizes each gathered storage back before copying into it
+                p.alloc_all_gather_outputs()
+            self._emit(self.seen[key], roles, {})
+            return None
+        return self._traced(key, roles, lambda: original(result, fsdp_params, group), returns_buffer=False,
+                            resized=[roles[Slot("gathered", j)] for j in range(len(fsdp_params))] if key else ())
+
+    # -- tracing a call and learning its template ----------------------------------------------
+
+    def _recording(self) -> bool:
+        return self.recorder is not None and self.recorder.recording
+
+    def _traced(self, key, roles, run, returns_buffer: bool, resized=()):
+        if key is None or not self._recording() or self.seen.get(key, _UNSEEN) is None:
+            return run()
+        rec, storages = self.recorder, self.recorder.storages
+        start, first_sid, events = len(rec.records), storages.next_id, len(self.resizes.events)
+        out = run()
+        template = _learn(rec, roles, start, first_sid, out if returns_buffer else None)
+        expected = [(storages.id_of(t), start, True) for t in resized]
+        if template is not None and self.resizes.events[events:] != expected:
+            template = None  # a resize the replay would not make
+        previous = self.seen.get(key, _UNSEEN)
+        if template is None or (previous is not _UNSEEN and previous.comparable() != template.comparable()):
+            self.seen[key] = None
+        elif previous is _UNSEEN:
+            self.seen[key] = template
+        else:
+            self.proven.add(key)
+        return out
+
+    # -- replaying -----------------------------------------------------------------------------
+
+    def _emit(self, template: _Template, roles: dict, made: dict) -> int:
+        """Append the template's records for these roles; ``made``: born key -> the tensor the
+        replay made for it. Returns the index of the first record."""
+        rec, storages = self.recorder, self.recorder.storages
+        base = len(rec.records)
+        born: dict = {}
+
+        def ref(x):
+            if isinstance(x, Slot):
+                return rec.ref(roles[x])
+            return _mapped(x, base) if x.is_record else x
+
+        def store(key):
+            if isinstance(key, Slot):
+                return storages.id_of(roles[key])
+            sid = born.get(key)
+            if sid is None:
+                sid = born[key] = storages.id_of(made[key]) if key in made else storages.synthetic(
+                    template.born_bytes[key])
+            return sid
+
+        for op, args, kwargs, outputs, rg in template.records:
+            rec.append(op, map_nested(args, ref, (Ref, Slot)), map_nested(kwargs, ref, (Ref, Slot)),
+                       _stored(outputs, store), rg)
+        for key, index in template.deaths.items():
+            storages.deaths[born[key]] = base + index
+        self.replayed += 1
+        return base
+
+
+def _stored(val, store):
+    """An op's outputs with each TensorMeta's storage replaced by ``store(storage)``. (A module
+    function, not a closure calling itself: such a closure is a reference cycle, and the tensors
+    its enclosing call holds would live until the garbage collector runs, not until FSDP2 drops
+    them.)"""
+    if isinstance(val, tuple):
+        return tuple(_stored(v, store) for v in val)
+    if isinstance(val, TensorMeta):
+        return TensorMeta(val.shape, val.stride, val.dtype, store(val.storage), val.storage_nbytes, val.requires_grad)
+    return val
+
+
+def _groups_named(a):
+    """Op arguments with each c10d op's ProcessGroup (boxed afresh for every call, as a
+    ScriptObject whose ``==`` raises) standing as its group's name: two calls on one group compare
+    equal, and a replay passes the first call's box of that same group."""
+    from torch.distributed import ProcessGroup
+
+    return map_nested(a, lambda o: ("group", ProcessGroup.unbox(o).group_name), torch.ScriptObject)
+
+
+def _mapped(ref: Ref, base: int) -> Ref:
+    return Ref(base + ref.source, ref.index)
+
+
+def _learn(rec, roles: dict, start: int, first_sid: int, result) -> _Template | None:
+    """The records the call made, in template space; None if one reads or makes anything else
+    than its roles' tensors and its own."""
+    storages = rec.storages
+    records = rec.records[start:]
+    ext_refs = {getattr(t, TAG): slot for slot, t in roles.items() if getattr(t, TAG, None) is not None}
+    ext_store = {storages.id_of(t): slot for slot, t in roles.items()}
+    order: dict = {}
+    foreign = []
+
+    def ref(r: Ref):
+        if r.is_record and r.source >= start:
+            return Ref(r.source - start, r.index)
+        slot = ext_refs.get(r)
+        if slot is None:
+            foreign.append(r)
+        return slot
+
+    def store(sid):
+        if sid in ext_store:
+            return ext_store[sid]
+        if sid < first_sid:
+            foreign.append(sid)
+        return order.setdefault(sid, ("born", len(order)))
+
+    out = [(r.op, map_nested(r.args, ref, Ref), map_nested(r.kwargs, ref, Ref), _stored(r.outputs, store),
+            r.args_requires_grad) for r in records]
+    if foreign or len({r.phase for r in records}) > 1:
+        return None
+    deaths = {order[sid]: index - start for sid, index in storages.deaths.items() if sid in order
+              and start <= index}
+    born_bytes = {key: storages.nbytes[sid] for sid, key in order.items()}
+    found = None
+    if result is not None:
+        buffer = result.all_gather_output
+        tag = getattr(buffer, TAG, None)
+        key = order.get(storages.id_of(buffer))
+        if tag is None or not tag.is_record or tag.source < start or key is None or key in deaths \
+                or result.all_gather_work is not None:
+            return None
+        fields = {k: v for k, v in result._asdict().items()
+                  if k not in ("all_gather_output", "all_gather_event", "all_gather_work")}
+        found = (Ref(tag.source - start, tag.index), key, (type(result), tuple(buffer.shape), buffer.dtype, fields))
+    return _Template(out, born_bytes, deaths, found)
+
+
+def _plain_shard(p) -> bool:
+    return (p.sharded_state.name == "SHARDED" and not p.offload_to_cpu
+            and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"))
+
+
+def _gather_key(fsdp_params, group, comm):
+    if not all(_plain_shard(p) for p in fsdp_params):
+        return None
+    return ("gather", id(group), type(comm), tuple(
+        (tuple(p._sharded_param_data.shape), p._sharded_param_data.stride(), p._sharded_param_data.dtype,
+         p.param_dtype) for p in fsdp_params))
+
+
+def _copy_out_key(result, fsdp_params, group):
+    if result.all_gather_work is not None or any(
+            len(p.all_gather_outputs) != 1 or p.fsdp_placement.dim != 0 for p in fsdp_params):
+        return None  # not gathered yet (the first copy-out makes the storages), or not a plain dim-0 shard
+    buffer = result.all_gather_output
+    return ("copy_out", id(group), tuple(buffer.shape), buffer.dtype, tuple(
+        (tuple(p.all_gather_outputs[0].shape), p.all_gather_outputs[0].dtype) for p in fsdp_params),
+        _plain(result.param_all_gather_input_numels), _plain(result.all_gather_input_split_sizes))
+
+
+def _plain(x):
+    return tuple(_plain(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+@contextlib.contextmanager
+def gathers_replayed(replay: GatherReplay | None):
+    if replay is None:
+        yield
+        return
+    with replay.installed():
+        yield
