@@ -130,29 +130,31 @@ def _out_only_key(func, args, kwargs):
     shape, strides, storage offset, dtype, device and which earlier argument's storage it shares
     (a kernel may refuse overlapping ones), and every other argument as it is. None when the op
     returns something or an argument is anything else (a subclass, a real tensor, an object)."""
-    if func._schema.returns:
+    if not tp.returns_nothing(func):
         return None
     storages: dict = {}
     key: list = [func]
-
-    def add(a) -> bool:
-        if type(a) is tp.FakeTensor:
-            if a.constant is not None:
-                return False
-            first = storages.setdefault(tp.storage_key(a), len(storages))
-            key.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.fake_device, first))
-        elif isinstance(a, (list, tuple)):
-            key.append(len(a))
-            return all(add(x) for x in a)
-        elif type(a) in _PLAIN:
-            key.append(a)
-        else:
-            return False
-        return True
-
-    if not all(add(a) for a in args) or not all(add(k) and add(v) for k, v in kwargs.items()):
+    if not all(_signed(a, key, storages) for a in args) or not all(
+            _signed(k, key, storages) and _signed(v, key, storages) for k, v in kwargs.items()):
         return None
     return tuple(key)
+
+
+def _signed(a, key: list, storages: dict) -> bool:
+    """Append argument ``a``'s part of an _out_only_key to ``key``; False if it has none."""
+    if type(a) is tp.FakeTensor:
+        if a.constant is not None:
+            return False
+        first = storages.setdefault(tp.storage_key(a), len(storages))
+        key.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.fake_device, first))
+    elif isinstance(a, (list, tuple)):
+        key.append(len(a))
+        return all(_signed(x, key, storages) for x in a)
+    elif type(a) in _PLAIN:
+        key.append(a)
+    else:
+        return False
+    return True
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format})

@@ -116,6 +116,12 @@ def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
     return tuple((a.name, a.kwarg_only) for a in op._schema.arguments)
 
 
+def returns_nothing(op) -> bool:
+    """Whether an OpOverload's schema returns nothing (``-> ()``: an op that only writes into its
+    ``out`` arguments, as FSDP2's copies do)."""
+    return not op._schema.returns
+
+
 # Run real tensors past every active dispatch mode (fake tensors, the recorder): the small known
 # values of fxacct.trace.known_values are computed for real beside the traced op.
 disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "torch.utils._python_dispatch")
