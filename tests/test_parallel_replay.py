@@ -129,3 +129,23 @@ def test_replayed_gathers_in_a_pipeline():
     for x, y in zip(a.parallel.pipeline.stages, b.parallel.pipeline.stages):
         assert x.collectives == y.collectives
         assert_same_account(x.profile, y.profile)
+
+
+def test_autocast_probe_leaves_no_cached_casts_for_the_traced_block(replayed):
+    """Under --amp, autocast caches a leaf parameter's bf16 copy until the forward ends. An
+    FSDP2-wrapped block is probed inside its own call and then traced: a probe casting the
+    block's own parameters left the copies the traced forward then found, so block 0 had no
+    casts (7 nodes fewer than tracing every block) and its products read tensors of the discarded
+    probe. The probe now casts stand-ins: the account is the one tracing every block gives."""
+    def run(dedup):
+        return fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=4), mesh="fsdp=2",
+                                            parallelize=target("examples/llama.py:parallelize"), amp=torch.bfloat16,
+                                            dedup=dedup))
+
+    a, b = run(True), run(False)
+    assert replayed["train"] == [3]  # blocks 1 to 3 replayed from the probes
+    weight_casts = [n for n in a.accounting.nodes if n.op == "aten._to_copy.default"
+                    and n.module.startswith("layers.0.") and len(n.shape) == 2]  # activations are [B, T, ...]
+    assert len(weight_casts) == 7  # wq, wk, wv, wo, w1, w2, w3: each cast once in block 0's traced forward
+    assert_same_account(a, b)
+    assert a.parallel.rows == b.parallel.rows

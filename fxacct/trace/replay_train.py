@@ -145,8 +145,8 @@ class TrainReplay(ForwardPatches):
         first_sid = self.storages.next_id
         # the parameters' own refs may be record indices of the step (FSDP2 gathers them there),
         # which a probe's own records would shadow: inside the probe they are the probe's slots
-        with self._isolated() as records, tagged({n: tp.local(p) for n, p in params.items()}), \
-                tags_kept([tp.local(b) for b in block.buffers()]):
+        with self._isolated() as records, _own_casts(block, params, rec) as params, \
+                tagged({n: tp.local(p) for n, p in params.items()}), tags_kept([tp.local(b) for b in block.buffers()]):
             fresh, inputs = self._fresh_inputs(leaves)
             args, kwargs = tp.tree_unflatten(fresh, spec)
             rec.module_stack.append(fqn)
@@ -353,6 +353,24 @@ class _ReplayFn(torch.autograd.Function):
             grads += [as_layout(results.get(Slot("param", n)), layouts.get(Slot("param", n)))
                       for n in ctx.param_names]
         return (None, None, None, None, None, None, *grads)
+
+
+@contextlib.contextmanager
+def _own_casts(block, params: dict, recorder):
+    """The parameters a probe's forward reads. Under autocast they are stand-ins (detached leaves
+    of the same storages, each requiring grad as its parameter does): autocast caches a leaf
+    parameter's low-precision copy until its region ends, so a probe that cast the block's own
+    parameters would leave copies that the block's traced forward then finds (FSDP2-wrapped
+    blocks are probed inside their own call, and traced right after; so is any block when the
+    probes disagree): no cast recorded there, and its products reading tensors only the probe's
+    discarded records made."""
+    if not torch.is_autocast_enabled("cpu"):
+        yield params
+        return
+    with recorder.suppressed():
+        stand_ins = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+    with tp.reparametrize_module(block, stand_ins, tie_weights=True):
+        yield stand_ins
 
 
 def _gathered_in_hooks(block) -> bool:
