@@ -16,9 +16,10 @@ higher sequence numbers than the block before it), so the order of ops is the sa
 What counts as identical before any op is compared is fxacct.trace.replay's rule (class, parameters,
 plain attributes, no shared parameters). Under autocast, each parameter's low-precision copy sits in
 autocast's cache until the region ends, outside the block, so a probe cannot see it die: a
-replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``). The inputs the template saved for backward are saved by
-`_ReplayFn` too, so they live as they would. `--no-dedup` traces every block;
-tests check both ways agree.
+replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``); a
+probe casts stand-ins (``_own_casts``). The inputs the template saved for backward are saved by
+`_ReplayFn` too, so they live as they would. `--no-dedup` traces every block; tests check both
+ways agree.
 
 Under --mesh (fxacct.parallel) the blocks may be FSDP2-wrapped: FSDP2 gathers a block's parameters
 in its pre-forward hook and frees them after, so such blocks are probed one at a time inside their
@@ -357,13 +358,11 @@ class _ReplayFn(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _own_casts(block, params: dict, recorder):
-    """The parameters a probe's forward reads. Under autocast they are stand-ins (detached leaves
-    of the same storages, each requiring grad as its parameter does): autocast caches a leaf
-    parameter's low-precision copy until its region ends, so a probe that cast the block's own
-    parameters would leave copies that the block's traced forward then finds (FSDP2-wrapped
-    blocks are probed inside their own call, and traced right after; so is any block when the
-    probes disagree): no cast recorded there, and its products reading tensors only the probe's
-    discarded records made."""
+    """The parameters a probe's forward reads: under autocast, stand-ins (detached leaves of the
+    same storages). Autocast caches a leaf parameter's low-precision copy until its region ends; a
+    probe casting the block's own parameters would leave copies for the block's traced forward
+    (an FSDP2 block is traced right after its probe, any block when the probes disagree): no cast
+    recorded there, and its products reading tensors of the discarded probe."""
     if not torch.is_autocast_enabled("cpu"):
         yield params
         return
