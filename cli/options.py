@@ -61,8 +61,16 @@ def max_memory_option(help: str):
 
 
 def world_size_option(*aliases: str):
-    return click.option("--world-size", *aliases, "world_size", type=int, default=DEFAULTS.world_size,
-                        show_default=True, help="Data-parallel ranks (GPUs).")
+    """--world-size (and its aliases: estimate's --gpus). Click keeps the last of a repeated
+    option; two different values (``--world-size 8 --gpus 16``) are refused instead."""
+    def one(ctx, param, values):
+        if len(set(values)) > 1:
+            raise click.BadParameter(f"given as {' and '.join(map(str, values))}; give one value", ctx=ctx,
+                                     param=param)
+        return values[-1] if values else DEFAULTS.world_size
+
+    return click.option("--world-size", *aliases, "world_size", type=int, multiple=True, callback=one,
+                        help=f"Data-parallel ranks (GPUs).  [default: {DEFAULTS.world_size}]")
 
 
 OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead of stdout (default: stdout; '-' is stdout).")

@@ -78,6 +78,11 @@ def test_gpus_is_an_alias_of_world_size():
     aliased = [a if a != "--world-size" else "--gpus" for a in SEEDS_TRAIN]
     assert ok("train-time", *aliased) == ok("train-time", *SEEDS_TRAIN)
     assert as_json("max-params", "--gpus", "8", "--shard", "zero3", "--gpu", "h100")["max_params"] == 40 * 10**9
+    # one setting under two names: two different values are refused (click would keep the last)
+    both = CliRunner().invoke(cli, ["estimate", "train-time", *SEEDS_TRAIN, "--gpus", "16"])
+    assert both.exit_code == 2 and "given as 1024 and 16; give one value" in both.output
+    assert len(both.output.strip().splitlines()) == 1
+    assert ok("train-time", *SEEDS_TRAIN, "--gpus", "1024") == ok("train-time", *SEEDS_TRAIN)  # the same value twice
 
 
 def test_train_time_dtype_picks_the_peak():
