@@ -35,6 +35,16 @@ class Profile:
     warnings: tuple[str, ...] = ()
     parallel: object = None  # fxacct.parallel.profile.ParallelAccount under --mesh
     checkpoint: object = None  # fxacct.trace.checkpointing.CheckpointWhatIf under --checkpoint
+    model_class: str | None = None  # the class of the model built (hf: targets: the one transformers chose)
+
+    @property
+    def title(self) -> str:
+        """The target, with the class built where the target does not name it (an hf: config, a
+        factory function): 'hf:llama.json (LlamaForCausalLM)'."""
+        target = self.config.target or "module"
+        if self.model_class is None or target.rpartition(":")[2] == self.model_class:
+            return target
+        return f"{target} ({self.model_class})"
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -141,7 +151,7 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
         "optimizer step and there is no training peak (eager loss.backward() would raise); the forward "
         "and inference account stand",)
     notes = precision_warnings(cap) + loss_note + fastpath_warnings(model) + untrained
-    return Profile(config, acct, memory, cap, notes, checkpoint=whatif)
+    return Profile(config, acct, memory, cap, notes, checkpoint=whatif, model_class=type(model).__name__)
 
 
 # modules whose forward, in eval under no_grad, can run one fused kernel in place of their ops

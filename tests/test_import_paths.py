@@ -275,3 +275,29 @@ def test_a_seq_len_past_learned_positions_is_named_as_the_cause(tmp_path, llama_
     assert_one_line_error(invoke("profile", f"hf:{gpt2}", "--seq-len", "32"), 3, "index out of range in self")
     positions = json.loads(llama_json.read_text())["max_position_embeddings"]
     assert invoke("profile", f"hf:{llama_json}", "--seq-len", str(2 * positions), "--summary").exit_code == 0
+
+
+def test_the_report_names_the_class_built_where_the_target_does_not(tmp_path):
+    """A config without ``architectures`` builds AutoModelForCausalLM's choice: the summary, the
+    markdown and the JSON name it (LlamaForCausalLM for model_type llama, transformers' own
+    MODEL_FOR_CAUSAL_LM_MAPPING), under --mesh too, where FSDP2 renames the class it wraps
+    (FSDPLlamaForCausalLM); a target that names its class is not repeated."""
+    pytest.importorskip("transformers")
+    from click.testing import CliRunner
+
+    from fxacct_cli.main import cli
+
+    no_arch = _write(tmp_path, "plain.json", {k: v for k, v in TINY_LLAMA.items() if k != "architectures"})
+    hf = ["profile", f"hf:{no_arch}", "--batch", "2", "--seq-len", "8"]
+    for extra, first_line in (([], "fxacct profile: hf:{} (LlamaForCausalLM)"),
+                              (["--format", "markdown"], "### fxacct profile: `hf:{} (LlamaForCausalLM)`"),
+                              (["--mesh", "fsdp=2"], "fxacct profile: hf:{} (LlamaForCausalLM)")):
+        result = CliRunner().invoke(cli, hf + extra)
+        assert result.exit_code == 0, result.output
+        assert result.output.splitlines()[0] == first_line.format(no_arch)
+    assert profile_json(f"hf:{no_arch}", "--batch", "2", "--seq-len", "8")["model_class"] == "LlamaForCausalLM"
+    doc = profile_json("torch.nn:TransformerEncoderLayer", "-k", "d_model=16", "-k", "nhead=2", "--input", "float[B,4,16]")
+    assert doc["model_class"] == "TransformerEncoderLayer"
+    text = CliRunner().invoke(cli, ["profile", "torch.nn:TransformerEncoderLayer", "-k", "d_model=16", "-k", "nhead=2",
+                                    "--input", "float[B,4,16]"]).output
+    assert text.splitlines()[0] == "fxacct profile: torch.nn:TransformerEncoderLayer"

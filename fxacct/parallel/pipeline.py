@@ -59,6 +59,7 @@ class PipelineAccount:
     microbatches: int
     bubble_fraction: float  # idle share of the step on a rank, from the schedule's order
     stages_per_rank: int = 1
+    model_class: str | None = None  # the class of the whole model, before it was cut into stages
 
     @property
     def peak_bytes(self) -> int:
@@ -191,7 +192,8 @@ def profile_pipeline(config):
     ranks, m = spec.size("pp"), config.microbatches or spec.size("pp")
     v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
     stages = ranks * v
-    blocks = len(repeated_blocks(load_model(config)[0]))
+    whole = load_model(config)[0]
+    blocks = len(repeated_blocks(whole))
     asked = f"pp={ranks}" + (f" with {v} stages per rank" if v > 1 else "")
     if blocks == 0 and not config.pp_split:  # the automatic split cuts between repeated blocks
         raise UsageError(f"--mesh {asked}: the model has no repeated blocks to cut between automatically; give "
@@ -210,7 +212,7 @@ def profile_pipeline(config):
     flows = [traffic([r for _, _, r in parts], s) for s in range(stages)]
     accounts = tuple(_rank_account(profs, flows, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
-    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v)
+    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, type(whole).__name__)
 
 
 def _profile_stage(config, s: int, stages: int, points, args, kwargs):

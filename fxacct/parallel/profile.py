@@ -48,6 +48,7 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     with fake_group(spec.world_size):
         mesh = device_mesh(spec)
         model, args, kwargs, _ = load_model(config)
+        built = type(model).__name__  # FSDP2 renames the class of what it wraps (FSDPLlama)
         prepared = prepare(model, spec, mesh, config)  # parallelized and materialized once
         cap, resizes = rank_capture(model, args, kwargs, prepared, config)
         alias_waits(cap)
@@ -69,7 +70,7 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
                                throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
                                model_params=sum(t.numel() for t in model.parameters()))  # a DTensor's: global
     notes = precision_warnings(cap) + whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
-    return Profile(config, acct, memory, cap, notes, parallel=parallel)
+    return Profile(config, acct, memory, cap, notes, parallel=parallel, model_class=built)
 
 
 def skipped_gather_warnings(rows, config) -> tuple[str, ...]:
@@ -115,7 +116,8 @@ def profile_mesh(config):
     par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
     par = ParallelAccount(spec, 0, (), (), pipeline=pipe) if par is None else replace(
         par, mesh=spec, pipeline=pipe, rows=pipe.stages[0].collectives)
-    return replace(first, config=config, parallel=par, warnings=first.warnings + fsdp_in_pipeline_warnings(spec))
+    return replace(first, config=config, parallel=par, warnings=first.warnings + fsdp_in_pipeline_warnings(spec),
+                   model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
 
 
 def fsdp_in_pipeline_warnings(spec: MeshSpec) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ def _document(p: Profile) -> dict:
     return {
         "schema": SCHEMA,
         "model": c.target,
+        "model_class": p.model_class,
         "config": {
             "batch": c.batch, "dtype": dtype_name(c.dtype) if c.dtype is not None else None,
             "amp": dtype_name(c.amp) if c.amp is not None else None, "optimizer": c.optimizer, "gpu": c.gpu, "world_size": c.world_size,

@@ -66,7 +66,7 @@ def render_html(profile, prediction=None, runtime=None) -> str:
     """The whole page as one string: template, style, script and data inlined (one pass over the
     template, so nothing inserted is searched for markers again)."""
     template, css, js = (_asset(name) for name in _ASSETS)
-    title = f"fxacct profile: {profile.config.target or 'module'}"
+    title = f"fxacct profile: {profile.title}"
     parts = {"{{TITLE}}": html.escape(title), "/*{{CSS}}*/": css, "/*{{JS}}*/": js,
              "{{DATA}}": _script_json(html_document(profile, prediction, runtime))}
     missing = [m for m in parts if m not in template]

@@ -71,7 +71,7 @@ def render_summary_markdown(p: Profile, prediction=None) -> str:
 
 def render_markdown(p: Profile, prediction=None, by: str = "module", depth: int | None = None,
                     summary_only: bool = False) -> str:
-    parts = [f"### fxacct profile: `{p.config.target or 'module'}`", "", render_summary_markdown(p, prediction)]
+    parts = [f"### fxacct profile: `{p.title}`", "", render_summary_markdown(p, prediction)]
     if p.parallel is not None:  # whose figures these are, the pipeline and the collectives: the text report's
         from fxacct.report.collectives import render_collectives
 

@@ -161,7 +161,7 @@ def render_summary(p: Profile, prediction=None, width: int | None = None) -> str
     """The facts as 'label  text' lines, wrapped to ``width`` under their text (None: no limit)."""
     pairs = facts(p, prediction)
     label = max(len(k) for k, _ in pairs)
-    lines = [f"fxacct profile: {p.config.target or 'module'}"]
+    lines = [f"fxacct profile: {p.title}"]
     for k, v in pairs:
         line = f"  {k.ljust(label)}  {v}"
         if width is None or len(line) <= width:
