@@ -296,8 +296,7 @@ def test_the_report_names_the_class_built_where_the_target_does_not(tmp_path):
         assert result.exit_code == 0, result.output
         assert result.output.splitlines()[0] == first_line.format(no_arch)
     assert profile_json(f"hf:{no_arch}", "--batch", "2", "--seq-len", "8")["model_class"] == "LlamaForCausalLM"
-    doc = profile_json("torch.nn:TransformerEncoderLayer", "-k", "d_model=16", "-k", "nhead=2", "--input", "float[B,4,16]")
-    assert doc["model_class"] == "TransformerEncoderLayer"
-    text = CliRunner().invoke(cli, ["profile", "torch.nn:TransformerEncoderLayer", "-k", "d_model=16", "-k", "nhead=2",
-                                    "--input", "float[B,4,16]"]).output
+    layer = ["torch.nn:TransformerEncoderLayer", "-k", "d_model=16", "-k", "nhead=2", "--input", "float[B,4,16]"]
+    assert profile_json(*layer)["model_class"] == "TransformerEncoderLayer"
+    text = CliRunner().invoke(cli, ["profile", *layer]).output
     assert text.splitlines()[0] == "fxacct profile: torch.nn:TransformerEncoderLayer"
