@@ -251,3 +251,46 @@ def test_runtime_shows_measured_beside_predicted_per_module(browser, tmp_path):
         assert cells[0] == (row["module"] or "(root)")
         assert (cells[3] != "–") == (row["measured_ms"] is not None)
     report.page.close()
+
+
+def _table(page, table_id: str) -> list[list[str]]:
+    return page.eval_on_selector_all(f"#{table_id} tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+
+
+def test_mesh_page_shows_the_mesh_collectives_and_pipeline(browser, tmp_path):
+    """Under --mesh the page says whose account it is and shows the collectives, summed by op,
+    mesh dim and phase from the JSON report of the same run; under pp, one row per rank with its
+    peak. A single-device page keeps the section hidden."""
+    llama = [target("examples/llama.py:Llama"), "-k", "n_layers=2", "--batch", "2", "--mesh", "fsdp=2,tp=2",
+             "--parallelize", target("examples/llama.py:parallelize")]
+    doc = json.loads(_profile(tmp_path, "mesh", llama, "json").read_text())
+    page = Page(browser, _profile(tmp_path, "mesh", llama, "html"))
+    try:
+        assert page.errors == []
+        line = page.page.text_content("#mesh-line")
+        assert line.startswith("--mesh fsdp=2,tp=2: 4 ranks; every figure on this page is rank 0's")
+        sums: dict = {}
+        for c in doc["collectives"]:
+            s = sums.setdefault((c["op"], c["mesh_dim"], c["phase"]), [0, 0])
+            s[0] += c["count"]
+            s[1] += c["wire_bytes"]
+        rows = _table(page.page, "collectives")
+        assert {(r[0], r[1], r[2]): int(r[3]) for r in rows} == {k: v[0] for k, v in sums.items()}
+        wire_titles = page.page.eval_on_selector_all("#collectives tbody tr td:nth-child(6)", "tds => tds.map(t => t.title)")
+        assert sorted(int(t.replace(",", "")) for t in wire_titles) == sorted(v[1] for v in sums.values())
+    finally:
+        page.page.close()
+    pp = [*GPT, "--mesh", "pp=2", "--microbatches", "2"]
+    doc = json.loads(_profile(tmp_path, "pp", pp, "json").read_text())
+    page = Page(browser, _profile(tmp_path, "pp", pp, "html"))
+    try:
+        assert "(pipeline stage 0)" in page.page.text_content("#mesh-line")
+        peaks = page.page.eval_on_selector_all("#pipeline-stages tbody tr td:nth-child(4)", "tds => tds.map(t => t.title)")
+        assert [int(t.replace(",", "")) for t in peaks] == [s["peak_bytes"] for s in doc["pipeline"]["stages"]]
+    finally:
+        page.page.close()
+    single = Page(browser, _profile(tmp_path, "single", GPT, "html"))
+    try:
+        assert single.page.is_hidden("#parallel")
+    finally:
+        single.page.close()

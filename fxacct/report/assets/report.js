@@ -529,6 +529,51 @@
     $("nt-filter").addEventListener("input", (e) => table.filter(e.target.value));
   }
 
+  // ---- --mesh: the mesh and whose account this is, the collectives by op, mesh dim and phase
+  // (fxacct/report/collectives.py's table), and under pp each rank's stages
+  function renderParallel() {
+    const mesh = DATA.mesh;
+    if (!mesh) return;
+    $("parallel").hidden = false;
+    const dims = Object.entries(mesh.dims).map(([d, n]) => d + "=" + n).join(", ");
+    const wire = DATA.totals.comm_wire_bytes;
+    $("mesh-line").textContent = "--mesh " + dims + ": " + mesh.world_size + " ranks; every figure on this page is rank "
+      + mesh.rank + "'s" + (DATA.pipeline ? " (pipeline stage 0)" : "")
+      + (wire != null ? "; it puts " + fmtBytes(wire) + " on the wire per step" : "");
+    const body = $("parallel-body");
+    const groups = new Map();
+    for (const c of DATA.collectives || []) {
+      const key = [c.op, c.mesh_dim, c.phase].join("\u0000");
+      const g = groups.get(key) || { op: c.op, mesh_dim: c.mesh_dim, phase: c.phase, count: 0, bytes: 0, wire_bytes: 0,
+                                     predicted_ms: null };
+      g.count += c.count; g.bytes += c.bytes; g.wire_bytes += c.wire_bytes;
+      if (c.predicted_ms != null) g.predicted_ms = (g.predicted_ms || 0) + c.predicted_ms;
+      groups.set(key, g);
+    }
+    if (groups.size) {
+      body.appendChild(el("h3", {}, "collectives (count, buffer bytes on this rank, bytes it sends)"));
+      const table = body.appendChild(el("table", { class: "data", id: "collectives" }));
+      table.appendChild(el("thead"));
+      sortableTable(table, [
+        { key: "op", label: "op", mono: true }, { key: "mesh_dim", label: "mesh dim", mono: true },
+        { key: "phase", label: "phase" }, { key: "count", label: "count", num: true, fmt: fmtInt },
+        { key: "bytes", label: "bytes", num: true, fmt: fmtBytes }, { key: "wire_bytes", label: "wire", num: true, fmt: fmtBytes },
+        { key: "predicted_ms", label: "predicted", num: true, fmt: fmtMs }], [...groups.values()]);
+    }
+    const pipe = DATA.pipeline;
+    if (!pipe) return;
+    body.appendChild(el("h3", {}, "pipeline: " + pipe.schedule + ", " + pipe.microbatches + " micro-batches, bubble "
+      + pct(pipe.bubble_fraction, 1) + " of the step"));
+    const stages = body.appendChild(el("table", { class: "data", id: "pipeline-stages" }));
+    stages.appendChild(el("thead"));
+    sortableTable(stages, [
+      { key: "stage", label: "rank", num: true, fmt: String }, { key: "stages_on_rank", label: "stages", get: (r) => r.stages_on_rank.join(", ") },
+      { key: "in_flight_microbatches", label: "in flight", num: true, fmt: fmtInt },
+      { key: "peak_bytes", label: "peak", num: true, fmt: fmtBytes }, { key: "param_bytes", label: "parameters", num: true, fmt: fmtBytes },
+      { key: "send_bytes", label: "sends", num: true, fmt: fmtBytes }, { key: "recv_bytes", label: "receives", num: true, fmt: fmtBytes }],
+      pipe.stages.map((s) => Object.assign({}, s)));
+  }
+
   // ---- predicted beside measured: by phase, and per module after --runtime
   function renderTime() {
     const rt = DATA.runtime, pred = DATA.predicted;
@@ -574,6 +619,7 @@
   // ---- start
   function render() { renderTreemap(); renderTimeline(); }
   renderSummary();
+  renderParallel();
   setupTreemap();
   renderTimeline();
   $("timeline").addEventListener("keydown", stepTimeline);
