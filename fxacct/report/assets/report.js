@@ -535,7 +535,7 @@
     const mesh = DATA.mesh;
     if (!mesh) return;
     $("parallel").hidden = false;
-    const dims = Object.entries(mesh.dims).map(([d, n]) => d + "=" + n).join(", ");
+    const dims = Object.entries(mesh.dims).map(([d, n]) => d + "=" + n).join(",");
     const wire = DATA.totals.comm_wire_bytes;
     $("mesh-line").textContent = "--mesh " + dims + ": " + mesh.world_size + " ranks; every figure on this page is rank "
       + mesh.rank + "'s" + (DATA.pipeline ? " (pipeline stage 0)" : "")
