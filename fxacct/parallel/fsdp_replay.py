@@ -71,7 +71,7 @@ class GatherReplay:
 
     def _all_gather(self, original, fsdp_params, group, async_op, copy_in_stream, stream, device, comm):
         key = None if async_op else _gather_key(fsdp_params, group, comm)
-        roles = {Slot("shard", j): p._sharded_param_data for j, p in enumerate(fsdp_params)} if key else {}
+        roles = {Slot("shard", j): tp.fsdp_param_shard(p) for j, p in enumerate(fsdp_params)} if key else {}
         if key is not None and key in self.proven and self._recording():
             template = self.seen[key]
             ref, born, (cls, shape, dtype, fields) = template.result
@@ -226,17 +226,12 @@ def _learn(rec, roles: dict, start: int, first_sid: int, result) -> _Template | 
     return _Template(out, born_bytes, deaths, found)
 
 
-def _plain_shard(p) -> bool:
-    return (p.sharded_state.name == "SHARDED" and not p.offload_to_cpu
-            and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather"))
-
-
 def _gather_key(fsdp_params, group, comm):
-    if not all(_plain_shard(p) for p in fsdp_params):
+    shards = [tp.fsdp_param_shard(p) for p in fsdp_params]
+    if any(s is None for s in shards):
         return None
     return ("gather", id(group), type(comm), tuple(
-        (tuple(p._sharded_param_data.shape), p._sharded_param_data.stride(), p._sharded_param_data.dtype,
-         p.param_dtype) for p in fsdp_params))
+        (tuple(s.shape), s.stride(), s.dtype, p.param_dtype) for s, p in zip(shards, fsdp_params)))
 
 
 def _copy_out_key(result, fsdp_params, group):

@@ -253,6 +253,16 @@ def fsdp_gathers_patched(all_gather, copy_out):
         group_module.foreach_all_gather, group_module.foreach_all_gather_copy_out = gather, copy
 
 
+def fsdp_param_shard(fsdp_param):
+    """An FSDPParam's flat local shard, what its all-gather reads (``_sharded_param_data``), or
+    None where the all-gather reads something else: an all-gather extension
+    (``fsdp_pre_all_gather``), CPU offload, or a shard resharded to a smaller post-forward mesh."""
+    if fsdp_param.sharded_state.name != "SHARDED" or fsdp_param.offload_to_cpu \
+            or hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+        return None
+    return fsdp_param._sharded_param_data
+
+
 # The classes of torch.ops.NAMESPACE.OP (a packet) and torch.ops.NAMESPACE.OP.OVERLOAD: what
 # fxacct.costs.register accepts as a key.
 OpOverload = torch._ops.OpOverload

@@ -1,0 +1,55 @@
+"""fxacct.trace.torch_private: the behaviour fxacct needs from each private PyTorch API it reads,
+pinned, so a torch release that changes one fails here by name rather than mis-counting later.
+(The FSDP2 hooks, fsdp_gathers_patched, fsdp_param_shard and fsdp_storage_resizes, are pinned by
+tests/test_parallel_replay.py, whose replay counts drop to zero and whose accounts differ without
+them.)"""
+
+from __future__ import annotations
+
+import torch
+
+from fxacct.trace import torch_private as tp
+
+aten = torch.ops.aten
+
+
+def test_returns_nothing_reads_the_schema():
+    import torch.distributed.fsdp  # noqa: F401  (defines torch.ops.fsdp)
+
+    assert tp.returns_nothing(torch.ops.fsdp.split_with_sizes_copy.default)  # "-> ()"
+    assert not tp.returns_nothing(aten.mm.default)
+    assert not tp.returns_nothing(aten.add_.Tensor)  # returns its self argument
+
+
+def test_uncached_fake_dispatch_computes_the_op():
+    mode = tp.FakeTensorMode()
+    with mode:
+        a, b = torch.empty(3, 5), torch.empty(5, 7)
+    out = tp.fake_dispatch_uncached(mode, aten.mm.default, (tp.FakeTensor,), (a, b), {})
+    assert type(out) is tp.FakeTensor and tuple(out.shape) == (3, 7) and out.fake_mode is mode
+
+
+def test_autograd_numbers_link_a_backward_to_its_forward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(tp.current_autograd_number())
+            return g * 2
+
+    assert tp.current_autograd_number() is None  # outside the backward engine
+    x = torch.ones(3, requires_grad=True)
+    before = tp.next_autograd_number()
+    Probe.apply(x).sum().backward()
+    assert seen == [before]  # the Function's node took the next number, and its backward runs under it
+
+
+def test_storage_key_is_shared_by_views_only():
+    x = torch.empty(4, 4)
+    assert tp.storage_key(x) == tp.storage_key(x.t()) == tp.storage_key(x[1:])
+    assert tp.storage_key(x) != tp.storage_key(x.clone())
