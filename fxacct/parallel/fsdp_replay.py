@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fxacct.trace import torch_private as tp
-from fxacct.trace.records import TAG, Ref, Slot, TensorMeta, map_nested
+from fxacct.trace.records import TAG, Ref, Slot, TensorMeta, comparable, map_nested
 
 _UNSEEN = object()
 
@@ -47,7 +47,7 @@ class _Template:
     result: tuple | None
 
     def comparable(self):
-        return ([(op, _groups_named(a), _groups_named(k), out, rg) for op, a, k, out, rg in self.records],
+        return ([(op, comparable(a), comparable(k), out, rg) for op, a, k, out, rg in self.records],
                 self.born_bytes, self.deaths, self.result)
 
 
@@ -165,15 +165,6 @@ def _stored(val, store):
     if isinstance(val, TensorMeta):
         return TensorMeta(val.shape, val.stride, val.dtype, store(val.storage), val.storage_nbytes, val.requires_grad)
     return val
-
-
-def _groups_named(a):
-    """Op arguments with each c10d op's ProcessGroup (boxed afresh for every call, as a
-    ScriptObject whose ``==`` raises) standing as its group's name: two calls on one group compare
-    equal, and a replay passes the first call's box of that same group."""
-    from torch.distributed import ProcessGroup
-
-    return map_nested(a, lambda o: ("group", ProcessGroup.unbox(o).group_name), torch.ScriptObject)
 
 
 def _mapped(ref: Ref, base: int) -> Ref:

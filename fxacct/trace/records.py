@@ -216,6 +216,17 @@ def iter_nested(a, kind):
 
 
 def comparable(a):
-    """Op arguments made comparable with ``==``: a c10d op's boxed ProcessGroup (a ScriptObject,
-    whose ``__eq__`` raises) stands as its identity; two blocks of one model pass the same group."""
-    return map_nested(a, lambda o: ("object", id(o)), torch.ScriptObject)
+    """Op arguments made comparable with ``==``: a c10d op's ProcessGroup, boxed afresh for every
+    call as a ScriptObject (whose ``__eq__`` raises), stands as its group's name, so two calls on one
+    group compare equal (two blocks of a model, two FSDP2 gathers); any other ScriptObject stands
+    as its identity."""
+    return map_nested(a, _script_object_key, torch.ScriptObject)
+
+
+def _script_object_key(o) -> tuple:
+    from torch.distributed import ProcessGroup
+
+    try:
+        return ("group", ProcessGroup.unbox(o).group_name)
+    except (RuntimeError, TypeError):  # not a boxed ProcessGroup
+        return ("object", id(o))

@@ -230,6 +230,7 @@ def fsdp_storage_resizes(on_resize):
     finally:
         _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
 
+
 @__import__("contextlib").contextmanager
 def fsdp_gathers_patched(all_gather, copy_out):
     """FSDP2's parameter groups call ``foreach_all_gather(fsdp_params, group, async_op,
