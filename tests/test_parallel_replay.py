@@ -116,14 +116,21 @@ def test_replayed_gathers_give_the_traced_account(rel, kwargs, mesh, par, settin
     assert a.parallel.rows == b.parallel.rows
 
 
-def test_replayed_gathers_in_a_pipeline():
-    """pp=2 with FSDP2 in each stage: every stage's gathers replay, and each stage's account and
+def test_replayed_gathers_in_a_pipeline(monkeypatch):
+    """pp=2 with FSDP2 in each stage: every stage's gathers replay (4 blocks a stage: 8 in its
+    training step, 4 in its inference forward, as in GATHER_CASES), and each stage's account and
     the pipeline's step peak are the ones tracing every block gives."""
+    made = []
+    real = rank_capture.GatherReplay
+    monkeypatch.setattr(rank_capture, "GatherReplay", lambda resizes: made.append(real(resizes)) or made[-1])
+
     def run(dedup):
         return fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=8), mesh="pp=2,fsdp=2",
                                             microbatches=4, dedup=dedup))
 
-    a, b = run(True), run(False)
+    a = run(True)
+    assert [g.replayed for g in made] == [8, 4, 8, 4]
+    b = run(False)
     assert_same_account(a, b)
     assert a.parallel.pipeline.peak_bytes == b.parallel.pipeline.peak_bytes
     for x, y in zip(a.parallel.pipeline.stages, b.parallel.pipeline.stages):
