@@ -67,16 +67,22 @@ def test_mesh_same_account_both_ways(rel, kwargs, mesh, par, trained, replayed):
     assert replayed == {"train": [trained], "inference": [2]}
 
 
-def test_hugging_face_plan_blocks_compare_with_process_groups_in_their_ops():
-    """transformers' tp plan issues c10d ops whose arguments hold the ProcessGroup (a ScriptObject
-    whose == raises): comparing the first two blocks crashed every HF model of 3+ layers under tp
-    (exit 4). Now they compare, and the account is the one tracing every block gives."""
+def test_hugging_face_plan_blocks_compare_with_process_groups_in_their_ops(replayed):
+    """transformers' tp plan issues c10d ops whose arguments hold the ProcessGroup and the ReduceOp,
+    each boxed afresh per call as a ScriptObject (whose == raises): comparing the first two blocks
+    crashed every HF model of 3+ layers under tp (exit 4), and later, with the ReduceOp compared by
+    identity, the inference forward replayed no block. Now they compare by group name and
+    reduction: of 6 blocks the training step replays all 6 (probed apart) and the inference forward
+    4 (blocks 0 and 1 traced, as for any run), and the account is the one tracing every block gives."""
     def run(dedup):
         return fxacct.profile(fxacct.Config(target=target("tests/models/hf_llama_tp.py:make"), batch=2,
-                                            kwargs=dict(layers=3), mesh="tp=2", dedup=dedup))
+                                            kwargs=dict(layers=6), mesh="tp=2", dedup=dedup))
 
-    a, b = run(True), run(False)
+    a = run(True)
+    assert replayed == {"train": [6], "inference": [4]}
+    b = run(False)
     assert_same_account(a, b)
+    assert a.memory.rank_peak == b.memory.rank_peak
     assert a.parallel.rows == b.parallel.rows
 
 

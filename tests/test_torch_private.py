@@ -53,3 +53,29 @@ def test_storage_key_is_shared_by_views_only():
     x = torch.empty(4, 4)
     assert tp.storage_key(x) == tp.storage_key(x.t()) == tp.storage_key(x[1:])
     assert tp.storage_key(x) != tp.storage_key(x.clone())
+
+
+def test_reduce_op_type_reads_a_boxed_reduce_op():
+    """c10d ops take their ReduceOp boxed as a ScriptObject, afresh per call; fxacct compares two
+    calls' arguments by the reduction it reads back (fxacct.trace.records.comparable)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Args(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.c10d.allreduce_.default:
+                seen.append(args[1:3])  # (ProcessGroup, ReduceOp), both boxed
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=tp.fake_store(), rank=0, world_size=2)
+    try:
+        t = torch.ones(4)
+        with Args():
+            dist.all_reduce(t)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    finally:
+        dist.destroy_process_group()
+    assert [tp.reduce_op_type(op) for _, op in seen] == [int(dist.ReduceOp.SUM), int(dist.ReduceOp.MAX)] == [0, 4]
+    assert [tp.reduce_op_type(group) for group, _ in seen] == [None, None]  # another ScriptObject

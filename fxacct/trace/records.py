@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxacct.trace import torch_private as tp
 from fxacct.trace.torch_private import storage_key
 
 TAG = "_fxacct_ref"  # attribute set on each traced tensor: which record (or placeholder) made it
@@ -216,10 +217,11 @@ def iter_nested(a, kind):
 
 
 def comparable(a):
-    """Op arguments made comparable with ``==``: a c10d op's ProcessGroup, boxed afresh for every
-    call as a ScriptObject (whose ``__eq__`` raises), stands as its group's name, so two calls on one
-    group compare equal (two blocks of a model, two FSDP2 gathers); any other ScriptObject stands
-    as its identity."""
+    """Op arguments made comparable with ``==``. A c10d op's ScriptObject arguments are boxed
+    afresh for every call (and their ``__eq__`` raises): a ProcessGroup stands as its group's name
+    and a ReduceOp as its reduction, so two calls on one group with one reduction compare equal (two
+    blocks of a model, two FSDP2 gathers, two tensor-parallel all-reduces); any other ScriptObject
+    stands as its identity."""
     return map_nested(a, _script_object_key, torch.ScriptObject)
 
 
@@ -229,4 +231,6 @@ def _script_object_key(o) -> tuple:
     try:
         return ("group", ProcessGroup.unbox(o).group_name)
     except (RuntimeError, TypeError):  # not a boxed ProcessGroup
-        return ("object", id(o))
+        pass
+    op = tp.reduce_op_type(o)
+    return ("object", id(o)) if op is None else ("reduce_op", op)

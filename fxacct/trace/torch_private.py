@@ -264,6 +264,16 @@ def fsdp_param_shard(fsdp_param):
     return fsdp_param._sharded_param_data
 
 
+
+def reduce_op_type(o) -> int | None:
+    """The reduction (``ReduceOp.RedOpType``'s value: SUM 0, ..., MAX 4) of a c10d op's ReduceOp
+    argument, boxed as a ScriptObject of ``torch.classes.c10d.ReduceOp`` (its ``op`` method is all
+    it exposes); None for another ScriptObject."""
+    qualified = o._type().qualified_name() if hasattr(o, "_type") else ""
+    if not qualified.endswith("c10d.ReduceOp") or not o._has_method("op"):
+        return None
+    return int(o._get_method("op")())
+
 # The classes of torch.ops.NAMESPACE.OP (a packet) and torch.ops.NAMESPACE.OP.OVERLOAD: what
 # fxacct.costs.register accepts as a key.
 OpOverload = torch._ops.OpOverload
