@@ -11,15 +11,17 @@ import fxacct
 
 
 class Seen(torch.nn.Module):
-    """Notes, at each forward, how many objects the collector has frozen."""
+    """Notes, at each forward, how many objects the collector has frozen and its thresholds."""
 
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.frozen: list[int] = []
+        self.thresholds: list[tuple] = []
 
     def forward(self, x):
         self.frozen.append(gc.get_freeze_count())
+        self.thresholds.append(gc.get_threshold())
         return self.lin(x)
 
 
@@ -32,6 +34,18 @@ def test_profile_freezes_the_heap_while_it_traces_and_gives_it_back():
     assert gc.get_freeze_count() == 0
 
 
+def test_full_collections_are_rarer_while_tracing_and_the_thresholds_come_back():
+    model = Seen()
+    old = gc.get_threshold()
+    gc.set_threshold(500, 7, 3)  # a caller's own, not the defaults: kept but for the third, x10
+    try:
+        fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
+        assert set(model.thresholds) == {(500, 7, 30)}
+        assert gc.get_threshold() == (500, 7, 3)
+    finally:
+        gc.set_threshold(*old)
+
+
 def test_a_callers_frozen_heap_stays_frozen():
     model = Seen()
     gc.freeze()
@@ -41,5 +55,6 @@ def test_a_callers_frozen_heap_stays_frozen():
         # fxacct neither froze more (the model's traced objects stay collectable) nor unfroze the caller's
         assert set(model.frozen) == {frozen}
         assert gc.get_freeze_count() == frozen
+        assert set(model.thresholds) == {gc.get_threshold()}  # nor changed its collector
     finally:
         gc.unfreeze()
