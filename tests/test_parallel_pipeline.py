@@ -134,6 +134,34 @@ def test_pipeline_with_fsdp_inside_stages():
     assert all(s.profile.parallel.rows for s in pipe.stages)  # FSDP2's all-gathers and reduce-scatters per stage
 
 
+def test_fsdp_units_found_in_a_stage_trace():
+    """What the stage replay reads of FSDP2 in stage 0's trace (tok_embeddings + layers.0-1, one
+    unit each): per block 9 parameters (wq, wk, wv, wo, w1, w2, w3 and two norms), for the root the
+    embedding, so 9 + 9 + 1 unsharded storages and as many unsharded gradients, in three reductions
+    (the trace's backward order: layers.1, layers.0, the root); an all-gather buffer per gather
+    (forward: 3, backward: the 2 blocks resharded after forward) fills one unit."""
+    import operator
+
+    from fxacct.memory.peak import lifetimes
+    from fxacct.parallel.pipeline_fsdp import fsdp_stage
+    from fxacct.parallel.pipeline_memory import _storages_born
+
+    pipe = _pipe("pp=2,fsdp=2", "1f1b", parallelize=target("examples/llama.py:parallelize"))
+    stage = pipe.stages[0].profile
+    ops, born = _storages_born(stage.capture, lifetimes(stage.capture))
+    births = {}
+    for entry in born:
+        births.setdefault(entry[1], []).append(entry)
+    found = fsdp_stage(ops, births, stage.parallel.resizes)
+    assert [len(r.grads) for r in found.regions] == [9, 9, 1]
+    assert len(found.events) == 19 and found.grads.isdisjoint(found.events)
+    units = [u for u in found.buffers.values()]
+    assert sorted(len(u) for u in units) == [1, 9, 9, 9, 9]
+    assert all(not r.cast for r in found.regions)  # fp32 throughout: nothing accumulates in another dtype
+    assert all(ops[r.ops[0]].target is torch.ops.aten.empty.memory_format for r in found.regions)
+    assert fsdp_stage(ops, births, ()) is None and operator.getitem not in {n.target for n in ops}
+
+
 def _usage(*args):
     r = CliRunner().invoke(cli, ["profile", str(ROOT / "examples/llama.py") + ":Llama", *args], catch_exceptions=False)
     out = r.stderr if hasattr(r, "stderr") else r.output

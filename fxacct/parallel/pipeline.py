@@ -240,7 +240,9 @@ def _rank_account(profs, flows: list[Traffic], r: int, ranks: int, m: int, order
     """Rank r's stages r, r + P, ...: their peak replayed together, their sends and receives."""
     local, mine = {}, []
     for s in range(r, len(profs), ranks):
-        local[s] = LocalStage(profs[s].capture, s == len(profs) - 1, flows[s].grad_recv_bytes)
+        par = profs[s].parallel
+        local[s] = LocalStage(profs[s].capture, s == len(profs) - 1, flows[s].grad_recv_bytes,
+                              par.resizes if par is not None else ())
         mine.append(flows[s])
     peak = stage_peak(local, order.actions, m, releases(schedule, order.actions, ranks, r, m))
     collectives = rank_rows({s: profs[s].parallel for s in local}, order.actions, m)

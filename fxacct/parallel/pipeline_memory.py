@@ -20,6 +20,9 @@ torch.distributed.pipelining's PipelineStage holds memory (torch 2.13 stage.py, 
   (fxacct.parallel.pipeline_schedule.releases), as does a stage output.
 - When the schedule returns, the last stage merges its output chunks (``torch.cat``: one more
   copy of all M outputs, freed with them since ``step()``'s result is unused); then the optimizer.
+- With FSDP2 inside the stage, its unsharded parameters, its gathers, its unsharded gradients and
+  its reductions follow fxacct.parallel.pipeline_fsdp (the reductions run after the last action,
+  before the outputs merge).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import operator
 from dataclasses import dataclass
 
 from fxacct.memory.peak import INPUTS, lifetimes
+from fxacct.parallel.pipeline_fsdp import Gathered, fsdp_stage
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER
 from fxacct.trace.graph_builder import trace_of
 from fxacct.trace.records import tensor_metas
@@ -57,6 +61,7 @@ class LocalStage:
     capture: object  # the stage's one-micro-batch Capture
     last: bool  # the pipeline's last stage: computes the loss, keeps its outputs
     grad_recv_bytes: int  # the output gradients it receives per micro-batch (0 on the last stage)
+    resizes: tuple = ()  # FSDP2's storage resizes in the trace (fxacct.parallel.fsdp_storage), if any
 
 
 class _Prepared:
@@ -78,6 +83,12 @@ class _Prepared:
         self.skipped = set() if st.last else {i for i, p in enumerate(phases) if p == LOSS}
         ends = _node_ends(self.ops, self.bwd)
         self.param_grads = {sid: ends for sid in st.capture.grad_storages - self.in_grads}
+        self.fsdp = fsdp_stage(self.ops, self.births, st.resizes)
+        self.unsharded_grads = self.cast_grads = frozenset()
+        if self.fsdp is not None:  # gradients kept unsharded between micro-batches, reduced at the end
+            self.unsharded_grads, self.cast_grads = self.fsdp.grads, frozenset(self.fsdp.cast_grads)
+            self.param_grads.update((sid, ends) for sid in self.unsharded_grads - self.cast_grads)
+            self.skipped |= self.fsdp.region_ops
 
 
 def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
@@ -92,18 +103,26 @@ def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
             freed_after.setdefault(a, []).extend((sid, (st, mb)) for sid in prep[st].out_sids)
     for (st, mb), a in releases[1].items():
         freed_after.setdefault(a, []).extend((sid, (st, mb)) for sid in prep[st].in_grads)
-    backwarded = set()
+    gathered = {st: Gathered(p.fsdp, st) for st, p in prep.items() if p.fsdp is not None}
+    first_backward = {}
     for a, (kind, st, mb) in enumerate(actions):
         p = prep[st]
         if kind == "F":
-            walk.run(p.fwd, p.births, (st, mb), keep=p.out_sids, skipped=p.skipped)
+            walk.run(p.fwd, p.births, (st, mb), keep=p.out_sids, skipped=p.skipped, fsdp=gathered.get(st))
         else:  # the first backward allocates the parameters' gradients, later ones add into them
-            walk.run(p.bwd, p.births, (st, mb), keep=p.in_grads, transient=p.param_grads if st in backwarded else {})
-            backwarded.add(st)
+            later = st in first_backward
+            if st in gathered:
+                gathered[st].first = not later
+            kept = p.cast_grads if later else p.unsharded_grads  # (pipeline_fsdp: until the unit's post_backward)
+            walk.run(p.bwd, p.births, (st, mb), keep=p.in_grads | kept, skipped=p.skipped,
+                     transient=p.param_grads if later else {}, fsdp=gathered.get(st), forward=False)
+            first_backward.setdefault(st, (st, mb))
         for key in freed_after.pop(a, ()):
             walk.free(*key)
     for key in freed_after.pop(len(actions), ()):
         walk.free(*key)
+    for st, g in gathered.items():  # perform_reduce_grad, when the schedule's actions are done
+        g.reduce(walk, prep[st].births, first_backward.get(st))
     for st, p in prep.items():
         if stages[st].last and p.out_sids:  # output_chunks merged by torch.cat when the schedule returns
             walk.note(sum(walk.held.get((sid, (st, mb)), 0) for sid in p.out_sids for mb in range(microbatches)))
@@ -143,18 +162,32 @@ class _Walk:
     def free(self, sid, mb) -> None:
         self.live -= self.held.pop((sid, mb), 0)
 
-    def run(self, op_indices, births, mb, keep=frozenset(), skipped=frozenset(), transient=None):
+    def hold(self, key, nbytes: int) -> None:
+        self.held[key] = nbytes
+        self.live += nbytes
+
+    def run(self, op_indices, births, mb, keep=frozenset(), skipped=frozenset(), transient=None, fsdp=None,
+            forward=True):
+        """Replay ``op_indices`` for micro-batch ``mb``; ``fsdp`` (pipeline_fsdp.Gathered) decides
+        the memory of FSDP2's unsharded storages and gathers."""
         transient = transient or {}
         for i in op_indices:
-            if i in skipped:
+            if fsdp is not None:
+                fsdp.before(i, self, forward, mb)
+            if i not in skipped:
+                self._op(i, births, mb, keep, skipped, transient, fsdp, op_indices[-1])
+            if fsdp is not None:
+                fsdp.after(i, self, forward)
+
+    def _op(self, i, births, mb, keep, skipped, transient, fsdp, last) -> None:
+        for sid, birth, death, nbytes in births.get(i, ()):
+            if fsdp is not None and fsdp.skip_birth(sid):
                 continue
-            for sid, birth, death, nbytes in births.get(i, ()):
-                self.held[(sid, mb)] = nbytes
-                self.live += nbytes
-                if sid in transient:
-                    death = transient[sid][birth]
-                if sid not in keep and death != END:
-                    self.dies.setdefault((death if death not in skipped else op_indices[-1], mb), []).append(sid)
-            self.note()
-            for sid in self.dies.pop((i, mb), ()):
-                self.free(sid, mb)
+            self.hold((sid, mb), nbytes)
+            if sid in transient:
+                death = transient[sid][birth]
+            if sid not in keep and death != END:
+                self.dies.setdefault((death if death not in skipped else last, mb), []).append(sid)
+        self.note()
+        for sid in self.dies.pop((i, mb), ()):
+            self.free(sid, mb)

@@ -24,6 +24,7 @@ class ParallelAccount:
     pipeline: object = None  # fxacct.parallel.pipeline.PipelineAccount under --mesh pp=P
     node_seconds: dict | None = None  # collective node -> predicted seconds (with --gpu), else None
     model_params: int | None = None  # the whole model's parameters (global shapes), not this rank's shards
+    resizes: tuple = ()  # FSDP2's storage resizes in the training trace (fxacct.parallel.fsdp_storage)
 
     @property
     def comm_wire_bytes(self) -> int:
@@ -68,7 +69,8 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
-                               model_params=sum(t.numel() for t in model.parameters()))  # a DTensor's: global
+                               model_params=sum(t.numel() for t in model.parameters()),  # a DTensor's: global
+                               resizes=tuple(resizes))
     notes = precision_warnings(cap) + whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
     return Profile(config, acct, memory, cap, notes, parallel=parallel, model_class=built)
 
@@ -116,16 +118,5 @@ def profile_mesh(config):
     par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
     par = ParallelAccount(spec, 0, (), (), pipeline=pipe) if par is None else replace(
         par, mesh=spec, pipeline=pipe, rows=pipe.stages[0].collectives)
-    return replace(first, config=config, parallel=par, warnings=first.warnings + fsdp_in_pipeline_warnings(spec),
+    return replace(first, config=config, parallel=par, warnings=first.warnings,
                    model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
-
-
-def fsdp_in_pipeline_warnings(spec: MeshSpec) -> tuple[str, ...]:
-    """What the stage peaks leave out when FSDP2 shards the stages (fxacct.parallel.pipeline_collectives
-    says how torch's pipelining drives it; the collectives follow that, the memory replay not yet)."""
-    if spec.size("fsdp") == 1 and spec.size("dp") == 1:
-        return ()
-    return (f"--mesh {spec}: the stage peaks replay one plain FSDP2 micro-batch step in the schedule's order; "
-            "torch's pipelining keeps each unit gathered from a backward to the next forward and reduces "
-            "gradients only after the last micro-batch, which the replay does not follow yet: real gloo runs "
-            "of examples/llama.py measured 0.75-0.84 of these peaks (the collectives are exact)",)
