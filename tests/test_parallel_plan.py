@@ -149,6 +149,11 @@ def test_plan_pipeline_layouts_carry_the_bubble():
     # the stage peaks already replay all M micro-batches, gradients included (held against the real
     # pipelining run in test_parallel_gloo): the layout's peak is the largest, nothing added
     assert c.peak_bytes == max(s.peak_bytes for s in stages)
+    # pp=2,fsdp=2 at micro-batch 2 has M = 4 / (2 · 2) = 1 micro-batch per step: 1F1B needs 2; the
+    # reason names no flag (the planner chose M, not the user)
+    few = [x for x in cands if x.mesh == "pp=2,fsdp=2" and x.micro_batch == 2]
+    assert few and all(x.rejected == "1 micro-batch per step, fewer than the 2 stages 1F1B needs "
+                       "(a smaller micro-batch makes more)" for x in few)
 
 
 def test_plan_cli_table_fits_the_width_and_json():
@@ -223,12 +228,13 @@ def test_confirm_falls_back_to_a_smaller_micro_batch_when_the_full_trace_is_over
 
 def test_every_pipeline_micro_batch_is_judged_on_its_own():
     """pp=2,fsdp=2 at global batch 8: each fsdp rank has 4 examples, so micro-batches 1, 2, 4 run
-    M = 4, 2, 1 micro-batches. M = 1 is fewer than the 2 stages (its own usage error); micro-batch
-    2 (M = 2) is traced, not rejected with micro-batch 4's reason as it once was."""
+    M = 4, 2, 1 micro-batches. M = 1 is fewer than the 2 stages (rejected before any trace, in the
+    plan's terms); micro-batch 2 (M = 2) is traced, not rejected with micro-batch 4's reason as it
+    once was."""
     cfg = replace(llama(pp_split=target("examples/llama.py:pipeline_stage")), mesh="fsdp=4")
     cands = {c.micro_batch: c for c in plan(cfg, 4, 8, confirm_top=0).candidates
              if c.mesh == "pp=2,fsdp=2" and not c.layout.checkpoint}
-    assert "--microbatches 1 is fewer than the 2 pipeline stages" in cands[4].rejected
+    assert cands[4].rejected.startswith("1 micro-batch per step, fewer than the 2 stages 1F1B needs")
     assert cands[2].step_s is not None and cands[1].step_s is not None, cands
     assert cands[2].rejected is None or "over memory" in cands[2].rejected, cands[2]
 

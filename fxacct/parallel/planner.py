@@ -3,7 +3,8 @@ throughput among those that fit, and why the others were rejected.
 
 How a layout is judged, cheapest first:
 
-1. Exact rejections before any trace (fxacct.parallel.layouts.exact_rejection).
+1. Exact rejections before any trace (fxacct.parallel.layouts.exact_rejection; per layout, a
+   pipeline with fewer micro-batches than 1F1B's stages).
 2. The screen (fxacct.parallel.screen): one rank's account from two traces of the model cut to 3
    and 4 repeated blocks, extrapolated to all of them: FLOPs and bytes exact, the peak a lower
    bound (so "over memory" from the screen is a sound rejection, "fits" needs step 4). Pipeline
@@ -229,9 +230,23 @@ def _groups(planner: Planner, layouts: list[Layout]) -> tuple[dict, dict]:
             if meshes[key]:  # no reason depends on the micro-batch or checkpointing: one row per mesh
                 row = replace(lay, micro_batch=0, accumulation=0, checkpoint=False)
                 out[row] = Candidate(row, rejected=meshes[key])
-        if not meshes[key]:
+        if meshes[key]:
+            continue
+        few = _too_few_microbatches(lay, planner.config.pp_schedule)
+        if few:
+            out[lay] = Candidate(lay, rejected=few)
+        else:
             groups.setdefault(lay.group, []).append(lay)
     return out, groups
+
+
+def _too_few_microbatches(lay: Layout, schedule: str) -> str | None:
+    """A pipeline layout whose step has fewer micro-batches than 1F1B has stages (torch's
+    Schedule1F1B refuses it), said in the plan's own terms: the planner, not the user, chose M."""
+    if lay.pp > 1 and schedule == "1f1b" and lay.accumulation < lay.pp:
+        return (f"{lay.accumulation} micro-batch{'es' if lay.accumulation > 1 else ''} per step, fewer than the "
+                f"{lay.pp} stages 1F1B needs (a smaller micro-batch makes more)")
+    return None
 
 
 def search(planner: Planner, layouts: list[Layout]) -> dict:
