@@ -175,8 +175,15 @@ def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dic
     if options.keep_trace:  # the ranks run without torch.profiler: no events to write
         raise UsageError("--trace with --mesh --runtime: the real run of the ranks records no profiler trace; "
                          "drop --trace, or trace one device's run without --mesh")
-    if options.device not in ("auto", "cpu") or options.inference:
-        raise UsageError("--runtime with --mesh runs CPU processes on gloo: use --device cpu, without --inference")
+    if options.device not in ("auto", "cpu"):
+        raise UsageError(f"--device {options.device} with --mesh --runtime: the ranks run as CPU processes on gloo; "
+                         "use --device cpu")
+    if options.inference:
+        raise UsageError("--inference with --mesh --runtime: the ranks run training steps only (the rank's "
+                         "inference peak is predicted, not measured); drop --inference")
+    if fmt not in ("table", "json"):
+        raise UsageError(f"--format {fmt} with --mesh --runtime: the ranks' measurements are a table of their "
+                         "own, written as a table or as JSON (runtime_ranks); use --format table or json")
     if config.gpu is not None:
         raise UsageError(f"--gpu {config.gpu} is a CUDA target but the real run with --mesh runs CPU processes: "
                          "drop --gpu to compare with them")

@@ -73,6 +73,11 @@ def test_text_table_sums_to_its_total():
     (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--loss", "cross-entropy"], "not what --loss cross-entropy"),
     (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--checkpoint", "layers.*"], "drop --checkpoint for"),
     (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--trace", "t.json"], "records no profiler trace"),
+    # the ranks' measurements have no CSV, markdown or HTML form: they were silently written as the table
+    (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--format", "csv"], "use --format table or json"),
+    (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--format", "html"], "use --format table or json"),
+    # it said "use --device cpu, without --inference" to a command that had --device cpu
+    (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--inference"], "the ranks run training steps only"),
     # tp alone leaves the norms plain tensors; AdamW(foreach=True), CUDA's default under --gpu, raises
     # on that mix in eager PyTorch too ("got mixed torch.Tensor and DTensor")
     (["--mesh", "tp=2", "--parallelize", PAR, "--gpu", "h100"], "mix DTensor and plain tensors"),
