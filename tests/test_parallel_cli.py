@@ -190,6 +190,32 @@ def test_six_n_d_counts_the_whole_model_under_a_mesh():
     assert got == want, (got, line)
 
 
+def test_six_n_d_counts_the_whole_models_frozen_parameters_under_a_mesh(tmp_path):
+    """A frozen embedding (200 × 32 = 6,400 parameters): the 6·N·D line under fsdp=2 names the whole
+    model's frozen count, as without a mesh (the oracle), not rank 0's shard of it (3,200)."""
+    f = tmp_path / "frozen.py"
+    f.write_text("import torch\nfrom torch import nn\n"
+                 "class Frozen(nn.Module):\n"
+                 "    def __init__(self):\n"
+                 "        super().__init__()\n"
+                 "        self.emb = nn.Embedding(200, 32); self.emb.weight.requires_grad_(False)\n"
+                 "        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])\n"
+                 "        self.head = nn.Linear(32, 10)\n"
+                 "    def forward(self, x):\n"
+                 "        h = self.emb(x)\n"
+                 "        for b in self.blocks:\n"
+                 "            h = b(h)\n"
+                 "        return self.head(h.mean(1))\n"
+                 "    @staticmethod\n"
+                 "    def example_inputs(batch):\n"
+                 "        return (torch.randint(0, 200, (batch, 16)),)\n")
+    single = _invoke(f"{f}:Frozen", "--batch", "2")
+    mesh = _invoke(f"{f}:Frozen", "--batch", "2", "--mesh", "fsdp=2")
+    line = next(x for x in single.stdout.splitlines() if x.startswith("6·N·D"))
+    assert "6,400 of them frozen" in line, line
+    assert next(x for x in mesh.stdout.splitlines() if x.startswith("6·N·D")) == line
+
+
 def test_checkpoint_under_a_mesh_says_the_what_if_is_single_device():
     """The what-if table is computed on one device only; under --mesh it was dropped silently."""
     r = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2", "--checkpoint", "layers.*", "--format", "json")

@@ -24,6 +24,7 @@ class ParallelAccount:
     pipeline: object = None  # fxacct.parallel.pipeline.PipelineAccount under --mesh pp=P
     node_seconds: dict | None = None  # collective node -> predicted seconds (with --gpu), else None
     model_params: int | None = None  # the whole model's parameters (global shapes), not this rank's shards
+    model_frozen_params: int = 0  # of them, those that do not require grad
     resizes: tuple = ()  # FSDP2's storage resizes in the training trace (fxacct.parallel.fsdp_storage)
 
     @property
@@ -70,6 +71,7 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
                                throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
                                model_params=sum(t.numel() for t in model.parameters()),  # a DTensor's: global
+                               model_frozen_params=sum(t.numel() for t in model.parameters() if not t.requires_grad),
                                resizes=tuple(resizes))
     notes = precision_warnings(cap) + whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
     return Profile(config, acct, memory, cap, notes, parallel=parallel, model_class=built)

@@ -70,14 +70,14 @@ def _six_n_d(p: Profile, tokens: int) -> str:
     whole model for its batch, tensor parallelism aside: N is the model's, and the exact figure
     is the rank's × tp (a tp group's work on one batch)."""
     t, par = p.accounting.totals, p.parallel
-    n, exact, whose = t.params, t.model_flops, ""
+    n, exact, whose, frozen = t.params, t.model_flops, "", t.params - t.trainable_params
     if par is not None and par.model_params:
         tp_size = par.mesh.size("tp")
-        n, exact = par.model_params, t.model_flops * tp_size
+        n, exact, frozen = par.model_params, t.model_flops * tp_size, par.model_frozen_params
         whose = f" of a tp group (rank's × {tp_size})" if tp_size > 1 else ""
     six = 6 * n * tokens
-    frozen = (f"; N counts all parameters, {t.params - t.trainable_params:,} of them frozen (their "
-              "weight gradients are not computed)" if t.trainable_params != t.params else "")
+    frozen = (f"; N counts all parameters, {frozen:,} of them frozen (their "
+              "weight gradients are not computed)" if frozen else "")
     return (f"6·N·D rule of thumb: {_flops(six)} (N={n:,}, D={tokens:,}); exact matmul+attention{whose} "
             f"{_flops(exact)}; exact / 6ND = {exact / six:.3f}{frozen}")
 
