@@ -85,11 +85,14 @@ def skipped_gather_warnings(rows, config) -> tuple[str, ...]:
     if config.parallelize is not None or not config.reshard_after_forward:
         return ()
 
-    def gathers(phase):
+    def gathers(phase, root: bool):
         return sum(r.count for r in rows if r.op == "all_gather" and "fsdp" in r.mesh_dim and r.phase == phase
-                   and r.module)  # the root ("") keeps its parameters gathered after forward
+                   and (root or r.module))
 
-    forward, backward = gathers("forward"), gathers("backward")
+    # the root ("") keeps its parameters gathered after forward, so the forward's blocks are the
+    # gathers of modules other than the root; in backward a block's gather prefetched while the
+    # root's own ops run (a final logit softcap, a bias on the logits) is the root's: all count
+    forward, backward = gathers("forward", root=False), gathers("backward", root=True)
     if backward >= forward:
         return ()
     return (f"FSDP2 gathered {forward} blocks in forward but only {backward} again in backward: where a block's "
