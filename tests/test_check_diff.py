@@ -251,5 +251,11 @@ def test_check_under_a_mesh_budgets_a_ranks_memory_and_the_models_parameters():
         assert (budgets["memory"]["value"], budgets["memory"]["ok"]) == (expected, False), (mesh, doc)
         if not pipeline:
             assert budgets["params"]["value"] == single["totals"]["params"] > prof["totals"]["params"], doc
-    assert "--max-flops with --mesh" in exits(2, "check", *llama, "--mesh", "fsdp=2", "--max-flops", "1e9").stderr
+    # under fsdp a rank runs the whole model on its own batch: its FLOPs per example are the model's
+    per_example = single["totals"]["forward_flops"] + single["totals"]["backward_flops"]
+    doc = json.loads(exits(0, "check", *llama, "--mesh", "fsdp=2", "--max-flops-per-example", "1e12",
+                           "--format", "json").stdout)
+    assert [b["value"] * 2 for b in doc["budgets"] if b["name"] == "flops_per_example"] == [per_example], doc
+    tp = ["--mesh", "fsdp=2,tp=2", "--parallelize", target("examples/llama.py:parallelize")]
+    assert "its tensor-parallel group's" in exits(2, "check", *llama, *tp, "--max-flops", "1e9").stderr
     assert "--max-params with --mesh pp=2" in exits(2, "check", *llama, "--mesh", "pp=2", "--max-params", "1e9").stderr

@@ -114,17 +114,25 @@ def _rank_peak(profile: Profile) -> tuple[int, str]:
 
 
 def check_mesh(limits: Limits, mesh: str | None) -> None:
-    """A rank's FLOPs are its share (a tp group's, a pipeline stage's micro-batch), and under pp its
-    parameters too: those budgets are the model's, checked without --mesh (before any trace)."""
+    """Under fsdp and dp a rank runs the whole model on its own batch, so its FLOPs and step time are
+    what one device's would be; under tp a rank's FLOPs are its share of its group's, under pp its
+    stage's, and under pp its parameters too: those budgets are the model's, checked without --mesh
+    (before any trace)."""
     from fxacct.parallel.mesh import parse_mesh
 
-    pipeline = mesh is not None and parse_mesh(mesh).size("pp") > 1  # a stage's parameters are its share too
+    if mesh is None:
+        return
+    spec = parse_mesh(mesh)
+    split = [d for d in ("tp", "pp") if spec.size(d) > 1]
     given = [flag for flag, v in (("--max-flops", limits.max_flops), ("--max-flops-per-example",
-             limits.max_flops_per_example), ("--max-step-time", limits.max_step_seconds),
-             ("--max-params", limits.max_params if pipeline else None)) if v is not None]
-    if mesh is not None and given:
-        raise UsageError(f"{given[0]} with --mesh {mesh}: a rank's figure is its share of the model's; check "
-                         f"{given[0]} without --mesh, and the per-rank memory with it")
+             limits.max_flops_per_example), ("--max-step-time", limits.max_step_seconds)) if v is not None and split]
+    given += ["--max-params"] if limits.max_params is not None and "pp" in split else []
+    if given:
+        why = "a rank holds its pipeline stage's parameters" if given[0] == "--max-params" else \
+            "a rank's FLOPs are " + " and ".join(
+                {"tp": "its share of its tensor-parallel group's work", "pp": "its pipeline stage's"}[d] for d in split)
+        raise UsageError(f"{given[0]} with --mesh {mesh}: {why}, not the model's; check {given[0]} without "
+                         "--mesh (or on fsdp/dp alone), and the per-rank memory with it")
 
 
 def evaluate(profile: Profile, limits: Limits) -> CheckResult:
