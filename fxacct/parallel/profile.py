@@ -3,7 +3,7 @@ collectives are marked, and the single-device stages (annotate, account, memory)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, alias_waits, mark, mesh_groups, rows
 from fxacct.parallel.engine import device_mesh, fake_group
@@ -74,7 +74,19 @@ def profile_parallel(config, loader=None, with_inference: bool = True):
                                model_frozen_params=sum(t.numel() for t in model.parameters() if not t.requires_grad),
                                resizes=tuple(resizes))
     notes = precision_warnings(cap) + whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
+    if config.gpu is not None and memory.rank_peak is not None:
+        memory = replace(memory, fit=rank_fit(config.gpu, memory.rank_peak.bytes))
     return Profile(config, acct, memory, cap, notes, parallel=parallel, model_class=built)
+
+
+def rank_fit(gpu: str, peak: int):
+    """A rank's peak against the GPU's capacity. No largest batch: under a mesh the batch is each
+    rank's share of a global one, which ``fxacct plan`` searches."""
+    from fxacct.memory.account import Fit
+    from fxacct.predict.devices import get_device
+
+    device = get_device(gpu)
+    return Fit(device.name, device.capacity_reported, peak, device.capacity_reported - peak, None, False)
 
 
 def skipped_gather_warnings(rows, config) -> tuple[str, ...]:
@@ -111,8 +123,6 @@ def whatif_warnings(config) -> tuple[str, ...]:
 
 def profile_mesh(config):
     """--mesh: one rank's account; with pp=P, stage 0's, carrying every stage's (PipelineAccount)."""
-    from dataclasses import replace
-
     spec = parse_mesh(config.mesh)
     if spec.size("pp") == 1:
         return profile_parallel(config)
@@ -123,5 +133,6 @@ def profile_mesh(config):
     par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
     par = ParallelAccount(spec, 0, (), (), pipeline=pipe) if par is None else replace(
         par, mesh=spec, pipeline=pipe, rows=pipe.stages[0].collectives)
-    return replace(first, config=config, parallel=par, warnings=first.warnings,
+    memory = first.memory if config.gpu is None else replace(first.memory, fit=rank_fit(config.gpu, pipe.peak_bytes))
+    return replace(first, config=config, parallel=par, warnings=first.warnings, memory=memory,
                    model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
