@@ -235,6 +235,23 @@ def test_a_ranks_peak_is_fitted_on_the_gpu_under_a_mesh():
     assert any(line.split()[:2] == ["fit", "fits,"] for line in text.splitlines()), text
 
 
+def test_hugging_face_attention_under_tp_warns_of_the_general_path():
+    """Under tp transformers' attention takes its general path (README, Limits): the peak is an
+    upper bound for an unpadded batch, and the report says so; not under fsdp alone (eager path,
+    exact), nor with an attention_mask given (eager takes the general path too)."""
+    pytest.importorskip("transformers")
+    qwen = str(ROOT / "tests/models/hf_tp_models.py") + ":qwen3"
+    mask = ["--input", "input_ids=long[B,16]<256", "--input", "attention_mask=long[B,16]<2"]
+
+    def warned(*args):
+        r = _invoke(qwen, "--batch", "2", *args, "--format", "json")
+        assert r.exit_code == 0, r.stderr
+        return any("its general path" in w for w in json.loads(r.stdout)["warnings"])
+
+    assert warned("--mesh", "tp=2")
+    assert not warned("--mesh", "fsdp=2") and not warned("--mesh", "tp=2", *mask)
+
+
 def test_checkpoint_under_a_mesh_says_the_what_if_is_single_device():
     """The what-if table is computed on one device only; under --mesh it was dropped silently."""
     r = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2", "--checkpoint", "layers.*", "--format", "json")
