@@ -14,7 +14,10 @@ reduction off for every micro-batch's backward; ``perform_reduce_grad`` runs eac
   (the collectives follow the same rule: fxacct.parallel.pipeline_collectives).
 - The unsharded gradients (what a reduce-scatter's ``fsdp.chunk_cat`` reads) made by a stage's
   first backward stay to the end; a later backward's are added into them (AccumulateGrad) and freed
-  at the end of their autograd node (pipeline_memory's rule for any parameter gradient).
+  at the end of their autograd node (pipeline_memory's rule for any parameter gradient). Under a
+  MixedPrecisionPolicy whose reduce dtype is another, each unit's post_backward casts the first
+  backward's gradients to it (``to_accumulated_grad_if_needed``, kept to the end) and adds a later
+  backward's into that copy (``accumulate_unsharded_grad_if_needed``), freeing the gradient.
 - No backward reduces: each unit's reduce-scatter (its input buffer, ``chunk_cat``, the output that
   becomes the sharded gradients) runs once, at the end, unit by unit in ``fully_shard``'s state
   order (the module tree's pre-order: the reverse of the trace's backward), each unit's unsharded
