@@ -241,7 +241,7 @@ def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.Memor
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             max_batch = lo
             verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
-    fit = memory_account.Fit(device.name, capacity, peak, capacity - peak, max_batch, verified)
+    fit = memory_account.Fit.on(device, peak, max_batch, verified)
     return replace(memory, fit=fit)
 
 

@@ -40,6 +40,13 @@ class Fit:
     max_batch: int | None  # largest batch whose per-rank peak fits (None: not searched)
     max_batch_verified: bool
 
+    @classmethod
+    def on(cls, device, peak: int, max_batch: int | None = None, verified: bool = False) -> "Fit":
+        """``peak`` bytes per rank on ``device`` (fxacct.predict.devices), against the capacity
+        its driver reports."""
+        capacity = device.capacity_reported
+        return cls(device.name, capacity, peak, capacity - peak, max_batch, verified)
+
 
 @dataclass(frozen=True)
 class MemoryAccount:

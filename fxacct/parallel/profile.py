@@ -87,8 +87,7 @@ def rank_fit(gpu: str, peak: int):
     from fxacct.memory.account import Fit
     from fxacct.predict.devices import get_device
 
-    device = get_device(gpu)
-    return Fit(device.name, device.capacity_reported, peak, device.capacity_reported - peak, None, False)
+    return Fit.on(get_device(gpu), peak)
 
 
 def skipped_gather_warnings(rows, config) -> tuple[str, ...]:
