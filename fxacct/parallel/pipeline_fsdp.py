@@ -127,8 +127,7 @@ def _region(ops: list, i: int, chunk_cat, born_at: dict) -> Region | None:
     start, end, touched, scattered = born_at[out[0]][0], i, {out[0]}, False
     for j in range(i + 1, len(ops)):
         node = ops[j]
-        reads = {t.storage for a in node.all_input_nodes for t in tensor_metas(a.meta.get("val"))}
-        made = {t.storage for t in tensor_metas(node.meta.get("val"))}
+        reads, made = set(_storages(node.all_input_nodes)), set(_storages(node))
         if not scattered and _is_alloc(node):
             touched |= made
         elif not scattered and _name(node) == REDUCE_SCATTER and reads & touched:
