@@ -22,10 +22,11 @@ def _load_cli(root: Path):
     if str(root) not in sys.path[:1]:
         sys.path.insert(0, str(root))
     cli_dir = root / "cli"
-    loaded = sys.modules.get("fxacct_cli")
-    if loaded is not None and Path(loaded.__file__).resolve().parent != cli_dir.resolve():
-        for name in [n for n in sys.modules if n == "fxacct_cli" or n.startswith("fxacct_cli.")]:
-            del sys.modules[name]
+    for package, folder in (("fxacct", root / "fxacct"), ("fxacct_cli", cli_dir)):
+        loaded = sys.modules.get(package)  # imported from another copy (an installed one): forget it
+        if loaded is not None and Path(loaded.__file__).resolve().parent != folder.resolve():
+            for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+                del sys.modules[name]
     if "fxacct_cli" not in sys.modules:
         spec = importlib.util.spec_from_file_location("fxacct_cli", cli_dir / "__init__.py",
                                                       submodule_search_locations=[str(cli_dir)])
@@ -33,9 +34,9 @@ def _load_cli(root: Path):
         sys.modules["fxacct_cli"] = package
         spec.loader.exec_module(package)
     main = importlib.import_module("fxacct_cli.main")
-    source = Path(main.__file__).resolve()
-    if source.parent != cli_dir.resolve():
-        raise RuntimeError(f"cli_reference hook: imported {source}, not {cli_dir}")
+    for module, folder in ((main, cli_dir), (sys.modules["fxacct"], root / "fxacct")):
+        if Path(module.__file__).resolve().parent != folder.resolve():
+            raise RuntimeError(f"cli_reference hook: imported {module.__file__}, not from {folder}")
     return main.cli
 
 
