@@ -16,7 +16,7 @@ middle generation). The trace's objects live until the account is built (records
 tensors), so each full collection walks a heap that only grows and finds almost nothing: on the
 70B ``--mesh fsdp=8,tp=8`` profile 11 of them took 1.3 s and freed 159 objects; with the
 threshold ten times higher, 3 took 0.3 s, at the same peak RSS. Measured on the 70B profiles
-(bench/speed.py): see the README's "Speed".
+(bench/speed.py): see docs/speed.md.
 
 A process that froze its own heap (a forking server does, before ``fork``) keeps it as it is:
 fxacct freezes only when nothing is frozen, so it never unfreezes what the caller froze, and a

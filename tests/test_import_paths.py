@@ -64,7 +64,7 @@ def test_hf_config_acceptance_matches_flop_counter(llama_json):
     t = doc["totals"]
     assert (t["forward_flops_by_class"]["matmul"] + t["forward_flops_by_class"]["attention"],
             t["backward_flops_by_class"]["matmul"] + t["backward_flops_by_class"]["attention"]) == (fwd, bwd)
-    # the config's torch_dtype is not applied (README): float32 unless --dtype
+    # the config's torch_dtype is not applied (docs/guide.md): float32 unless --dtype
     assert set(doc["by_dtype"]) >= {"float32"} and "bfloat16" not in doc["by_dtype"]
 
 

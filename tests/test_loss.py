@@ -5,7 +5,7 @@ Oracles, independent of fxacct's capture, liveness and cost code:
   here with torch.nn.functional (the targets made before the step and tracked like the inputs, as a
   data loader makes them);
 - the loss's FLOPs: the aten ops an eager F.cross_entropy forward + backward runs (recorded by a
-  dispatch mode on real tensors) and the documented per-op constants of README "Conventions"
+  dispatch mode on real tensors) and the documented per-op constants of docs/conventions.md
   (fxacct/costs/pointwise.py), added up by hand;
 - the model's own loss: Hugging Face computes it from ``labels``; its FLOPs and peak must equal the
   same cross-entropy taken by fxacct (HF's ForCausalLMLoss is F.cross_entropy over fp32 logits with
@@ -127,7 +127,7 @@ def test_cross_entropy_flops_equal_the_eager_ops_by_hand():
     by_hand = (5 * n * v + n) + 4 * n * v + (3 * n + 1) + (n + n * v + 1)
     assert by_hand == 5_244_162
     assert p.accounting.totals.loss_flops == by_hand
-    # the sum loss of the same model: one sum over the logits, 1 per element (README)
+    # the sum loss of the same model: one sum over the logits, 1 per element (docs/conventions.md)
     assert fxacct.profile(_gpt_config("sum")).accounting.totals.loss_flops == n * v
 
 
@@ -147,7 +147,7 @@ def test_mse_peak_equals_eager_f_mse_loss():
     y = torch.randn(BATCH, 64, GPT[1]["vocab_size"])  # like the output: float32[4, 64, 2048]
     eager = _eager_peak(model, (idx,), _mse, y, torch.optim.SGD)
     assert p.memory.peak_train.bytes == eager
-    # mse: 3 per element forward (sub, square, sum), 3 per element backward (README)
+    # mse: 3 per element forward (sub, square, sum), 3 per element backward (docs/conventions.md)
     assert p.accounting.totals.loss_flops == 6 * BATCH * 64 * 2048
 
 

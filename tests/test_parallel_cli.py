@@ -121,7 +121,7 @@ def test_user_parallelize_raising_is_a_model_error(tmp_path):
      "has no name 'missing'; functions defined there: other"),
 ], ids=["parallelize-signature", "pp-split-signature", "missing-function"])
 def test_a_function_flag_that_cannot_be_called_as_documented_is_a_usage_error(tmp_path, source, flags, expected):
-    """The user's function is called as the README says; one that cannot take those arguments, or
+    """The user's function is called as docs/parallel.md says; one that cannot take those arguments, or
     that is not there, is a usage error naming the flag (it was an internal error, exit 4)."""
     f = tmp_path / "fns.py"
     f.write_text(source)
@@ -236,7 +236,7 @@ def test_a_ranks_peak_is_fitted_on_the_gpu_under_a_mesh():
 
 
 def test_hugging_face_attention_under_tp_warns_of_the_general_path():
-    """Under tp transformers' attention takes its general path (README, Limits): the peak is an
+    """Under tp transformers' attention takes its general path (docs/limits.md): the peak is an
     upper bound for an unpadded batch, and the report says so; not under fsdp alone (eager path,
     exact), nor with an attention_mask given (eager takes the general path too)."""
     pytest.importorskip("transformers")

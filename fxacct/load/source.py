@@ -1,4 +1,4 @@
-"""Where a model comes from, in the three spec forms (README, "Loading a model"), and how it is
+"""Where a model comes from, in the three spec forms (docs/guide.md, "Loading a model"), and how it is
 built and fed, on meta for the account and on a real device for ``--runtime``: one path for both.
 
 - ``PATH.py:Name``: a class or factory in a Python file (fxacct.load.model_spec);

@@ -117,13 +117,13 @@ def general_attention_warnings(hf_model: bool, spec: MeshSpec, kwargs: dict) -> 
     """Under tp a Hugging Face model's activations are DTensors, whose local ops carry no known
     values, so transformers takes its general attention path (an explicit mask, k/v repeated for
     grouped-query attention), which eager takes only with a padded batch or a given
-    attention_mask (README, Limits)."""
+    attention_mask (docs/limits.md)."""
     if not hf_model or spec.size("tp") == 1 or "attention_mask" in kwargs:
         return ()
     return (f"--mesh {spec}: under tensor parallelism transformers' attention takes its general path (an explicit "
             "mask, k/v repeated for grouped-query attention), which eager takes only for a padded batch or a given "
             "attention_mask: for an unpadded batch the peak is an upper bound (a Qwen3 at tp=2: 1.3-3% over a real "
-            "run; README, Limits)",)
+            "run; docs/limits.md)",)
 
 
 def whatif_warnings(config) -> tuple[str, ...]:

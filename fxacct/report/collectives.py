@@ -180,7 +180,7 @@ def render_ranks(parallel, ranks, predicted_peak: int | None, width: int | None 
     return "\n".join(lines)
 
 
-# README Limits; measured: the same eager step on the fake process group peaks at the prediction
+# docs/limits.md; measured: the same eager step on the fake process group peaks at the prediction
 GLOO_REDUCE_SCATTER = ("note: gloo reduce-scatters through an all-reduce of a full copy of its input, so while one "
                        "runs a rank holds a whole unit's gradients in the reduce dtype; NCCL, and the account, "
                        "reduce into the shard. A peak that falls there measures over the prediction on gloo only.")

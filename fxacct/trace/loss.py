@@ -1,4 +1,4 @@
-"""The loss fxacct differentiates: one definition for the trace and for real runs (README, "The loss").
+"""The loss fxacct differentiates: one definition for the trace and for real runs (docs/conventions.md, "The loss").
 
 - ``sum`` (the default): the sum over every floating-point output tensor (pytree order) of
   ``t.float().sum()``, or only the output at index ``--loss-output`` of that list.
