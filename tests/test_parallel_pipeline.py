@@ -369,3 +369,19 @@ def test_only_the_last_stage_takes_the_loss():
     assert first[0] == first[1]
     last = [(p.stages[1].profile.accounting.totals, p.stages[1].peak_bytes) for p in pipes.values()]
     assert last[0] != last[1]
+
+
+def _attention_ops(prof) -> set[str]:
+    return {str(n.target) for n in prof.capture.graph.nodes
+            if n.op == "call_function" and "scaled_dot_product" in str(n.target)}
+
+
+def test_pipeline_stage_under_gpu_takes_the_gpu_attention_kernel():
+    """An automatic split cuts stages with torch.export, which records attention as the aten op;
+    under --gpu h100 the stage must still take the kernel a GPU runs (the memory-efficient one for
+    fp32, as one device does: fxacct.predict.targets rule 1), not the CPU flash kernel."""
+    cfg = dict(target=target(LLAMA), batch=2, kwargs=dict(KW), gpu="h100")
+    one = fxacct.profile(fxacct.Config(**cfg))
+    stage = fxacct.profile(fxacct.Config(**cfg, mesh="pp=2")).parallel.pipeline.stages[0].profile
+    assert _attention_ops(one) == {"aten._scaled_dot_product_efficient_attention.default"}
+    assert _attention_ops(stage) == _attention_ops(one)

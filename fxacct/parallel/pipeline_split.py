@@ -156,11 +156,18 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return m.requires_grad_(t.requires_grad and t.is_floating_point())
 
 
+# torch.export records F.scaled_dot_product_attention as the aten op, which an interpreted stage
+# calls below the torch-function layer, where the target-device rules choose the kernel a GPU runs
+# (fxacct.predict.targets, rule 1): the stage calls the torch function again, as the model did.
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
 def _off_meta(part):
     """Tensors the exported graph creates or checks on the device it was cut on (``arange(...,
     device=meta)``, ``.to(meta)``, export's ``_assert_tensor_metadata(..., device=meta)`` when the
     model was cut on meta) are made on the CPU, the device of fxacct's fake tensors: in the stage's
-    own graph and in every nested one (torch.export's unflattened InterpreterModules)."""
+    own graph and in every nested one (torch.export's unflattened InterpreterModules). Attention is
+    called as F.scaled_dot_product_attention (_SDPA)."""
     meta, cpu = torch.device("meta"), torch.device("cpu")
 
     def on_cpu(v):
@@ -175,6 +182,8 @@ def _off_meta(part):
             args, kwargs = tuple(on_cpu(a) for a in n.args), {k: on_cpu(v) for k, v in n.kwargs.items()}
             if args != n.args or kwargs != n.kwargs:
                 n.args, n.kwargs, changed = args, kwargs, True
+            if n.op == "call_function" and n.target is _SDPA:
+                n.target, changed = torch.nn.functional.scaled_dot_product_attention, True
         if changed:
             compiled = gm if isinstance(gm, torch.fx.GraphModule) else getattr(gm, "graph_module", None)
             if compiled is not None:
