@@ -383,5 +383,6 @@ def test_pipeline_stage_under_gpu_takes_the_gpu_attention_kernel():
     cfg = dict(target=target(LLAMA), batch=2, kwargs=dict(KW), gpu="h100")
     one = fxacct.profile(fxacct.Config(**cfg))
     stage = fxacct.profile(fxacct.Config(**cfg, mesh="pp=2")).parallel.pipeline.stages[0].profile
-    assert _attention_ops(one) == {"aten._scaled_dot_product_efficient_attention.default"}
+    assert _attention_ops(one) == {"aten._scaled_dot_product_efficient_attention.default",
+                                   "aten._scaled_dot_product_efficient_attention_backward.default"}
     assert _attention_ops(stage) == _attention_ops(one)
