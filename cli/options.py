@@ -16,6 +16,7 @@ from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.load.config import CAUSAL_CONVENTIONS, Config
 from fxacct.load.inputs import parse_input_spec
+from fxacct.load.mesh import parse_mesh
 from fxacct.load.model_spec import parse_kwarg
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.report.files import check_writable
@@ -161,11 +162,7 @@ def group(title: str, *options):
 
 
 def _mesh(ctx, param, value):
-    if value is not None:
-        from fxacct.parallel.mesh import parse_mesh
-
-        parse_mesh(value)  # a malformed mesh fails when the flags are read
-    return value
+    return parse_mesh(value) if value is not None else None  # a malformed mesh fails when the flags are read
 
 
 MESH_OPTIONS = (

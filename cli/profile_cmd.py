@@ -10,7 +10,6 @@ import click
 
 import fxacct
 from fxacct.errors import InternalError, ModelError, UsageError
-from fxacct.predict.roofline import predict_profile
 from fxacct.report import document, render_rows
 from fxacct.report.text import render_profile_text
 from fxacct.runtime import RuntimeOptions
@@ -120,7 +119,7 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
         result, prediction = run.profile, run.prediction
     else:
         run, result = None, fxacct.profile(config)
-        prediction = predict_profile(result)
+        prediction = result.prediction
     _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace)
     if run is not None and run.measured.interrupted:
         click.echo(f"error: interrupted after {run.measured.steps} of {run.measured.steps_requested} timed steps; "
@@ -188,7 +187,7 @@ def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dic
         raise UsageError(f"--gpu {config.gpu} is a CUDA target but the real run with --mesh runs CPU processes: "
                          "drop --gpu to compare with them")
     result = fxacct.profile(config)
-    prediction = predict_profile(result)
+    prediction = result.prediction
     try:
         ranks = run_mesh(config, steps=options.steps, warmup=options.warmup)
     except (ModelError, InternalError):  # the real run failed: the account stands, then the error's line

@@ -9,7 +9,8 @@ computed on fake tensors before you rent a GPU.
 
 from fxacct.load.config import Config
 from fxacct.errors import FxacctError, ModelError, UsageError
-from fxacct.profile import Profile, profile, profile_module
+from fxacct.api import profile, profile_module
+from fxacct.step import Profile
 from fxacct.units import FLOPS_PER_FMA, GB, GiB
 
 __version__ = "0.1.0"

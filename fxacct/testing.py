@@ -24,7 +24,7 @@ from fxacct.tools.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
 from fxacct.load.config import Config
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.profile import profile_module
+from fxacct.api import profile_module
 from fxacct.units import parse_bytes
 
 

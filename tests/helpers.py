@@ -42,7 +42,7 @@ def config(name: str, batch: int = 2, **overrides) -> fxacct.Config:
 
 def load(cfg: fxacct.Config):
     """(model on meta, args, kwargs) for a Config's target, as fxacct.profile loads them."""
-    from fxacct.profile import load_model
+    from fxacct.load.source import load_model
 
     model, args, kwargs = load_model(cfg)[:3]
     return model, args, kwargs

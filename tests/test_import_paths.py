@@ -14,7 +14,7 @@ import torch
 
 import fxacct
 from fxacct.errors import UsageError
-from fxacct.profile import load_model
+from fxacct.load.source import load_model
 from helpers import flop_counter_oracle, meta_input, on_meta, target
 from test_cli import assert_one_line_error, invoke, profile_json
 

@@ -132,7 +132,7 @@ def test_cross_entropy_flops_equal_the_eager_ops_by_hand():
 
 
 def test_cross_entropy_leaves_forward_and_backward_flops_as_flop_counter_counts_them():
-    from fxacct.profile import load_model
+    from fxacct.load.source import load_model
 
     cfg = _gpt_config("cross-entropy")
     model, args, kwargs, _ = load_model(cfg)
@@ -203,7 +203,7 @@ def test_a_returned_loss_under_sum_is_warned_about(hf_gpt2):
 
 
 def test_hf_model_loss_flops_match_flop_counter(hf_gpt2):
-    from fxacct.profile import load_model
+    from fxacct.load.source import load_model
 
     cfg = fxacct.Config(target=f"hf:{hf_gpt2}", batch=2, seq_len=16, loss="model")
     model, args, kwargs, _ = load_model(cfg)

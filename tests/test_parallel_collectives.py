@@ -127,7 +127,7 @@ def test_hugging_face_plan_collectives_equal_the_engines():
     collectives."""
     pytest.importorskip("transformers")
     from fxacct.parallel.engine import parallelize
-    from fxacct.parallel.mesh import parse_mesh
+    from fxacct.load.mesh import parse_mesh
 
     rel = "tests/models/hf_llama_tp.py:make"
     cfg = fxacct.Config(target=target(rel), batch=BATCH, mesh="fsdp=2,tp=2")

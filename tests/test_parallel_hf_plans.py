@@ -37,7 +37,7 @@ def _eager_args(name, dims, cfg):
     """(model_fn, parallelize, inputs) for the oracle: fxacct's own parallelize (transformers'
     plan on tp, FSDP2 on fsdp), called on a real model."""
     from fxacct.parallel.engine import parallelize
-    from fxacct.parallel.mesh import parse_mesh
+    from fxacct.load.mesh import parse_mesh
 
     rel, dtype = MODELS[name]
     make, inputs = load(rel), load(rel.rpartition(":")[0] + ":example_inputs")

@@ -78,7 +78,7 @@ def test_rank_inference_peak_matches_the_storage_tracker(dims, par):
     while gathered (fxacct.parallel.fsdp_storage.with_resizes), not count as resident buffers.
     Counted as resident, each block's gathered weights would add to the peak (+15% here)."""
     from fxacct.parallel.engine import parallelize as engine_parallelize
-    from fxacct.parallel.mesh import parse_mesh
+    from fxacct.load.mesh import parse_mesh
 
     mesh = ",".join(f"{k}={v}" for k, v in dims.items())
     predicted = _profile(LLAMA, mesh, par).memory.peak_inference.bytes
@@ -105,18 +105,18 @@ def test_a_capture_leaves_no_tags_on_the_engines_tensors():
     capture tags every tensor it meets with the record that made it; a tag left on a tensor FSDP2
     keeps (its sharded parameters, gathered parameters, all-gather buffers) would point the next
     capture at a record of the last one. After a capture none is left."""
+    from fxacct.load.source import load_model
     from fxacct.parallel.engine import device_mesh, fake_group
-    from fxacct.parallel.mesh import parse_mesh
-    from fxacct.parallel.rank_capture import prepare, rank_capture
-    from fxacct.profile import load_model
+    from fxacct.parallel.rank_capture import RankCapturer, prepare
+    from fxacct.step import capture_options
     from fxacct.trace.records import TAG
 
     config = fxacct.Config(target=target(LLAMA), batch=2, mesh="fsdp=2")
-    spec = parse_mesh(config.mesh)
+    spec = config.mesh
     with fake_group(spec.world_size):
         model, args, kwargs, _ = load_model(config)
         prepared = prepare(model, spec, device_mesh(spec), config)
-        rank_capture(model, args, kwargs, prepared, config)
+        RankCapturer(model, args, kwargs, prepared, {}).capture(capture_options(config, model))
         kept = list(model.parameters())
         for module in model.modules():
             state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
@@ -137,7 +137,7 @@ def test_amp_fsdp_peak_on_a_hugging_face_llama_matches_the_storage_tracker():
     rank's part (aten.split / copy_ after c10d._reduce_scatter_base_ in its trace); NCCL, and the
     engine fxacct traces, reduce into the shard-sized output."""
     from fxacct.parallel.engine import parallelize as engine_parallelize
-    from fxacct.parallel.mesh import parse_mesh
+    from fxacct.load.mesh import parse_mesh
 
     rel = "tests/models/hf_llama_tp.py:make"
     config = fxacct.Config(target=target(rel), batch=2, mesh="fsdp=2", amp=torch.bfloat16)

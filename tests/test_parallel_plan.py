@@ -19,7 +19,7 @@ from fxacct.predict.roofline import predict_profile
 from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.screen import extrapolate, point, truncate, truncated_loader
 from fxacct.predict import devices
-from fxacct.profile import load_model
+from fxacct.load.source import load_model
 from fxacct_cli.main import cli
 from helpers import target
 

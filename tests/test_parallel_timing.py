@@ -10,7 +10,7 @@ import torch.fx as fx
 
 import fxacct
 from fxacct.parallel.links import LINKS, collective_seconds, within_node
-from fxacct.parallel.mesh import parse_mesh
+from fxacct.load.mesh import parse_mesh
 from fxacct.parallel.timing import critical_path
 from helpers import target
 
@@ -68,5 +68,10 @@ def test_step_time_bounds_and_json():
     d = document(p, prediction)
     assert d["totals"]["predicted_step_ms"] == pytest.approx(1e3 * t.step_s)
     assert f"{1e3 * t.step_s:.2f} ms predicted on" in render_summary(p, prediction)
-    assert d["mesh"]["time"]["tokens_per_s_job"] == pytest.approx(2 * d["mesh"]["time"]["tokens_per_s_rank"])
+    # a tp group of 2 shares one batch: each GPU's share is half the group's; 4 GPUs make the job
+    time_doc = d["mesh"]["time"]
+    tokens = 2 * 64  # batch 2 × T = 64 (examples/llama.py's max_seq)
+    assert time_doc["tokens_per_s_tp_group"] == pytest.approx(tokens / t.step_s)
+    assert time_doc["tokens_per_s_gpu"] == pytest.approx(tokens / t.step_s / 2)
+    assert time_doc["tokens_per_s_job"] == pytest.approx(4 * time_doc["tokens_per_s_gpu"])
     assert all(c["predicted_ms"] > 0 for c in d["collectives"])

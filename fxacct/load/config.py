@@ -3,11 +3,12 @@ Validation happens here, before any tracing, so a bad value fails fast with a us
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fxacct.errors import UsageError
+from fxacct.load.mesh import MeshSpec, check_config, check_pipeline_flags, parse_mesh
 
 CAUSAL_CONVENTIONS = ("full", "halved")
 AMP_DTYPES = (torch.bfloat16, torch.float16)
@@ -37,7 +38,7 @@ class Config:
     loss: str = "sum"  # fxacct.trace.loss.LOSSES: sum, cross-entropy, mse, model
     hf_class: str | None = None  # hf:PATH: the transformers class (default from the config)
     seq_len: int | None = None  # the default inputs' sequence length (Hugging Face models)
-    mesh: str | None = None  # "fsdp=8,tp=8" (fxacct.parallel.mesh): trace one rank of the parallelized model
+    mesh: str | None = None  # "fsdp=8,tp=8" (fxacct.load.mesh): trace one rank of the parallelized model
     parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
     reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
     gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
@@ -73,10 +74,11 @@ class Config:
         if self.gpu is not None:
             get_device(self.gpu)
         self._check_loading()
+        if isinstance(self.mesh, str):
+            object.__setattr__(self, "mesh", parse_mesh(self.mesh))
         if self.mesh is not None:  # first: --mesh with --shard names the clash, not a --world-size to add
-            from fxacct.parallel.mesh import check_config
-
             check_config(self)
+        check_pipeline_flags(self)
         check(self.shard, self.world_size)
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
@@ -90,6 +92,12 @@ class Config:
             raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
         if self.checkpoint_policy is not None and not self.checkpoint:
             raise UsageError("--checkpoint-policy needs --checkpoint PATTERN (the modules it applies to)")
+
+    def stage(self, mesh: MeshSpec | None) -> Config:
+        """The Config one pipeline stage is traced under: the rest of the mesh (None: one device),
+        without the flags that say how the pipeline runs (the stage is one micro-batch's step)."""
+        return replace(self, mesh=mesh, parallelize=self.parallelize if mesh is not None else None,
+                       pp_split=None, microbatches=None, pp_stages_per_rank=None)
 
     def optimizer_spec(self):
         from fxacct.trace.optim_step import OptimizerSpec

@@ -176,3 +176,16 @@ def guessed_input_note(config, model) -> str | None:
 
 __all__ = ["ModelSource", "open_source", "inputs", "default_inputs", "import_name", "is_module_path",
            "guessed_input_note"]
+
+
+def load_model(config):
+    """(model on meta, args, kwargs, inputs_for) for config.target: ``inputs_for(batch) -> (args,
+    kwargs)`` builds the inputs of another batch (the largest-batch search)."""
+    src = open_source(config)
+    model = src.build()
+
+    def inputs_for(batch: int):
+        return inputs(src, model, config, batch)
+
+    args, kwargs = inputs_for(config.batch)
+    return model, args, kwargs, inputs_for

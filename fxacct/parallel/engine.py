@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from fxacct.errors import UsageError, classify
-from fxacct.parallel.mesh import MeshSpec
+from fxacct.load.mesh import MeshSpec
 from fxacct.trace import torch_private as tp
 
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")

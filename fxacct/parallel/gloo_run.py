@@ -23,7 +23,6 @@ import torch
 
 from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
 from fxacct.parallel.collectives import _OPS
-from fxacct.parallel.mesh import parse_mesh
 from fxacct.trace import torch_private as tp
 
 MAX_RANKS = 8
@@ -78,7 +77,7 @@ def _free_port() -> int:
 
 def check_runnable(config):
     """The MeshSpec of a mesh the real check can run as the account was traced, else a UsageError."""
-    spec = parse_mesh(config.mesh)
+    spec = config.mesh
     if spec.world_size > MAX_RANKS:
         raise UsageError(f"--runtime with --mesh {spec} would start {spec.world_size} processes on this "
                          f"machine; the real check runs at most {MAX_RANKS} ranks: use a smaller mesh")
@@ -165,7 +164,7 @@ def _measure(rank, config, steps, warmup) -> dict:
     from fxacct.runtime.storage_tracker import StorageTracker
     from fxacct.trace.loss import training_loss
 
-    spec = parse_mesh(config.mesh)
+    spec = config.mesh
     if spec.size("pp") > 1:
         return _measure_pipeline(rank, spec, config, steps, warmup)
     mesh = device_mesh(spec)
@@ -210,12 +209,12 @@ def _pipeline_place(rank, spec):
     """(this rank's pipeline rank, the pp process group or None for the default one, the MeshSpec
     and DeviceMesh each stage is parallelized on, or None with pp alone)."""
     from fxacct.parallel.engine import device_mesh
-    from fxacct.parallel.mesh import without_pp
+    from fxacct.load.mesh import without_pp
 
     rest = without_pp(spec)
     if rest is None:
         return rank, None, None, None
-    mesh, rest = device_mesh(spec), parse_mesh(rest)
+    mesh = device_mesh(spec)
     sub = mesh[rest.names] if len(rest.names) > 1 else mesh[rest.names[0]]
     return mesh["pp"].get_local_rank(), mesh["pp"].get_group(), rest, sub
 

@@ -75,7 +75,7 @@ def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline
 def model_facts(config) -> tuple[ModelFacts, object]:
     """(facts, the model on meta) from one build of config.target."""
     from fxacct.parallel.screen import block_container
-    from fxacct.profile import load_model
+    from fxacct.load.source import load_model
 
     model = load_model(config)[0]
     found = block_container(model)
@@ -90,7 +90,7 @@ def exact_rejection(layout: Layout, facts: ModelFacts, model, gpus: int, global_
                     capacity: int) -> str | None:
     """Why the layout cannot run or fit, from arguments that need no trace; None if none applies."""
     from fxacct.parallel.engine import check_heads
-    from fxacct.parallel.mesh import MeshSpec
+    from fxacct.load.mesh import MeshSpec
 
     if layout.micro_batch == 0:
         return f"the global batch {global_batch} does not divide over {layout.fsdp} data-parallel ranks"

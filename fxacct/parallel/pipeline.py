@@ -27,50 +27,24 @@ from dataclasses import dataclass, replace
 import torch
 
 from fxacct.errors import UsageError, classify
+from fxacct.load.mesh import without_pp
+from fxacct.load.model_spec import call_user, check_call, resolve_function
+from fxacct.load.source import load_model
+from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
-from fxacct.parallel.mesh import parse_mesh, without_pp
+from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.pipeline_collectives import rank_rows
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
 from fxacct.parallel.pipeline_split import (
     MODEL_INPUT, StageInput, block_costs, is_function, meta_like, split_points, stage_inputs, stage_module,
 )
+from fxacct.step import OneDevice, account_step
 from fxacct.trace import torch_private as tp
-
-
-@dataclass(frozen=True)
-class StageAccount:
-    stage: int  # the rank's index in the pipeline (its first stage)
-    profile: object  # fxacct.Profile of one micro-batch on this rank's first stage
-    in_flight: int  # micro-batches whose activations the stage holds at once
-    peak_bytes: int  # the step replayed in the schedule's order (fxacct.parallel.pipeline_memory)
-    send_bytes: int  # per step: activations forward + input gradients backward
-    recv_bytes: int
-    stages_on_rank: tuple[int, ...] = ()  # the pipeline stages this rank runs (r, r + P, ... interleaved)
-    sends: int = 0  # per step: send ops (one per tensor per micro-batch)
-    recvs: int = 0
-    collectives: tuple = ()  # CollectiveRow of one step on the rest of the mesh (pipeline_collectives)
-
-
-@dataclass(frozen=True)
-class PipelineAccount:
-    stages: tuple[StageAccount, ...]
-    schedule: str
-    microbatches: int
-    bubble_fraction: float  # idle share of the step on a rank, from the schedule's order
-    stages_per_rank: int = 1
-    model_class: str | None = None  # the class of the whole model, before it was cut into stages
-
-    @property
-    def peak_bytes(self) -> int:
-        """The largest rank's peak over the whole step (its in-flight micro-batches included)."""
-        return max(s.peak_bytes for s in self.stages)
 
 
 def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=None):
     """Stage ``stage``'s module: the user's --pp-split function's, or the model cut at ``points``."""
-    from fxacct.load.model_spec import call_user, check_call, resolve_function
-
     if points is not None:
         return stage_module(model, args, kwargs or {}, points, stage)
     form = "fn(model, stage, stages)"
@@ -88,8 +62,6 @@ def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=
 def resolve_points(config, stages: int):
     """The FQNs where stages begin (None with a --pp-split function); automatic ones balance the
     repeated blocks' FLOPs in a one-device trace of the whole model."""
-    from fxacct.profile import load_model, profile_module
-
     if is_function(config.pp_split):
         return None
     model, args, kwargs, _ = load_model(config)
@@ -97,7 +69,8 @@ def resolve_points(config, stages: int):
     blocks = [n for n, m in model.named_modules() if id(m) in found]
 
     def cost():
-        prof = profile_module(model, args, kwargs, replace(config, mesh=None, parallelize=None, optimizer="none"))
+        one = replace(config.stage(None), optimizer="none")
+        prof = account_step(one, OneDevice(model, args, kwargs), with_inference=False)
         return block_costs(prof.accounting, blocks)
 
     return split_points(model, config.pp_split, stages, cost)
@@ -109,8 +82,6 @@ def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[S
     passes its hidden states with RoPE's cos and sin and the attention mask). A stage that reads
     from further back than the stage before (that Llama cut in three: cos, sin and the mask go
     from stage 0 to stage 2) is a skip connection torch's pipelining cannot run: refused."""
-    from fxacct.profile import load_model
-
     def fresh():  # the model on meta in the step's dtype, and its inputs
         model, args, kwargs, _ = load_model(config)
         if config.dtype is not None:
@@ -177,9 +148,7 @@ def traffic(received: list[list[StageInput]], s: int) -> Traffic:
 def profile_pipeline(config):
     """The PipelineAccount of --mesh pp=P: one StageAccount per rank (its stages, V of them under
     interleaved 1F1B: stages r, r + P, ...), each stage traced for one micro-batch."""
-    from fxacct.profile import load_model
-
-    spec = parse_mesh(config.mesh)
+    spec = config.mesh
     if spec.size("tp") > 1 and not is_function(config.pp_split):
         raise UsageError(f"--mesh {spec}: an automatic or FQN split cuts stages with torch.export (pipeline()), and "
                          "tensor parallelism cannot shard those traced graphs (their layers are no nn.Linear, their "
@@ -217,23 +186,19 @@ def profile_pipeline(config):
 
 def _profile_stage(config, s: int, stages: int, points, args, kwargs):
     """Stage s's Profile for one micro-batch (on the rest of the mesh, if any)."""
-    from fxacct.profile import load_model, profile_module
-
     # a received activation requires grad where the stage that made it gave it one (StageInput)
-    cfg = replace(config, mesh=without_pp(parse_mesh(config.mesh)))
+    cfg = config.stage(without_pp(config.mesh))
     if s < stages - 1:  # the loss is the last stage's; an earlier one receives its output's gradient
         cfg = replace(cfg, loss="sum", loss_output=None)  # (a sum's backward: a gradient, no loss op)
 
     def loader(c):
         model, full_args, full_kwargs, _ = load_model(c)
-        return _split(c, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
+        return _split(config, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
 
     if cfg.mesh is not None:
-        from fxacct.parallel.profile import profile_parallel
-
         return profile_parallel(cfg, loader)
     model, _, _, _ = loader(cfg)
-    return profile_module(model, args, kwargs, replace(cfg, mesh=None, parallelize=None))
+    return account_step(cfg, OneDevice(model, args, kwargs))
 
 
 def _rank_account(profs, flows: list[Traffic], r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:

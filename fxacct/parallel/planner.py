@@ -107,7 +107,7 @@ class Planner:
         return self.cache[key]
 
     def _pipeline(self, cfg):
-        from fxacct.profile import profile
+        from fxacct.api import profile
 
         key = (cfg.mesh, cfg.batch, cfg.checkpoint, cfg.microbatches)
         if key not in self.cache:

@@ -3,91 +3,42 @@ collectives are marked, and the single-device stages (annotate, account, memory)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, alias_waits, mark, mesh_groups, rows
+from fxacct.load.mesh import MeshSpec
+from fxacct.load.source import load_model
+from fxacct.parallel.accounts import ParallelAccount
+from fxacct.parallel.collectives import mesh_groups, rows
 from fxacct.parallel.engine import device_mesh, fake_group
-from fxacct.parallel.fsdp_storage import unsave_resized, with_resizes
-from fxacct.parallel.mesh import MeshSpec, parse_mesh
-from fxacct.parallel.rank_capture import prepare, rank_capture
-from fxacct.parallel.timing import ParallelTime, Throughput, predict_time, throughput
+from fxacct.parallel.rank_capture import RankCapturer, prepare
+from fxacct.parallel.timing import predict_time, throughput
+from fxacct.step import Profile, account_step
 
 
-@dataclass(frozen=True)
-class ParallelAccount:
-    mesh: MeshSpec
-    rank: int  # the representative rank traced
-    collectives: tuple[CollectiveNode, ...]  # every collective node, in issue order
-    rows: tuple[CollectiveRow, ...]  # summed by op, mesh dim, phase and module
-    time: ParallelTime | None = None  # with --gpu: the critical path over compute and communication
-    throughput: Throughput | None = None
-    pipeline: object = None  # fxacct.parallel.pipeline.PipelineAccount under --mesh pp=P
-    node_seconds: dict | None = None  # collective node -> predicted seconds (with --gpu), else None
-    model_params: int | None = None  # the whole model's parameters (global shapes), not this rank's shards
-    model_frozen_params: int = 0  # of them, those that do not require grad
-    resizes: tuple = ()  # FSDP2's storage resizes in the training trace (fxacct.parallel.fsdp_storage)
-
-    @property
-    def comm_wire_bytes(self) -> int:
-        """What this rank sends in a step: its collectives' wire bytes, and under pp its stage's
-        sends (activations forward, input gradients back; a send's wire bytes are its bytes)."""
-        sends = self.pipeline.stages[self.rank].send_bytes if self.pipeline is not None else 0
-        return sum(r.wire_bytes for r in self.rows) + sends
-
-
-def profile_parallel(config, loader=None, with_inference: bool = True):
-    """``loader(config) -> (model on meta, args, kwargs, _)``, default fxacct.profile.load_model
+def profile_parallel(config, loader=None, with_inference: bool = True) -> Profile:
+    """``loader(config) -> (model on meta, args, kwargs, _)``, default fxacct.load.source.load_model
     (fxacct.parallel.pipeline passes one stage's). ``with_inference=False`` skips the inference
     forward (its peak is then None): the planner's screen reads only the training step."""
-    from fxacct.account.accounting import account
-    from fxacct.account.annotate import annotate
-    from fxacct.memory import account as memory_account
-    from fxacct.memory.peak import lifetimes, walk
-    from fxacct.profile import Profile, load_model, precision_warnings, tokens_per_example
-
-    spec = parse_mesh(config.mesh)
-    load_model = loader or load_model
+    spec = config.mesh
     with fake_group(spec.world_size):
         mesh = device_mesh(spec)
-        model, args, kwargs, _ = load_model(config)
+        model, args, kwargs, _ = (loader or load_model)(config)
         built = type(model).__name__  # FSDP2 renames the class of what it wraps (FSDPLlama)
         hf_model = type(model).__module__.startswith("transformers.")
         prepared = prepare(model, spec, mesh, config)  # parallelized and materialized once
-        cap, resizes = rank_capture(model, args, kwargs, prepared, config)
-        alias_waits(cap)
-        cap = unsave_resized(cap, resizes)
-        annotate(cap.graph, config.causal_attention)
-        found = mark(cap.graph, mesh_groups(mesh, spec))
-        inference = None
-        if with_inference:
-            inference, resizes_i = rank_capture(model, args, kwargs, prepared, config, inference=True)
-            alias_waits(inference)
-    tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
-    acct = account(cap, config.batch, tokens, config.count_recompute)
-    memory = memory_account.assemble(
-        cap, acct, model, config.dtype,
-        walk(with_resizes(lifetimes(cap), resizes)) if cap.has_backward else None,
-        walk(with_resizes(lifetimes(inference), resizes_i)) if inference is not None else None)
+        rank = RankCapturer(model, args, kwargs, prepared, mesh_groups(mesh, spec))
+        prof = account_step(config, rank, with_inference)
+    cap, memory, found = prof.capture, prof.memory, rank.collectives
     time, seconds = predict_time((cap, memory.rank_peak.bytes if memory.rank_peak else None), spec, config, found)
     parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
-                               throughput(time, acct.totals, spec, config), node_seconds=seconds if time else None,
+                               throughput(time, prof.accounting.totals, spec, config, cap.graph),
+                               node_seconds=seconds if time else None,
                                model_params=sum(t.numel() for t in model.parameters()),  # a DTensor's: global
                                model_frozen_params=sum(t.numel() for t in model.parameters() if not t.requires_grad),
-                               resizes=tuple(resizes))
-    notes = precision_warnings(cap) + whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
+                               resizes=rank.training_resizes(cap))
+    notes = whatif_warnings(config) + skipped_gather_warnings(parallel.rows, config)
     notes += general_attention_warnings(hf_model, spec, kwargs)
-    if config.gpu is not None and memory.rank_peak is not None:
-        memory = replace(memory, fit=rank_fit(config.gpu, memory.rank_peak.bytes))
-    return Profile(config, acct, memory, cap, notes, parallel=parallel, model_class=built)
-
-
-def rank_fit(gpu: str, peak: int):
-    """A rank's peak against the GPU's capacity. No largest batch: under a mesh the batch is each
-    rank's share of a global one, which ``fxacct plan`` searches."""
-    from fxacct.memory.account import Fit
-    from fxacct.predict.devices import get_device
-
-    return Fit.on(get_device(gpu), peak)
+    return replace(prof, warnings=prof.warnings + notes, parallel=parallel, model_class=built)
 
 
 def skipped_gather_warnings(rows, config) -> tuple[str, ...]:
@@ -133,20 +84,3 @@ def whatif_warnings(config) -> tuple[str, ...]:
         return ()
     return ("--checkpoint with --mesh: the rank's step is traced checkpointed; the what-if table (the same step "
             "without checkpointing, module by module) is computed on one device only: run without --mesh to see it",)
-
-
-def profile_mesh(config):
-    """--mesh: one rank's account; with pp=P, stage 0's, carrying every stage's (PipelineAccount)."""
-    spec = parse_mesh(config.mesh)
-    if spec.size("pp") == 1:
-        return profile_parallel(config)
-    from fxacct.parallel.pipeline import profile_pipeline
-
-    pipe = profile_pipeline(config)
-    first = pipe.stages[0].profile
-    par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
-    par = ParallelAccount(spec, 0, (), (), pipeline=pipe) if par is None else replace(
-        par, mesh=spec, pipeline=pipe, rows=pipe.stages[0].collectives)
-    memory = first.memory if config.gpu is None else replace(first.memory, fit=rank_fit(config.gpu, pipe.peak_bytes))
-    return replace(first, config=config, parallel=par, warnings=first.warnings, memory=memory,
-                   model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)

@@ -11,14 +11,16 @@ bytes are FSDP2's padded per-rank bytes.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fxacct.errors import classify
 from fxacct.parallel.engine import parallelize
 from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
-from fxacct.parallel.fsdp_storage import StorageResizes
+from fxacct.memory.peak import lifetimes
+from fxacct.parallel.collectives import alias_waits, mark
+from fxacct.parallel.fsdp_storage import StorageResizes, unsave_resized, with_resizes
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.fake_mode import FakeTensorMode
@@ -74,27 +76,49 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
     return Prepared(mode, fake, (DTensor,), StorageResizes())
 
 
-def rank_capture(model, args, kwargs, prepared: Prepared, config, inference: bool = False) -> tuple[Capture, list]:
-    """(the capture, FSDP2's storage resize events: fxacct.parallel.fsdp_storage). One prepared
-    model serves the training capture and then the inference one: a capture leaves no tags on
-    the tensors FSDP2 keeps (fxacct.trace.dispatch_recorder.Recorder.untag), and the gradients
-    the training step left are dropped first, as no inference holds them."""
-    resizes = StorageResizes()
-    prepared = replace(prepared, resizes=resizes, gathers=GatherReplay(resizes) if config.dedup else None)
-    if inference:
-        model.zero_grad(set_to_none=True)
-    with tp.dtensor_meta_unrecorded(), prepared.resizes.watching(), gathers_replayed(prepared.gathers), \
-            warnings.catch_warnings():
-        # FSDP2 warns that an in-place op on a returned view would skip its hook: the traced step
-        # makes none (the loss reads the outputs), so the warning says nothing about this account
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        cap = capture(model, tuple(args), kwargs, CaptureOptions(
-            dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
-            optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
-            master_weights=config.master_weights, cuda=config.gpu is not None,
+@dataclass
+class RankCapturer:
+    """fxacct.step's Capturer for rank 0 of the parallelized model: each capture records FSDP2's
+    storage resizes (their lifetimes join the walk) and replays its gathers; collectives are
+    marked once the graph is annotated."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    prepared: Prepared
+    groups: dict  # process group name -> (mesh dim, size): fxacct.parallel.collectives.mesh_groups
+    resizes: dict = field(default_factory=dict)  # id(capture) -> its resize events
+    collectives: tuple = ()  # CollectiveNode of the training capture, in issue order
+
+    def capture(self, options: CaptureOptions) -> Capture:
+        """One capture of the prepared model. One prepared model serves the training capture and
+        then the inference one: a capture leaves no tags on the tensors FSDP2 keeps
+        (fxacct.trace.dispatch_recorder.Recorder.untag), and the gradients the training step left
+        are dropped first, as no inference holds them."""
+        resizes = StorageResizes()
+        prepared = replace(self.prepared, resizes=resizes, gathers=GatherReplay(resizes) if options.dedup else None)
+        if options.inference:
+            self.model.zero_grad(set_to_none=True)
+        with tp.dtensor_meta_unrecorded(), resizes.watching(), gathers_replayed(prepared.gathers), \
+                warnings.catch_warnings():
+            # FSDP2 warns that an in-place op on a returned view would skip its hook: the traced step
+            # makes none (the loss reads the outputs), so the warning says nothing about this account
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             # repeated blocks replay (FSDP2's hooks run around each block's forward and backward,
             # replayed or not, so its frees and reduce-scatters stay recorded; its gathers replay
             # from their own templates: fxacct.parallel.fsdp_replay)
-            dedup=config.dedup, prepared=prepared,
-            checkpoint=config.checkpoint, checkpoint_policy=config.checkpoint_policy))
-    return cap, prepared.resizes.events
+            cap = capture(self.model, tuple(self.args), self.kwargs, replace(options, prepared=prepared))
+        alias_waits(cap)
+        if not options.inference:
+            cap = unsave_resized(cap, resizes.events)
+        self.resizes[id(cap)] = resizes.events
+        return cap
+
+    def lifetimes(self, cap: Capture):
+        return with_resizes(lifetimes(cap), self.resizes[id(cap)])
+
+    def annotated(self, cap: Capture) -> None:
+        self.collectives = mark(cap.graph, self.groups)
+
+    def training_resizes(self, cap: Capture) -> tuple:
+        return tuple(self.resizes[id(cap)])

@@ -90,7 +90,7 @@ def truncate(model: torch.nn.Module, k: int) -> torch.nn.Module:
 
 def truncated_loader(k: int):
     """A loader for fxacct.parallel.profile.profile_parallel: the model with k blocks."""
-    from fxacct.profile import load_model
+    from fxacct.load.source import load_model
 
     def load(config):
         model, args, kwargs, inputs_for = load_model(config)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import networkx as nx
 import torch.fx as fx
 
 from fxacct.parallel.collectives import _OPS, _fn, is_collective
+from fxacct.parallel.links import LINKS, collective_seconds, within_node
+from fxacct.predict.devices import get_device
+from fxacct.predict.roofline import for_config, gpu_key, matmul_dtype, predict
 from fxacct.trace.dispatch_recorder import OPTIMIZER
 
 END = "__end__"
@@ -36,8 +40,6 @@ class ParallelTime:
 
 
 def critical_path(graph: fx.Graph, op_seconds: dict[str, float], comm_seconds: dict[str, float]) -> float:
-    import networkx as nx
-
     g = nx.DiGraph()
     last = {"compute": None, "comm": None}
     buffer_writer: dict[fx.Node, str] = {}
@@ -74,16 +76,17 @@ def _weight(node: fx.Node, op_seconds, comm_seconds) -> float:
 
 @dataclass(frozen=True)
 class Throughput:
-    tokens_per_s_rank: float | None
-    tokens_per_s_job: float | None  # every data-parallel replica; a tp group shares one batch
-    mfu: float | None  # model FLOPs of the rank ÷ (step time × the GPU's dense peak in the compute dtype)
+    """Tokens per second of one step. A tensor-parallel group of T GPUs runs one batch together
+    (each rank's trace holds the group's tokens), so one GPU's share is the group's / T."""
+
+    tokens_per_s_gpu: float | None
+    tokens_per_s_tp_group: float | None  # the batch the tp group shares (= per GPU without tp)
+    tokens_per_s_job: float | None  # every data-parallel replica
+    mfu: float | None  # model FLOPs of the rank ÷ (step time × the GPU's dense peak in the matmuls' dtype)
 
 
 def predict_time(profile_parts, spec, config, nodes):
     """(ParallelTime, {collective node: seconds}) on config.gpu, or (None, {}) without one."""
-    from fxacct.parallel.links import LINKS, collective_seconds, within_node
-    from fxacct.predict.roofline import for_config, gpu_key, predict
-
     cap, peak = profile_parts
     if config.gpu is None:
         return None, {}
@@ -101,13 +104,14 @@ def predict_time(profile_parts, spec, config, nodes):
                         optimizer), comm
 
 
-def throughput(time: ParallelTime | None, totals, spec, config) -> Throughput:
-    from fxacct.predict.devices import get_device
-
+def throughput(time: ParallelTime | None, totals, spec, config, graph: fx.Graph) -> Throughput:
+    """The step's tokens per second and MFU; the peak is the GPU's in the dtype the traced
+    matmuls run in (fxacct.predict.roofline.matmul_dtype), whatever casts the parameters."""
     if time is None or time.step_s <= 0:
-        return Throughput(None, None, None)
+        return Throughput(None, None, None, None)
     tokens = totals.batch * totals.tokens_per_example if totals.tokens_per_example else None
-    per_rank = tokens / time.step_s if tokens else None
-    job = per_rank * spec.world_size / spec.size("tp") if per_rank else None
-    peak = get_device(config.gpu).matmul_peak(config.amp or config.dtype)
-    return Throughput(per_rank, job, totals.model_flops / time.step_s / peak)
+    group = tokens / time.step_s if tokens else None
+    tp_size = spec.size("tp")
+    job = group * spec.world_size / tp_size if group else None
+    peak = get_device(config.gpu).matmul_peak(matmul_dtype(graph))
+    return Throughput(group / tp_size if group else None, group, job, totals.model_flops / time.step_s / peak)

@@ -86,7 +86,7 @@ def tiny_roofline(cal) -> tuple[dict, dict, dict]:
     the roofline does not hold, fit where it is most of the time."""
     from fxacct.load.config import Config
     from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
-    from fxacct.profile import profile_module
+    from fxacct.api import profile_module
 
     tiny = microbench._Tiny("cpu")  # traced on fake tensors: only shapes and dtypes are read
     profile = profile_module(tiny.model, (tiny.x,), {}, Config(batch=microbench.TINY_BATCH, optimizer="adamw"))

@@ -268,6 +268,20 @@ def _dtype(node: fx.Node) -> torch.dtype | None:
     return out[0].dtype if out else None
 
 
+def matmul_dtype(graph: fx.Graph) -> torch.dtype:
+    """The dtype the step's matmuls and attention run in, as traced (under autocast or a
+    MixedPrecisionPolicy the parameters' dtype is not it): the input dtype carrying the most
+    matmul + attention FLOPs; float32 for a graph with none. MFU divides by this dtype's peak."""
+    flops: dict[torch.dtype, int] = {}
+    for node in graph.nodes:
+        cost = node.meta.get("fxacct")
+        if node.op != "call_function" or cost is None or not (cost.flops.matmul + cost.flops.attention):
+            continue
+        dtype = _dtype(node) or torch.float32
+        flops[dtype] = flops.get(dtype, 0) + cost.flops.matmul + cost.flops.attention
+    return max(flops, key=flops.get) if flops else torch.float32
+
+
 def min_dim(node: fx.Node) -> int | None:
     """The smallest of m, k, n of a matmul (the last two dims of its first two ≥2-d tensor inputs;
     for attention q·kᵀ, the query length, key length and head dim); for a convolution the smaller of

@@ -62,7 +62,8 @@ def add_to_document(doc: dict, parallel) -> dict:
             doc["mesh"]["time"] = {
                 "step_ms": 1e3 * t.step_s, "compute_ms": 1e3 * t.compute_s, "comm_ms": 1e3 * t.comm_s,
                 "exposed_comm_ms": 1e3 * t.exposed_comm_s, "gpus_per_node": t.gpus_per_node, "links": t.links,
-                "tokens_per_s_rank": th.tokens_per_s_rank, "tokens_per_s_job": th.tokens_per_s_job, "mfu": th.mfu}
+                "tokens_per_s_gpu": th.tokens_per_s_gpu,
+                "tokens_per_s_tp_group": th.tokens_per_s_tp_group, "tokens_per_s_job": th.tokens_per_s_job, "mfu": th.mfu}
     return doc
 
 
@@ -104,8 +105,10 @@ def _time_lines(parallel) -> list[str]:
     lines = [f"step time with communication (critical path of compute and communication streams): "
              f"{1e3 * t.step_s:.3f} ms; compute {1e3 * t.compute_s:.3f} ms, communication {1e3 * t.comm_s:.3f} ms, "
              f"of it exposed {1e3 * t.exposed_comm_s:.3f} ms ({t.gpus_per_node} GPUs per node: {t.links})"]
-    if th.tokens_per_s_rank is not None:
-        lines.append(f"tokens/s: {th.tokens_per_s_rank:,.0f} per rank, {th.tokens_per_s_job:,.0f} for the job; "
+    if th.tokens_per_s_gpu is not None:
+        group = (f", {th.tokens_per_s_tp_group:,.0f} per tp group" if th.tokens_per_s_tp_group != th.tokens_per_s_gpu
+                 else "")
+        lines.append(f"tokens/s: {th.tokens_per_s_gpu:,.0f} per GPU{group}, {th.tokens_per_s_job:,.0f} for the job; "
                      f"MFU {th.mfu:.1%}")
     elif th.mfu is not None:
         lines.append(f"MFU {th.mfu:.1%}")

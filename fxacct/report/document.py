@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fxacct.costs.registry import FLOP_CLASSES, Flops
 from fxacct.dtypes import dtype_name
-from fxacct.profile import Profile
+from fxacct.step import Profile
 from fxacct.report.checkpoint_text import checkpoint_json
 from fxacct.units import FLOPS_PER_FMA
 

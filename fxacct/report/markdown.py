@@ -4,7 +4,7 @@ flavoured pipe tables, numbers right-aligned)."""
 
 from __future__ import annotations
 
-from fxacct.profile import Profile
+from fxacct.step import Profile
 from fxacct.report.durations import format_ms
 from fxacct.report.summary_text import exact_bytes, facts
 from fxacct.report.tables import tabulate

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fxacct.report.tables import tabulate
 
 from fxacct.memory.peak import Peak
-from fxacct.profile import Profile
+from fxacct.step import Profile
 from fxacct.units import GiB, format_bytes
 
 ROWS = (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer state", "optimizer_bytes"),

@@ -21,7 +21,7 @@ _PHASE_COLORS = {"forward": "#4c72b0", "loss": "#c44e52", "backward": "#dd8452",
 
 def memory_timeline(profile) -> list[tuple[str, str, dict]]:
     """(op name, phase, {category: live bytes}) after each op's allocations, one item per op;
-    per rank when the profile is sharded (as fxacct.profile.rank_peak walks it)."""
+    per rank when the profile is sharded (as fxacct.step.sharded_peak walks it)."""
     timeline: list = []
     life = lifetimes(profile.capture)
     if profile.memory.per_rank is None:

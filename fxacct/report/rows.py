@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io
 
-from fxacct.profile import Profile
+from fxacct.step import Profile
 
 ROOT = "(root)"
 

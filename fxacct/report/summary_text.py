@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 
 from fxacct.dtypes import dtype_name
-from fxacct.profile import Profile
+from fxacct.step import Profile
 from fxacct.report.durations import format_ms
 from fxacct.units import GiB, format_bytes, format_count
 
@@ -115,8 +115,8 @@ def _mesh_time(p: Profile, prediction) -> str:
     where = prediction.device.name if prediction is not None else p.config.gpu
     scope = " for one micro-batch of stage 0" if par.pipeline is not None else ""
     text = f"{format_ms(1e3 * t.step_s)}{scope} predicted on {where} (compute and communication)"
-    if th.tokens_per_s_rank is not None:
-        text += f"; {_rate(th.tokens_per_s_rank)} tokens/s per rank, {_rate(th.tokens_per_s_job)} for the job"
+    if th.tokens_per_s_gpu is not None:
+        text += f"; {_rate(th.tokens_per_s_gpu)} tokens/s per GPU, {_rate(th.tokens_per_s_job)} for the job"
     return text
 
 

@@ -9,7 +9,7 @@ from fxacct.report.width import fit_table, wrap_lines
 
 from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
 from fxacct.dtypes import dtype_name
-from fxacct.profile import Profile
+from fxacct.step import Profile
 from fxacct.units import format_bytes, format_count
 
 

@@ -22,7 +22,8 @@ import torch
 from fxacct.predict.devices import get_device
 from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
-from fxacct.profile import Profile
+from fxacct.step import Profile
+from fxacct.load.mesh import MeshSpec
 from fxacct.load.quantities import DEFAULT_MFU, check_mfu
 
 
@@ -113,16 +114,14 @@ def _rank_peak(profile: Profile) -> tuple[int, str]:
     return peak.bytes, f"{what} per rank{shared}"
 
 
-def check_mesh(limits: Limits, mesh: str | None) -> None:
+def check_mesh(limits: Limits, mesh: MeshSpec | None) -> None:
     """Under fsdp and dp a rank runs the whole model on its own batch, so its FLOPs and step time are
     what one device's would be; under tp a rank's FLOPs are its share of its group's, under pp its
     stage's, and under pp its parameters too: those budgets are the model's, checked without --mesh
     (before any trace)."""
-    from fxacct.parallel.mesh import parse_mesh
-
     if mesh is None:
         return
-    spec = parse_mesh(mesh)
+    spec = mesh
     split = [d for d in ("tp", "pp") if spec.size(d) > 1]
     given = [flag for flag, v in (("--max-flops", limits.max_flops), ("--max-flops-per-example",
              limits.max_flops_per_example), ("--max-step-time", limits.max_step_seconds)) if v is not None and split]

@@ -62,10 +62,10 @@ def parse_mesh(text: str) -> MeshSpec:
     return MeshSpec(tuple(dims))
 
 
-def without_pp(spec: MeshSpec) -> str | None:
-    """The mesh one pipeline stage runs on ("fsdp=2,tp=2"), or None when only pp is left."""
+def without_pp(spec: MeshSpec) -> MeshSpec | None:
+    """The mesh one pipeline stage runs on (fsdp=2,tp=2), or None when only pp is left."""
     rest = [(n, s) for n, s in spec.dims if n != "pp"]
-    return str(MeshSpec(tuple(rest))) if rest else None
+    return MeshSpec(tuple(rest)) if rest else None
 
 
 def check_world(mesh: MeshSpec, world_size: int) -> None:
@@ -76,8 +76,8 @@ def check_world(mesh: MeshSpec, world_size: int) -> None:
 
 
 def check_config(config) -> None:
-    """The --mesh flags of a Config, before any tracing."""
-    spec = parse_mesh(config.mesh)
+    """The --mesh flags of a Config (its mesh already a MeshSpec), before any tracing."""
+    spec = config.mesh
     check_world(spec, config.world_size)
     if config.pp_schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe, 1f1b or interleaved-1f1b")
@@ -106,7 +106,7 @@ PIPELINE_FLAGS = (("--pp-split", "pp_split"), ("--microbatches", "microbatches")
 def check_pipeline_flags(config) -> None:
     """The flags that say how a pipeline runs do nothing without pp in --mesh: a usage error, as
     --parallelize without --mesh is."""
-    if config.mesh is not None and parse_mesh(config.mesh).size("pp") > 1:
+    if config.mesh is not None and config.mesh.size("pp") > 1:
         return
     given = [flag for flag, field in PIPELINE_FLAGS if getattr(config, field) is not None]
     if given:

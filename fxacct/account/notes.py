@@ -1,0 +1,77 @@
+"""Notes on a traced step that change how its figures read: kernels the account cannot follow
+(fp8 matmuls, a low-precision CPU LSTM backward, the mha fast path) and steps that do not train.
+Each is one line for the report's warnings."""
+
+from __future__ import annotations
+
+import torch
+
+from fxacct.trace.capture import Capture
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def precision_warnings(cap: Capture) -> tuple[str, ...]:
+    """fp8 storage is real, fp8 matmuls through aten.mm are not: neither the CPU nor CUDA has an
+    mm/bmm/addmm/convolution kernel for float8 (fp8 training calls aten._scaled_mm with scales,
+    e.g. torchao.float8), so a model whose plain matmuls take fp8 tensors cannot run as traced."""
+    ops = set()
+    for node in cap.graph.nodes:
+        cost = node.meta.get("fxacct")
+        val = node.meta.get("val")
+        if cost is None or cost.flops.matmul == 0 or node.op != "call_function":
+            continue
+        vals = val if isinstance(val, tuple) else (val,)
+        if any(getattr(v, "dtype", None) in FP8 for v in vals):
+            ops.add(str(node.target))
+    notes = _low_precision_lstm(cap)
+    if not ops:
+        return notes
+    return (f"{', '.join(sorted(ops))} take float8 tensors, which no CPU or CUDA kernel runs (fp8 "
+            "training uses aten._scaled_mm with scales): weight, gradient and optimizer bytes are "
+            "exact for fp8 storage; FLOPs, activations and peaks are those of a model that cannot run "
+            "as traced",) + notes
+
+
+_LSTM_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
+
+
+def _low_precision_lstm(cap: Capture) -> tuple[str, ...]:
+    """The CPU LSTM backward (oneDNN) computes float32 gradients for bfloat16/float16 inputs and
+    casts them after; its fake kernel returns them in the input dtype, so the account holds less:
+    a small LSTM's training peak measured 31% over the account in bf16, 15% under --amp bf16."""
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and node.target is _LSTM_BACKWARD:
+            dtype = getattr(node.args[0].meta.get("val"), "dtype", None) if node.args else None
+            if dtype in (torch.bfloat16, torch.float16):
+                return (f"a CPU LSTM backward runs in {str(dtype).removeprefix('torch.')}: oneDNN computes its "
+                        "gradients in float32 and casts them, which the account does not hold (a small LSTM's "
+                        "training peak measured up to 31% over it); the fp32 account is exact",)
+    return ()
+
+
+# modules whose forward, in eval under no_grad, can run one fused kernel in place of their ops
+# (torch/nn/modules/transformer.py and activation.py: the "fast path", torch.backends.mha)
+_FASTPATH = ("TransformerEncoderLayer", "MultiheadAttention")
+
+
+def fastpath_warnings(model: torch.nn.Module) -> tuple[str, ...]:
+    """Eager inference of nn.TransformerEncoderLayer / nn.MultiheadAttention takes a fused kernel
+    (aten._transformer_encoder_layer_fwd, _native_multi_head_attention) when its conditions hold;
+    under fxacct's capture they never do (a torch function mode is active), so the inference
+    forward is accounted as the unfused ops: FLOPs alike, fewer temporaries in the fused kernel's
+    op-level view (its intermediates are made inside it, where no dispatch tracker sees them)."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return ()
+    found = sorted({type(m).__name__ for m in model.modules()
+                    if type(m).__name__ in _FASTPATH and type(m).__module__.startswith("torch.nn")})
+    if not found:
+        return ()
+    return (f"nn.{' and nn.'.join(found)} may run PyTorch's fused inference kernel in eval under no_grad "
+            "(the mha fast path); the inference account is that of the unfused ops it replaces "
+            "(torch.backends.mha.set_fastpath_enabled(False) runs them in eager too)",)
+
+
+UNTRAINED = ("nothing trains: no parameter and no input requires grad, so the step has no backward and no "
+             "optimizer step and there is no training peak (eager loss.backward() would raise); the forward "
+             "and inference account stand")

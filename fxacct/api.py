@@ -1,0 +1,155 @@
+"""The library's one entry: a Config (or a model and its inputs) to its Profile. The dispatcher
+chooses one device, one rank of a mesh or a pipeline; each is accounted by fxacct.step's driver,
+and the fit on the GPU and the roofline's prediction are attached here, the same way for all
+three. No formatting (fxacct.report) and no flags (the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from fxacct.errors import ModelError
+from fxacct.heap import with_frozen_heap
+from fxacct.load.config import Config
+from fxacct.load.hf import seq_len_note
+from fxacct.load.source import guessed_input_note, load_model
+from fxacct.memory import account as memory_account
+from fxacct.memory.account import Fit
+from fxacct.parallel.accounts import ParallelAccount
+from fxacct.parallel.pipeline import profile_pipeline
+from fxacct.parallel.profile import profile_parallel
+from fxacct.predict.devices import get_device
+from fxacct.predict.roofline import predict_profile
+from fxacct.step import OneDevice, Profile, account_step, training_peak
+from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
+
+MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
+
+
+@with_frozen_heap
+def profile(config: Config) -> Profile:
+    """Load config.target and account its step: on one device, or one rank of ``config.mesh``
+    (under pp, stage 0's rank, carrying every stage's account)."""
+    if config.mesh is None:
+        model, args, kwargs, inputs_for = load_model(config)
+        try:
+            return profile_module(model, args, kwargs, config, inputs_for)
+        except ModelError as e:
+            note = seq_len_note(model, config.seq_len) or guessed_input_note(config, model)
+            if note is None:
+                raise
+            raise ModelError(f"{note}: {e}") from e
+    if config.mesh.size("pp") == 1:
+        prof = profile_parallel(config)
+        return _predicted(_fitted_rank(prof, prof.memory.rank_peak.bytes if prof.memory.rank_peak else None))
+    return _predicted(_pipeline(config))
+
+
+@with_frozen_heap
+def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config | None = None,
+                   inputs_for: Callable[[int], tuple] | None = None) -> Profile:
+    """Account one training step of ``model(*args, **kwargs)`` on one device: forward, loss,
+    backward and the optimizer step, and a forward for inference.
+
+    ``args``/``kwargs`` may be meta tensors (only shapes and dtypes are read); nothing of the
+    model's own tensors is allocated or changed. ``inputs_for(batch) -> (args, kwargs)`` lets a
+    --gpu profile search the largest batch that fits."""
+    config = config or Config()
+    prof = account_step(config, OneDevice(model, tuple(args), kwargs or {}))
+    if config.gpu is not None:
+        prof = replace(prof, memory=_with_fit(prof.memory, model, config, inputs_for))
+    if config.checkpoint:
+        prof = replace(prof, checkpoint=_checkpoint_whatif(model, args, kwargs or {}, config, prof, inputs_for))
+    return _predicted(prof)
+
+
+def _predicted(prof: Profile) -> Profile:
+    """The roofline's step time on config.gpu (or a calibrated CPU), where one is known."""
+    return replace(prof, prediction=predict_profile(prof))
+
+
+def _fitted_rank(prof: Profile, peak: int | None) -> Profile:
+    """A rank's peak against the GPU's capacity. No largest batch: under a mesh the batch is each
+    rank's share of a global one, which ``fxacct plan`` searches."""
+    if prof.config.gpu is None or peak is None:
+        return prof
+    return replace(prof, memory=replace(prof.memory, fit=Fit.on(get_device(prof.config.gpu), peak)))
+
+
+def _pipeline(config: Config) -> Profile:
+    """--mesh pp=P: stage 0's Profile (one micro-batch), carrying every rank's (PipelineAccount);
+    the fit holds the largest rank's peak over the whole step."""
+    pipe = profile_pipeline(config)
+    first = pipe.stages[0].profile
+    par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
+    par = ParallelAccount(config.mesh, 0, (), (), pipeline=pipe) if par is None else replace(
+        par, mesh=config.mesh, pipeline=pipe, rows=pipe.stages[0].collectives)
+    prof = replace(first, config=config, parallel=par,
+                   model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
+    return _fitted_rank(prof, pipe.peak_bytes)
+
+
+def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, inputs_for) -> CheckpointWhatIf:
+    """--checkpoint: the same step without the wrapping (a second capture, blocks replayed as
+    usual), beside the checkpointed one."""
+
+    def side(p: Profile):
+        mem = p.memory
+        return CheckpointSide(p.accounting.totals.activation_bytes, mem.rank_peak.bytes if mem.rank_peak else None,
+                              p.accounting.totals.recompute_flops, mem.fit.max_batch if mem.fit is not None else None)
+
+    plain = replace(config, checkpoint=(), checkpoint_policy=None)
+    eager = account_step(plain, OneDevice(model, tuple(args), kwargs), with_inference=False)
+    eager = replace(eager, memory=replace(prof.memory, peak_train=eager.memory.peak_train,
+                                          per_rank=eager.memory.per_rank, fit=None))
+    if config.gpu is not None:
+        eager = replace(eager, memory=_with_fit(eager.memory, model, plain, inputs_for))
+    return CheckpointWhatIf(config.checkpoint, tuple(matched_modules(model, config.checkpoint)),
+                            config.checkpoint_policy, side(prof), side(eager))
+
+
+def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
+    """Headroom on the GPU, and the largest batch that fits. The per-rank peak is close to affine
+    in the batch (a·B + c: weights, state and fixed buffers do not scale), so a second trace at 2B
+    gives a first guess; the answer is then bracketed by traces (a batch that fits, the next one
+    that does not) and settled by bisection, so it is exact, not extrapolated."""
+    device = get_device(config.gpu)
+    capacity = device.capacity_reported
+    peak = memory.rank_peak.bytes
+    max_batch, verified = None, False
+    if config.find_max_batch and inputs_for is not None:
+        cache = {config.batch: peak}
+
+        def fits(batch: int) -> bool:
+            if batch not in cache:
+                a, kw = inputs_for(batch)
+                cache[batch] = training_peak(replace(config, batch=batch), OneDevice(model, tuple(a), kw)).bytes
+            return cache[batch] <= capacity
+
+        b1 = config.batch
+        fits(2 * b1)
+        slope = (cache[2 * b1] - peak) / b1
+        if slope > 0:
+            guess = max(1, int((capacity - (peak - slope * b1)) // slope))
+            lo, hi = (guess, None) if fits(guess) else (0, guess)
+            step = 1
+            while hi is None and len(cache) < MAX_FIT_TRACES:  # grow until a batch does not fit
+                if fits(lo + step):
+                    lo, step = lo + step, step * 2
+                else:
+                    hi = lo + step
+            while lo > 0 and not fits(lo) and len(cache) < MAX_FIT_TRACES:
+                lo //= 2
+            if hi is None:
+                hi = lo + 1
+            while hi - lo > 1 and len(cache) < MAX_FIT_TRACES:  # bisect: lo fits, hi does not
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            max_batch = lo
+            verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
+    return replace(memory, fit=Fit.on(device, peak, max_batch, verified))
+
+
+__all__ = ["Profile", "profile", "profile_module", "load_model"]

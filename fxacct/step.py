@@ -1,0 +1,155 @@
+"""The one step driver: a training step (and a forward for inference) accounted once, whatever
+captures it. A ``Capturer`` says how: one device (``OneDevice``), one rank of a mesh
+(fxacct.parallel.rank_capture.RankCapturer) or one pipeline stage (either of them over the
+stage's module). Everything else — the capture options from the Config, annotation, the
+accounting, the inference capture, lifetimes and the memory roll-up — happens here, in one place,
+so a flag reaches one device, a rank and a stage alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from fxacct.account.accounting import Accounting, account
+from fxacct.account.annotate import annotate
+from fxacct.account.notes import UNTRAINED, fastpath_warnings, precision_warnings
+from fxacct.costs.user import load_costs
+from fxacct.load import model_spec
+from fxacct.load.config import Config
+from fxacct.load.hf import is_causal_lm
+from fxacct.memory import account as memory_account
+from fxacct.memory import sharding
+from fxacct.memory.peak import PARAMETERS, Lifetimes, Peak, lifetimes, walk
+from fxacct.predict.roofline import Prediction
+from fxacct.trace import torch_private as tp
+from fxacct.trace.capture import Capture, CaptureOptions, capture
+from fxacct.trace.checkpointing import CheckpointWhatIf
+from fxacct.trace.loss import MODEL, ignored_loss_warning
+
+if TYPE_CHECKING:  # the layer above fills it in (fxacct.parallel.profile_parallel)
+    from fxacct.parallel.accounts import ParallelAccount
+
+
+@dataclass(frozen=True)
+class Profile:
+    config: Config
+    accounting: Accounting
+    memory: memory_account.MemoryAccount
+    capture: Capture
+    warnings: tuple[str, ...] = ()
+    parallel: ParallelAccount | None = None  # under --mesh
+    checkpoint: CheckpointWhatIf | None = None  # under --checkpoint, on one device
+    model_class: str | None = None  # the class of the model built (hf: targets: the one transformers chose)
+    prediction: Prediction | None = None  # the roofline's step time, where a device model is known
+
+    @property
+    def title(self) -> str:
+        """The target, with the class built where the target does not name it (an hf: config, a
+        factory function): 'hf:llama.json (LlamaForCausalLM)'."""
+        target = self.config.target or "module"
+        if self.model_class is None or target.rpartition(":")[2] == self.model_class:
+            return target
+        return f"{target} ({self.model_class})"
+
+
+class Capturer(Protocol):
+    """How a step is captured: the module and its inputs, a capture under given options, the
+    storages' lifetimes (a rank adds FSDP2's resizes) and what it marks once the graph is
+    annotated (a rank its collectives)."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+
+    def capture(self, options: CaptureOptions) -> Capture: ...
+
+    def lifetimes(self, cap: Capture) -> Lifetimes: ...
+
+    def annotated(self, cap: Capture) -> None: ...
+
+
+@dataclass
+class OneDevice:
+    """The plain capture: the model on one device."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+
+    def capture(self, options: CaptureOptions) -> Capture:
+        return capture(self.model, tuple(self.args), self.kwargs, options)
+
+    def lifetimes(self, cap: Capture) -> Lifetimes:
+        return lifetimes(cap)
+
+    def annotated(self, cap: Capture) -> None:
+        return None
+
+
+def capture_options(config: Config, model: torch.nn.Module, inference: bool = False, **extra) -> CaptureOptions:
+    """Every flag that shapes the traced step, from the Config: the one place they are read."""
+    return CaptureOptions(
+        dtype=config.dtype, input_requires_grad=config.input_requires_grad, loss_output=config.loss_output,
+        optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
+        master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup,
+        loss=config.loss, causal_lm=is_causal_lm(model), checkpoint=config.checkpoint,
+        checkpoint_policy=config.checkpoint_policy, **extra)
+
+
+def tokens_per_example(args, kwargs, batch: int) -> int | None:
+    """The per-example element count of the first integer input (T for long[B, T])."""
+    for t in tp.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool and t.dim() > 0:
+            if t.shape[0] == batch:
+                return t.numel() // batch
+    return None
+
+
+def sharded_peak(life: Lifetimes, model, config: Config) -> tuple[Peak | None, tuple[str, int] | None]:
+    """--world-size N --shard S on one device: (the per-rank peak, the largest unit FSDP/ZeRO-3
+    gathers), or (None, None) unsharded."""
+    if config.shard == "none":
+        return None, None
+    extra, unit = {}, None
+    if config.shard in ("zero3", "fsdp"):
+        unit = sharding.largest_unit_bytes(model, config.dtype)
+        extra = {PARAMETERS: unit[1]}
+    return walk(life, sharding.partitioned(config.shard, config.world_size), extra), unit
+
+
+def training_peak(config: Config, capturer: Capturer) -> Peak:
+    """The step's training peak alone (per rank under --shard): the largest-batch search's probe."""
+    cap = capturer.capture(capture_options(config, capturer.model))
+    life = capturer.lifetimes(cap)
+    return sharded_peak(life, capturer.model, config)[0] or walk(life)
+
+
+def account_step(config: Config, capturer: Capturer, with_inference: bool = True) -> Profile:
+    """Account one training step of the capturer's module: forward, loss, backward and the
+    optimizer step, and (``with_inference``) a forward for inference. Nothing of the model's own
+    tensors is allocated or changed."""
+    model, args, kwargs = capturer.model, tuple(capturer.args), capturer.kwargs
+    for path in config.costs:
+        load_costs(path)
+    model_spec.check_signature(model, args, kwargs)
+    cap = capturer.capture(capture_options(config, model))
+    annotate(cap.graph, config.causal_attention)
+    capturer.annotated(cap)
+    tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
+    acct = account(cap, config.batch, tokens, config.count_recompute)
+    inference = capturer.capture(capture_options(config, model, inference=True)) if with_inference else None
+    life = capturer.lifetimes(cap)
+    per_rank, unit = sharded_peak(life, model, config)
+    memory = memory_account.assemble(cap, acct, model, config.dtype, walk(life) if cap.has_backward else None,
+                                     walk(capturer.lifetimes(inference)) if inference is not None else None,
+                                     per_rank, unit)
+    notes = precision_warnings(cap)
+    notes += (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
+    notes += fastpath_warnings(model) + (() if cap.has_backward else (UNTRAINED,))
+    return Profile(config, acct, memory, cap, notes, model_class=type(model).__name__)
+
+
+__all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "capture_options",
+           "tokens_per_example"]
