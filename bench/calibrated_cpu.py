@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import fxacct  # noqa: E402
-from fxacct.predict import calibrate  # noqa: E402
+from fxacct.predict import calibration  # noqa: E402
+from fxacct.tools import calibrate  # noqa: E402
 from fxacct.runtime import RuntimeOptions, run  # noqa: E402
 
 # (target, constructor kwargs, batch): the MLP at its defaults (matmul-bound), the others at the small
@@ -64,7 +65,7 @@ def one_example(name: str, steps: int, warmup: int) -> dict:
 
 def one_round(names, steps: int, warmup: int) -> tuple[dict, object]:
     cal = calibrate.calibrate("cpu")
-    calibrate.save(cal)
+    calibration.save(cal)
     return {name: one_example(name, steps, warmup) for name in names}, cal
 
 
@@ -93,7 +94,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{', '.join(args.only)} on {calibrate.cpu_name()} with {torch.get_num_threads()} threads "
+    print(f"{', '.join(args.only)} on {calibration.cpu_name()} with {torch.get_num_threads()} threads "
           f"(torch {torch.__version__}); fp32, AdamW; ratio = measured / predicted step time")
     ratios = {name: {k: [] for k in COLUMNS} for name in args.only}
     with tempfile.TemporaryDirectory(prefix="fxacct-cache-") as cache:

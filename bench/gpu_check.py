@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import fxacct  # noqa: E402
-from fxacct.predict import calibrate  # noqa: E402
+from fxacct.predict import calibration  # noqa: E402
+from fxacct.tools import calibrate  # noqa: E402
 from fxacct.predict.devices import DEVICES  # noqa: E402
 from fxacct.predict.roofline import from_gpu, predict_profile  # noqa: E402
 from fxacct.runtime import RuntimeOptions, run  # noqa: E402
@@ -102,13 +103,13 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch " + torch.__version__ + "); nothing to check", file=sys.stderr)
         return 2
-    name = torch.cuda.get_device_name() if args.device == "cuda" else calibrate.cpu_name()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else calibration.cpu_name()
     print(f"fxacct gpu check: torch {torch.__version__}, CUDA {torch.version.cuda}, {name}")
     with tempfile.TemporaryDirectory(prefix="fxacct-cache-") as cache:
         os.environ["FXACCT_CACHE_DIR"] = cache
         t0 = time.perf_counter()
         cal = calibrate.calibrate(args.device, budget_s=0.2)
-        calibrate.save(cal)
+        calibration.save(cal)
         rates = ", ".join(f"{k} {v / 1e12:.0f}" for k, v in cal.matmul_flops_per_s.items())
         print(f"calibrated in {time.perf_counter() - t0:.1f} s: matmul TFLOP/s {rates}; "
               f"bandwidth {cal.bandwidth_bytes_per_s / 1e9:.0f} GB/s")

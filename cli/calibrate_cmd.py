@@ -1,5 +1,5 @@
 """`fxacct calibrate`: measure this machine's matmul FLOP/s and memory bandwidth, store the device
-profile that predictions use (fxacct.predict.calibrate)."""
+profile that predictions use (fxacct.tools.calibrate)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ def calibrate_command(device, debug):
     Exit codes: 0 success; 2 usage error (e.g. --device cuda without CUDA); 4 an internal error
     of fxacct.
     """
-    from fxacct.predict import calibrate
+    from fxacct.predict import calibration
+    from fxacct.tools import calibrate
     from fxacct.report.calibrate_text import render_calibration
 
     cal = calibrate.calibrate(device, progress=lambda what: click.echo(f"measuring {what}...", err=True))
-    path = calibrate.save(cal)
+    path = calibration.save(cal)
     click.echo(render_calibration(cal, path), nl=False)

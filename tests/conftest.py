@@ -6,7 +6,7 @@ environment variable is true (GitHub Actions and most CI services set ``CI=true`
 otherwise. A test that needs fewer examples says so with its own ``@settings``.
 
 Cache: fxacct keeps device calibrations in ``$FXACCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxacct``,
-else ``~/.cache/fxacct`` (fxacct.predict.calibrate). No test may read or write the user's: a
+else ``~/.cache/fxacct`` (fxacct.predict.calibration). No test may read or write the user's: a
 session-wide empty cache covers module- and session-scoped fixtures, and each test gets its own
 empty one on top. Subprocesses inherit ``os.environ``; a test that passes ``env=`` must build it
 from ``os.environ``.
@@ -46,7 +46,7 @@ def _session_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def cache_dir(_session_cache, tmp_path_factory, monkeypatch) -> Path:
-    """This test's own empty fxacct cache dir (not created; fxacct.predict.calibrate.save makes it),
+    """This test's own empty fxacct cache dir (not created; fxacct.predict.calibration.save makes it),
     outside ``tmp_path`` so a test that lists its tmp_path finds only its own files."""
     return _point_cache_at(monkeypatch, tmp_path_factory.mktemp("cache"))
 

@@ -1,4 +1,4 @@
-"""`fxacct calibrate` and the device profile predictions use (fxacct.predict.calibrate)."""
+"""`fxacct calibrate` and the device profile predictions use (fxacct.tools.calibrate)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 from click.testing import CliRunner
 
 import fxacct
-from fxacct.predict import calibrate, overhead
+from fxacct.predict import calibration
+from fxacct.tools import calibrate
+from fxacct.tools import calibrate_overhead as overhead
 from fxacct.predict.roofline import for_config, for_local, from_calibration, predict_profile
 from fxacct_cli.main import cli
 from helpers import ROOT
@@ -29,35 +31,35 @@ def invoke(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def fake_calibration(**over) -> calibrate.Calibration:
+def fake_calibration(**over) -> calibration.Calibration:
     values = dict(kind="cpu", name="test cpu", threads=1, torch_version=torch.__version__,
                   matmul_flops_per_s={"float32": 1e6}, matmul_by_min_dim={}, bandwidth_bytes_per_s=1e9,
                   bandwidth_by_bytes={"1000": 1e9}, measured_at="2026-01-01T00:00:00+00:00", sizes={},
                   seconds=0.0)
     values.update(over)
-    return calibrate.Calibration(**values)
+    return calibration.Calibration(**values)
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path, cache):
     # order: $FXACCT_CACHE_DIR, else $XDG_CACHE_HOME/fxacct, else ~/.cache/fxacct
-    assert calibrate.cache_dir() == cache
+    assert calibration.cache_dir() == cache
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert calibrate.cache_dir() == cache  # FXACCT_CACHE_DIR wins over both
+    assert calibration.cache_dir() == cache  # FXACCT_CACHE_DIR wins over both
     monkeypatch.delenv("FXACCT_CACHE_DIR")
-    assert calibrate.cache_dir() == tmp_path / "xdg" / "fxacct"
+    assert calibration.cache_dir() == tmp_path / "xdg" / "fxacct"
     monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty is unset (XDG Base Directory spec)
-    assert calibrate.cache_dir() == tmp_path / "home" / ".cache" / "fxacct"
+    assert calibration.cache_dir() == tmp_path / "home" / ".cache" / "fxacct"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert calibrate.cache_dir() == tmp_path / "home" / ".cache" / "fxacct"
-    assert calibrate.profile_path("cpu") == tmp_path / "home" / ".cache" / "fxacct" / "device-cpu.json"
+    assert calibration.cache_dir() == tmp_path / "home" / ".cache" / "fxacct"
+    assert calibration.profile_path("cpu") == tmp_path / "home" / ".cache" / "fxacct" / "device-cpu.json"
 
 
 def test_conftest_isolates_every_test_from_the_user_cache(cache):
     # tests/conftest.py: no test may see ~/.cache/fxacct (a calibration there changed predictions)
     real = Path.home() / ".cache" / "fxacct"
-    assert calibrate.cache_dir() == cache != real
-    assert not cache.exists() and calibrate.load("cpu") is None
+    assert calibration.cache_dir() == cache != real
+    assert not cache.exists() and calibration.load("cpu") is None
 
 
 def test_calibrate_cpu_measures_and_stores_a_profile(cache):
@@ -95,7 +97,7 @@ def test_calibrate_cpu_measures_and_stores_a_profile(cache):
 ])
 def test_matmul_classes_never_collide_whatever_the_speed(monkeypatch, seconds, n):
     # every repetition "takes" `seconds`: rate = FLOPs / seconds, by hand per product
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: seconds)
     monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.0))
@@ -126,8 +128,8 @@ def test_a_stored_profile_drives_the_prediction_by_hand(cache):
     # matmul 1e6 FLOP/s: TwoLayer at B=2 runs 60 forward matmul FLOPs = 60 µs, 84 backward = 84 µs;
     # memory at 1e18 B/s adds nothing measurable (the CPU model adds it: test below)
     fast_memory = {"bandwidth_bytes_per_s": 1e18, "bandwidth_by_bytes": {"1000": 1e18}}
-    calibrate.save(fake_calibration(**fast_memory))
-    assert calibrate.load("cpu") == fake_calibration(**fast_memory)
+    calibration.save(fake_calibration(**fast_memory))
+    assert calibration.load("cpu") == fake_calibration(**fast_memory)
     p = fxacct.profile(fxacct.Config(target=TWO_LAYER, batch=2))
     pr = predict_profile(p)
     assert pr.device.name == "test cpu"
@@ -170,7 +172,7 @@ def test_a_bogus_profile_is_a_one_line_usage_error(cache, content, says):
     path = cache / "device-cpu.json"
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(fxacct.UsageError, match="fxacct calibrate") as e:
-        calibrate.load("cpu")
+        calibration.load("cpu")
     assert says in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
     result = invoke("profile", TWO_LAYER)
     assert result.exit_code == 2, result.output
@@ -189,9 +191,9 @@ def test_an_unwritable_cache_dir_is_a_one_line_usage_error(tmp_path, monkeypatch
 
 
 def test_a_stored_profile_round_trips(cache):
-    path = calibrate.save(fake_calibration())
+    path = calibration.save(fake_calibration())
     assert path == cache / "device-cpu.json"
-    assert calibrate.load("cpu") == fake_calibration()
+    assert calibration.load("cpu") == fake_calibration()
     assert [p.name for p in cache.iterdir()] == ["device-cpu.json"]  # no temporary file left
 
 
@@ -220,7 +222,7 @@ class ScriptedTimer:
 
 
 def test_a_measurement_repeats_until_two_rounds_agree():
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     budget = 6.0  # each round fills budget / 2 = 3 s, at least 3 repetitions (after one warm-up)
     # round 1: 3 × 1.0 s -> best 1.0; round 2: 3 × 2.0 -> 2.0 (100% apart: again); round 3: 1.02
@@ -235,7 +237,7 @@ def test_a_measurement_repeats_until_two_rounds_agree():
 
 
 def test_an_unstable_measurement_is_reported(monkeypatch):
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: 1.0)
     monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.5))
@@ -247,7 +249,7 @@ def test_an_unstable_measurement_is_reported(monkeypatch):
 def test_a_square_slower_than_a_skinny_product_is_remeasured_then_rejected(monkeypatch):
     # square rates scripted per call; skinny products at 100 GFLOP/s (d=256), 50, 10; the square is
     # implausible below 0.8 × 100 = 80 GFLOP/s
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     squares = []
 
@@ -283,7 +285,7 @@ def test_implausible_picks_the_fastest_skinny_product():
 def test_a_slower_small_footprint_is_remeasured_then_rejected(monkeypatch):
     # 2 MiB buffers scripted at 0.1 GB/s, then 0.2 (both below 0.8 × the 8 MiB rate): the larger
     # footprint's rate is kept; the other sizes stream plausibly (faster when smaller)
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     monkeypatch.setitem(calibrate.COPY_SIZES, "cpu", (2**20, 4 * 2**20))
     rates = {2**20: [0.1e9, 0.2e9], 4 * 2**20: [40e9]}
@@ -299,8 +301,8 @@ def test_a_slower_small_footprint_is_remeasured_then_rejected(monkeypatch):
 def test_the_report_says_what_was_stored(cache):
     cal = fake_calibration(convolution_by_channels={"float32": {"8": 1e9}}, dispatch_s_per_op=2e-6,
                            spread={"matmul float32": 0.03}, warnings=["matmul float32: rejected"])
-    path = calibrate.save(cal)
-    assert calibrate.load("cpu") == cal
+    path = calibration.save(cal)
+    assert calibration.load("cpu") == cal
     from fxacct.report.calibrate_text import render_calibration
 
     text = render_calibration(cal, path)
@@ -311,7 +313,7 @@ def test_the_report_says_what_was_stored(cache):
 
 def test_latency_and_rate_come_from_two_points_of_one_op():
     # t = 10 µs + work / 1e9: at 1e6 → 1.01 ms, at 4e6 → 4.01 ms; the fit returns both
-    from fxacct.predict.microbench import fit_latency
+    from fxacct.tools.microbench import fit_latency
 
     rate, latency = fit_latency((1e6, 1.01e-3), (4e6, 4.01e-3))
     assert rate == pytest.approx(1e9) and latency == pytest.approx(1e-5)
@@ -325,7 +327,7 @@ def test_convolution_curve_subtracts_the_fitted_latency():
     # times as t = 50 µs + F / rate, rate 1e9 FLOP/s at 8 channels, 4e9 at 32, 8e9 at 128; the
     # trivial op takes 2 µs, which the per-op overhead already holds: latency 48 µs per call.
     # FLOPs 2·8·C²·9·side²: (8, 8) 589,824; (8, 32) 9,437,184; (32, 32) 150,994,944; (128, 16) 603,979,776
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     assert microbench.CONV_SHAPES == ((8, 32), (32, 32), (128, 16)) and microbench.CONV_SMALL == (8, 8)
     flops = {(8, 8): 589824, (8, 32): 9437184, (32, 32): 150994944, (128, 16): 603979776}
@@ -339,7 +341,7 @@ def test_convolution_curve_subtracts_the_fitted_latency():
 
 def test_the_per_op_overhead_is_what_a_measured_time_holds_beyond_the_roofline():
     # 1 ms measured, 0.4 ms of it the roofline's, over 50 ops: 12 µs per op
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     assert microbench.per_op(1e-3, 4e-4, 50, 1e-6) == pytest.approx(1.2e-5)
     # a roofline above the measured time says nothing of the overhead: the trivial op's floor
@@ -372,7 +374,7 @@ def test_calibrate_takes_the_roofline_and_the_views_out_of_the_small_step(monkey
     # 20, 40 and views 5, 10, 20 at the trivial op's 2 µs:
     # forward (1 − 0.2 − 5·0.002) / 10 = 0.079 ms, backward (2 − 0.5 − 10·0.002) / 20 = 0.074 ms,
     # optimizer (3 − 1 − 20·0.002) / 40 = 0.049 ms; the step (6 − 1.7 − 35·0.002) / 70 ms
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: 2e-6)
     monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.0))
@@ -407,7 +409,7 @@ def test_attention_latency_is_the_intercept_through_two_query_lengths(monkeypatc
     # the fused CPU attention kernel "takes" 30 µs at T = 8 and 48 µs at T = 32 forward, 50 and 98 µs
     # backward; work ∝ T² (64 and 1024): forward 30 − 64 · 18/960 = 28.8 µs, backward
     # 50 − 64 · 48/960 = 46.8 µs at zero work (Hockney's α)
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
     from fxacct.trace import torch_private as tp
 
     times = {("fwd", 8): 30e-6, ("fwd", 32): 48e-6, ("bwd", 8): 50e-6, ("bwd", 32): 98e-6}
@@ -434,7 +436,7 @@ def test_a_contended_cpu_keeps_the_one_thread_step_and_warns(monkeypatch):
     # on 2 threads the small step "takes" 600 ms (other work holds the cores: OpenMP's threads
     # wait), on one thread 6 ms: 100× over, past CONTENDED (3×). The one-thread step is what the
     # per-op overhead is fit on, as in the test above: (6 − 1.7 − 35·0.002) / 70 ms per op
-    from fxacct.predict import microbench
+    from fxacct.tools import microbench
 
     monkeypatch.setattr(microbench, "best_of", lambda timer, fn, budget: 2e-6)
     monkeypatch.setattr(calibrate, "measure_bandwidth", lambda kind, budget_s, warnings: ({2000: 1e9}, 0.0))

@@ -245,7 +245,7 @@ def test_a_convolution_runs_at_the_calibrated_rate_of_its_channels():
     # forward: 2·1·8·8·9·4·4 = 18,432 FLOPs at the 8-channel rate = 18.432 ms (not the 1e12 matmul rate)
     import dataclasses
 
-    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.calibration import Calibration
     from fxacct.predict.roofline import from_calibration, min_dim
 
     cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
@@ -274,7 +274,7 @@ def test_a_calibrated_kernel_runs_at_its_measured_rate():
     # MaxPool2d(2) after a 1×1 conv on (1, 8, 4, 4); the calibration says max_pool2d_with_indices
     # moves 1e6 B/s. Its bytes: reads 1·8·4·4·4 = 512 B, writes values 8·2·2·4 = 128 B and int64
     # indices 8·2·2·8 = 256 B: 896 B / 1e6 B/s = 896 µs, whatever the streaming bandwidth (1e18)
-    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.calibration import Calibration
     from fxacct.predict.roofline import from_calibration
 
     cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,
@@ -291,7 +291,7 @@ def test_a_convolution_backward_uses_its_own_curve_and_every_call_pays_its_laten
     # the weight gradient only, 18,432 FLOPs (as the forward). Calibrated: forward 1e6 FLOP/s at 8
     # channels, backward 2e6, latencies 1 ms (forward) and 3 ms (backward); memory free, no overhead.
     # forward 18,432 / 1e6 + 1e-3 = 19.432 ms; backward 18,432 / 2e6 + 3e-3 = 12.216 ms
-    from fxacct.predict.calibrate import Calibration
+    from fxacct.predict.calibration import Calibration
     from fxacct.predict.roofline import from_calibration
 
     cal = Calibration("cpu", "toy", 1, "x", {"float32": 1e12}, {}, 1e18, {"1000": 1e18}, "t", {}, 0.0,

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 import fxacct
-from fxacct.predict import calibrate
+from fxacct.predict import calibration
+from fxacct.tools import calibrate
 from fxacct.runtime import RuntimeOptions, run
 from fxacct_cli.main import cli
 from helpers import ROOT
@@ -79,7 +80,7 @@ def test_mlp_training_step(tmp_path):
 
 
 def test_gpt2_training_step_with_a_calibrated_cpu_and_a_trace(tmp_path):
-    calibrate.save(calibrate.Calibration(
+    calibration.save(calibration.Calibration(
         kind="cpu", name="test cpu", threads=1, torch_version="x", matmul_flops_per_s={"float32": 1e11},
         matmul_by_min_dim={}, bandwidth_bytes_per_s=1e10, bandwidth_by_bytes={"1000000": 1e10},
         measured_at="2026-01-01T00:00:00+00:00", sizes={}, seconds=0.0))

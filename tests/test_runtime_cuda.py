@@ -14,7 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fxacct.predict import calibrate
+from fxacct.predict import calibration
+from fxacct.tools import calibrate
 from fxacct.errors import ModelError
 from fxacct.predict.roofline import gpu_key
 from fxacct.runtime.setup import check_fits, free_bytes, resolve_device
@@ -70,10 +71,10 @@ def test_gpt2_bf16_amp_and_inference_on_cuda(tmp_path):
 
 def test_calibrate_cuda_stores_the_local_gpu(tmp_path):
     cal = calibrate.calibrate("cuda", budget_s=0.1)
-    path = calibrate.save(cal)
+    path = calibration.save(cal)
     assert path.name.startswith("device-cuda-") and cal.kind == "cuda"
     assert cal.matmul_flops_per_s["bfloat16"] > cal.matmul_flops_per_s["float32"]
-    assert calibrate.load("cuda") == cal
+    assert calibration.load("cuda") == cal
 
 
 def test_the_safety_check_uses_free_device_memory():

@@ -17,7 +17,7 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
   torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at TF32 because
   torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the matmul and
   attention classes only; P_other is the non-tensor fp32 rate.
-- P_mm on a calibrated device (fxacct.predict.calibrate): the rate measured for matmuls whose smallest
+- P_mm on a calibrated device (fxacct.predict.calibration; measured by fxacct.tools.calibrate): the rate measured for matmuls whose smallest
   dimension is the op's (log-linear between the calibrated ones), since a skinny matmul runs
   below the square rate; P_other is the measured fp32 square rate (ops of the other class are
   memory-bound there).
@@ -40,18 +40,18 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
   ``op_overhead_s``, added to its time and reported as its own line (ops × overhead): on a GPU of the
   table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
   device what an op of a small model's training step costs beyond this roofline, by the op's phase
-  (forward with the loss, backward, optimizer: fxacct.predict.calibrate ``dispatch_s_by_phase``), a
+  (forward with the loss, backward, optimizer: fxacct.tools.calibrate ``dispatch_s_by_phase``), a
   view the trivial op's dispatch alone (``view_overhead_s``). A small model's step is mostly this
   (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
 - A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
-  their backward, dropout's mask: fxacct.predict.microbench.kernels) takes bytes / its measured rate instead: on
+  their backward, dropout's mask: fxacct.tools.microbench.kernels) takes bytes / its measured rate instead: on
   a CPU these run far below the streaming rate (measured here: max-pool 0.7 GB/s, batch norm
   3.3 GB/s, against ~20 GB/s for a copy of the same size).
 - Convolutions on a calibrated device run at the rate measured for their channel count (the
   smaller of in and out channels, log-linear between the calibrated ones; the backward at its
   own), else at P_mm.
 - An op with a calibrated fixed cost per call (convolutions and the kernels above:
-  fxacct.predict.calibrate ``op_latency_s``) adds it to its time: the α of t = α + work / rate.
+  fxacct.tools.calibrate ``op_latency_s``) adds it to its time: the α of t = α + work / rate.
 - No overlap between ops.
 
 Attribution is the annotation's (fxacct.account.annotate): each op's time goes to its owner, the
@@ -70,7 +70,8 @@ import torch.fx as fx
 from fxacct.account.rollup import inclusive
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
 from fxacct.load.config import Config
-from fxacct.predict.devices import DEVICES, Device, get_device
+from fxacct.predict import calibration
+from fxacct.predict.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
 # what bounds an op; FREE: a view; INIT: creates optimizer state (not in a steady-state step)
@@ -137,7 +138,6 @@ def _log_linear(curve, x: float) -> float:
 
 
 def from_gpu(device: Device) -> DeviceModel:
-    from fxacct.predict.devices import LAUNCH_SOURCE
 
     return DeviceModel(device.name, dict(device.peak_flops), device.peak_flops["float32"], device.bandwidth,
                        f"datasheet: {device.source}", tf32_convolutions=True, op_overhead_s=device.launch_s,
@@ -145,7 +145,7 @@ def from_gpu(device: Device) -> DeviceModel:
 
 
 def from_calibration(cal, profiled: bool = False) -> DeviceModel:
-    """A device model from a fxacct.predict.calibrate.Calibration (measured, not datasheet, rates);
+    """A device model from a fxacct.predict.calibration.Calibration (measured, not datasheet, rates);
     ``profiled``: with the per-op overhead measured under torch.profiler, for a runtime run's
     comparison (the run is timed under the profiler)."""
     overhead = cal.dispatch_s_per_op
@@ -172,11 +172,9 @@ def from_calibration(cal, profiled: bool = False) -> DeviceModel:
 
 def for_config(config: Config) -> DeviceModel | None:
     """The target of a static profile: --gpu's datasheet entry, else this CPU if calibrated, else None."""
-    from fxacct.predict import calibrate
-
     if config.gpu is not None:
         return from_gpu(get_device(config.gpu))
-    cal = calibrate.load("cpu")
+    cal = calibration.load("cpu")
     return from_calibration(cal) if cal is not None else None
 
 
@@ -195,9 +193,7 @@ def gpu_key(name: str) -> str | None:
 def for_local(kind: str, gpu: str | None = None, profiled: bool = False) -> DeviceModel | None:
     """The device a runtime run executes on: its calibration if stored (``profiled``: its per-op
     overhead under torch.profiler), else (CUDA) the datasheet entry of ``gpu`` (a DEVICES key), else None."""
-    from fxacct.predict import calibrate
-
-    cal = calibrate.load(kind)
+    cal = calibration.load(kind)
     if cal is not None:
         return from_calibration(cal, profiled)
     if kind == "cuda" and gpu in DEVICES:

@@ -389,7 +389,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
                 op_peak = _op_level_peak(step, progress)
         except KeyboardInterrupt:
             interrupted = True
-    from fxacct.predict.calibrate import cpu_name
+    from fxacct.predict.calibration import cpu_name
 
     name = torch.cuda.get_device_name(device) if cuda else cpu_name()
     return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fxacct.predict.calibrate import check_device
+from fxacct.predict.calibration import check_device
 from fxacct.load.config import Config
 from fxacct.errors import ModelError, UsageError
 from fxacct.predict.roofline import gpu_key

@@ -1,4 +1,4 @@
-"""The microbenchmarks behind `fxacct calibrate` (fxacct.predict.calibrate documents what each
+"""The microbenchmarks behind `fxacct calibrate` (fxacct.tools.calibrate documents what each
 measures and why). Each returns rates and the relative spread of its repeated rounds.
 
 Repetition: a round is the fastest of repetitions that fill a time budget (at least 3), after one
@@ -10,12 +10,16 @@ the rounds says how much the machine disturbed it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fxacct.trace import torch_private as tp
 
 STABLE_REL = 0.05  # two rounds within 5% of each other: stable
 MAX_ROUNDS = 4
@@ -172,7 +176,7 @@ class _Tiny:
     """One training step of a small model (TINY_LAYERS × (Linear(TINY_WIDTH, TINY_WIDTH), ReLU) on
     TINY_BATCH rows, the float sum as loss, AdamW): ops on small-model activations, whose time is
     mostly per-op cost, paid the way a real step pays it (module calls, autograd recording, the
-    backward engine, the optimizer's Python loop). fxacct.predict.overhead takes the roofline's
+    backward engine, the optimizer's Python loop). fxacct.tools.calibrate_overhead takes the roofline's
     share out (its arithmetic and bytes) and keeps the rest per op."""
 
     def __init__(self, kind: str):
@@ -231,12 +235,6 @@ def dispatch(kind: str, budget_s: float, timer=None, profiled: bool = False) -> 
     (the forward's module calls and autograd recording, the backward engine, the optimizer's loop
     cost an op differently). ``profiled``: under torch.profiler (CPU activity and memory events),
     which records every op."""
-    import contextlib
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from fxacct.trace import torch_private as tp
-
     timer = timer or Timer(kind)
     step = _Tiny(kind)
     step()  # the optimizer state: a steady-state step follows

@@ -1,5 +1,5 @@
 """The per-op overhead of a calibrated device: what a small model's training step (microbench._Tiny)
-holds beyond fxacct's own roofline of it, per op (fxacct.predict.calibrate documents why)."""
+holds beyond fxacct's own roofline of it, per op (fxacct.tools.calibrate documents why)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from dataclasses import replace
 
 import torch
 
-from fxacct.predict import microbench
+from fxacct.api import profile_module
+from fxacct.load.config import Config
+from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
+from fxacct.tools import microbench
 
 # The small step on every thread against one thread: measured on the 2-core CI machine, idle
 # 1.0-1.3×; with two busy processes on its cores 116-130× (OpenMP's threads wait at each parallel
@@ -84,10 +87,6 @@ def tiny_roofline(cal) -> tuple[dict, dict, dict]:
     counted with the forward's, as fxacct.predict.roofline.DeviceModel.overhead charges them).
     The measured step less this and less the views' dispatch, per op, is the per-op overhead: what
     the roofline does not hold, fit where it is most of the time."""
-    from fxacct.load.config import Config
-    from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
-    from fxacct.api import profile_module
-
     tiny = microbench._Tiny("cpu")  # traced on fake tensors: only shapes and dtypes are read
     profile = profile_module(tiny.model, (tiny.x,), {}, Config(batch=microbench.TINY_BATCH, optimizer="adamw"))
     rates_only = replace(cal, dispatch_s_per_op=None, profiled_dispatch_s_per_op=None, dispatch_s_by_phase={},
