@@ -7,7 +7,7 @@ import json
 import click
 
 from fxacct.errors import UsageError
-from fxacct.parallel.planner import check_job, plan
+from fxacct.tools.plan import check_job, plan
 from fxacct.report.plan_text import plan_json, render_plan
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (CONFIRM, DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group, mesh_options,

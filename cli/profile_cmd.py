@@ -167,7 +167,7 @@ def _run_runtime(config, options: RuntimeOptions):
 
 def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dict) -> None:
     """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
-    from fxacct.parallel.gloo_run import check_runnable, run_mesh
+    from fxacct.runtime.gloo_run import check_runnable, run_mesh
     from fxacct.report.collectives import ranks_json, render_ranks
 
     check_runnable(config)

@@ -14,13 +14,14 @@ from fxacct.errors import ModelError
 from fxacct.heap import with_frozen_heap
 from fxacct.load.config import Config
 from fxacct.load.hf import seq_len_note
+from fxacct.load.mesh import check_pipeline_flags
 from fxacct.load.source import guessed_input_note, load_model
 from fxacct.memory import account as memory_account
 from fxacct.memory.account import Fit
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
-from fxacct.predict.devices import get_device
+from fxacct.devices import get_device
 from fxacct.predict.roofline import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, training_peak
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
@@ -32,6 +33,7 @@ MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
 def profile(config: Config) -> Profile:
     """Load config.target and account its step: on one device, or one rank of ``config.mesh``
     (under pp, stage 0's rank, carrying every stage's account)."""
+    check_pipeline_flags(config)  # a plan's Config may carry them without pp: a profile's may not
     if config.mesh is None:
         model, args, kwargs, inputs_for = load_model(config)
         try:

@@ -26,6 +26,7 @@ from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.api import profile_module
 from fxacct.units import parse_bytes
+from fxacct.report.check_text import render_check
 
 
 def _inputs(inputs) -> tuple[tuple, dict]:
@@ -60,8 +61,6 @@ def _check(model, inputs, limits: Limits, *, batch, dtype, amp, master_weights, 
                  amp=_dtype(amp), master_weights=master_weights, find_max_batch=False, **config)
     result = evaluate(profile_module(model, args, kwargs, cfg), limits)
     if not result.ok:
-        from fxacct.report.check_text import render_check
-
         raise AssertionError(render_check(result))
     return result
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fxacct
-from fxacct.predict.devices import DEVICES
+from fxacct.devices import DEVICES
 from fxacct.predict.roofline import from_gpu, predict_profile
 from fxacct.runtime import RuntimeOptions
 from fxacct.runtime import run as runtime_run

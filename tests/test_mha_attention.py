@@ -23,7 +23,7 @@ class MHA(nn.Module):
         return self.attn(x, x, x, need_weights=self.need_weights)[0]
 
 
-@pytest.mark.parametrize("gpu", [None, "h100"])  # CPU rules, CUDA rules (fxacct.predict.targets)
+@pytest.mark.parametrize("gpu", [None, "h100"])  # CPU rules, CUDA rules (fxacct.trace.targets)
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_products_are_attention(dropout, need_weights, gpu):

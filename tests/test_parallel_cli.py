@@ -148,7 +148,7 @@ def test_a_real_mesh_run_failing_in_the_users_file_keeps_the_account_and_exits_3
 
 def test_a_rank_failing_in_fxacct_is_an_internal_error():
     from fxacct.errors import InternalError, ModelError
-    from fxacct.parallel.gloo_run import rank_failure
+    from fxacct.runtime.gloo_run import rank_failure
 
     text = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/multiprocessing/spawn.py", line 87, '
             'in _wrap\n  File "/repo/fxacct/parallel/gloo_run.py", line 130, in _measure\nKeyError: \'rank\'\n')

@@ -168,7 +168,7 @@ def test_gloo_reduce_scatter_note_only_where_a_rank_measured_over():
     from types import SimpleNamespace
 
     from fxacct.parallel.collectives import CollectiveRow
-    from fxacct.parallel.gloo_run import RankMeasured
+    from fxacct.runtime.gloo_run import RankMeasured
     from fxacct.report.collectives import GLOO_REDUCE_SCATTER, render_ranks
 
     rows = (CollectiveRow("reduce_scatter", "fsdp", "backward", "layers.0", 3, 300, 150),)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import fxacct
-from fxacct.parallel.gloo_run import run_mesh
+from fxacct.runtime.gloo_run import run_mesh
 from helpers import target
 from parallel_oracle import predicted_by_op
 

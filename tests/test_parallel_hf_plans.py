@@ -134,9 +134,9 @@ def test_without_transformers_engine_fxacct_maps_the_plan_or_says_which_style(mo
 
 @pytest.mark.parametrize("name", ["qwen3", "mixtral"])
 def test_real_gloo_run_under_transformers_plan(name):
-    """fsdp=2,tp=2 in four CPU processes on gloo (fxacct.parallel.gloo_run): every rank issues the
+    """fsdp=2,tp=2 in four CPU processes on gloo (fxacct.runtime.gloo_run): every rank issues the
     collectives the account shows (count and bytes per op) and peaks within 2% of it."""
-    from fxacct.parallel.gloo_run import run_mesh
+    from fxacct.runtime.gloo_run import run_mesh
 
     cfg = _config(name, {"fsdp": 2, "tp": 2})
     p = fxacct.profile(cfg)

@@ -379,7 +379,7 @@ def _attention_ops(prof) -> set[str]:
 def test_pipeline_stage_under_gpu_takes_the_gpu_attention_kernel():
     """An automatic split cuts stages with torch.export, which records attention as the aten op;
     under --gpu h100 the stage must still take the kernel a GPU runs (the memory-efficient one for
-    fp32, as one device does: fxacct.predict.targets rule 1), not the CPU flash kernel."""
+    fp32, as one device does: fxacct.trace.targets rule 1), not the CPU flash kernel."""
     cfg = dict(target=target(LLAMA), batch=2, kwargs=dict(KW), gpu="h100")
     one = fxacct.profile(fxacct.Config(**cfg))
     stage = fxacct.profile(fxacct.Config(**cfg, mesh="pp=2")).parallel.pipeline.stages[0].profile

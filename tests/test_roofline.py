@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import fxacct
 from fxacct.costs.registry import Flops
-from fxacct.predict.devices import DEVICES, MiB, get_device
+from fxacct.devices import DEVICES, MiB, get_device
 from fxacct.predict.roofline import (COMPUTE, FREE, INIT, MEMORY, PHASES, DeviceModel, for_config, from_gpu, gpu_key,
                              op_seconds, predict_profile)
 from fxacct.units import GB, GiB
@@ -216,7 +216,7 @@ def test_the_per_op_overhead_is_ops_times_overhead():
     # optimizer here, so no state init and no repeat); the report prints it as its own line
     import dataclasses
 
-    from fxacct.predict.devices import LAUNCH_S
+    from fxacct.devices import LAUNCH_S
     from fxacct.report.runtime_text import predicted_section
 
     p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")

@@ -1,4 +1,4 @@
-"""Target-device rules (``gpu=...``: fxacct.predict.targets) and ZeRO/FSDP partitioning per rank
+"""Target-device rules (``gpu=...``: fxacct.trace.targets) and ZeRO/FSDP partitioning per rank
 (fxacct.memory.sharding).
 
 Oracles: what a kernel's autograd node saves is read off the kernel itself, run on meta tensors

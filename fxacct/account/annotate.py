@@ -51,6 +51,22 @@ class NodeCost:
     recompute: bool = False  # a forward op re-run in the backward (activation checkpointing)
 
 
+def op_kind(op, has_tensor_inputs: bool) -> str:
+    """view or inplace from the schema (fxacct.trace.aliasing); else creation, copy or compute
+    from the cost registry's entry (a creation op, a data movement) and the tensor inputs."""
+    kind = aliasing.schema_kind(op)
+    if kind is not None:
+        return kind
+    info = lookup(op)
+    if info is not None and info.creation:
+        return aliasing.CREATION
+    if not has_tensor_inputs:
+        return aliasing.CREATION
+    if info is not None and info.movement:
+        return aliasing.COPY
+    return aliasing.COMPUTE
+
+
 def _shape(a):
     """Arguments with every tensor, TensorMeta or node replaced by its shape (a tuple; a tuple of
     shapes for a multi-output node)."""
@@ -84,7 +100,7 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
     if node.op == "placeholder":
         kind = aliasing.INPUT if trace.role == INPUT else "parameter"
         return NodeCost(ZERO, kind, 0, saved_bytes, saved_pairs, False)
-    kind = aliasing.op_kind(op, _has_tensor_arg(node))
+    kind = op_kind(op, _has_tensor_arg(node))
     outputs = tensor_metas(val)
     new_bytes = 0 if kind in (aliasing.VIEW, aliasing.INPLACE) else sum(t.nbytes for t in outputs)
     if kind == aliasing.VIEW:

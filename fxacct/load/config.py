@@ -3,12 +3,15 @@ Validation happens here, before any tracing, so a bad value fails fast with a us
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from fxacct.errors import UsageError
-from fxacct.load.mesh import MeshSpec, check_config, check_pipeline_flags, parse_mesh
+from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
+from fxacct.devices import get_device
+from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check
 
 CAUSAL_CONVENTIONS = ("full", "halved")
 AMP_DTYPES = (torch.bfloat16, torch.float16)
@@ -30,7 +33,7 @@ class Config:
     optim_args: dict = field(default_factory=dict)
     amp: torch.dtype | None = None  # autocast dtype
     master_weights: bool = False
-    gpu: str | None = None  # a key of fxacct.predict.devices.DEVICES
+    gpu: str | None = None  # a key of fxacct.devices.DEVICES
     world_size: int = 1
     shard: str = "none"
     find_max_batch: bool = True  # with a gpu: search the largest batch that fits
@@ -51,9 +54,6 @@ class Config:
     pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
 
     def __post_init__(self):
-        from fxacct.predict.devices import get_device
-        from fxacct.memory.sharding import check
-
         if self.batch <= 0:
             raise UsageError(f"--batch must be a positive integer, got {self.batch}")
         if self.causal_attention not in CAUSAL_CONVENTIONS:
@@ -78,15 +78,12 @@ class Config:
             object.__setattr__(self, "mesh", parse_mesh(self.mesh))
         if self.mesh is not None:  # first: --mesh with --shard names the clash, not a --world-size to add
             check_config(self)
-        check_pipeline_flags(self)
         check(self.shard, self.world_size)
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self.optimizer_spec().resolve()
 
     def _check_loading(self):
-        from fxacct.trace.loss import LossSpec
-
         LossSpec(self.loss, self.loss_output)
         if self.seq_len is not None and self.seq_len <= 0:
             raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
@@ -100,17 +97,13 @@ class Config:
                        pp_split=None, microbatches=None, pp_stages_per_rank=None)
 
     def optimizer_spec(self):
-        from fxacct.trace.optim_step import OptimizerSpec
-
         args = dict(self.optim_args)
         if self.gpu is not None and self.optimizer.lower() in _FOREACH and "foreach" not in args:
-            args["foreach"] = True  # fxacct.predict.targets rule 4: CUDA tensors default to foreach
+            args["foreach"] = True  # fxacct.trace.targets rule 4: CUDA tensors default to foreach
         return OptimizerSpec(self.optimizer, args)
 
 
 def _foreach_optimizers():
-    from fxacct.trace.optim_step import OPTIMIZERS
-    import inspect
 
     return {k for k, cls in OPTIMIZERS.items() if "foreach" in inspect.signature(cls.__init__).parameters}
 

@@ -42,7 +42,7 @@ class Fit:
 
     @classmethod
     def on(cls, device, peak: int, max_batch: int | None = None, verified: bool = False) -> "Fit":
-        """``peak`` bytes per rank on ``device`` (fxacct.predict.devices), against the capacity
+        """``peak`` bytes per rank on ``device`` (fxacct.devices), against the capacity
         its driver reports."""
         capacity = device.capacity_reported
         return cls(device.name, capacity, peak, capacity - peak, max_batch, verified)

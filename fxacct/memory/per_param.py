@@ -30,6 +30,7 @@ from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAM
 from fxacct.memory.sharding import partitioned
 from fxacct.trace.optim_step import OptimizerSpec
 from fxacct.trace.records import itemsize
+from fxacct.trace.torch_private import FakeTensorMode
 
 # Two sizes of the probe parameter (elements): the state's growth between them is per element.
 PROBE_SIZES = (16, 48)
@@ -67,7 +68,6 @@ class BytesPerParam:
 
 def _state_after_step(spec: OptimizerSpec, numel: int, dtype: torch.dtype, fake: bool) -> dict[str, tuple[int, torch.dtype]]:
     """{state name: (bytes, dtype)} after one step over one parameter of ``numel`` elements."""
-    from fxacct.trace.torch_private import FakeTensorMode
     from contextlib import nullcontext
 
     with FakeTensorMode() if fake else nullcontext():

@@ -14,19 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from fxacct.errors import UsageError
 from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAMETERS
 
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
-
-
-def check(shard: str, world_size: int) -> None:
-    if shard not in SHARDS:
-        raise UsageError(f"unknown --shard {shard!r}: use one of {', '.join(SHARDS)}")
-    if world_size < 1:
-        raise UsageError(f"--world-size must be at least 1, got {world_size}")
-    if shard != "none" and world_size == 1:
-        raise UsageError(f"--shard {shard} partitions state across ranks: give --world-size N with N > 1")
+from fxacct.load.specs import SHARDS, check  # noqa: F401  (re-exported)
 
 
 def partitioned(shard: str, world_size: int) -> dict[str, int]:

@@ -15,6 +15,8 @@ import torch
 from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import MeshSpec
 from fxacct.trace import torch_private as tp
+from fxacct.parallel.plans import apply_model_plan
+from fxacct.load.model_spec import call_user, check_call, resolve_function
 
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
 
@@ -60,8 +62,6 @@ def parallelize(model: torch.nn.Module, spec: MeshSpec, mesh, options) -> torch.
     if options.parallelize:
         return _user_parallelize(model, mesh, options.parallelize)
     if spec.size("tp") > 1:
-        from fxacct.parallel.plans import apply_model_plan
-
         apply_model_plan(model, mesh["tp"])
     if spec.size("fsdp") > 1 or spec.size("dp") > 1:
         _fully_shard(model, spec, mesh, options)
@@ -69,8 +69,6 @@ def parallelize(model: torch.nn.Module, spec: MeshSpec, mesh, options) -> torch.
 
 
 def _user_parallelize(model, mesh, target: str):
-    from fxacct.load.model_spec import call_user, check_call, resolve_function
-
     fn = resolve_function(target, "--parallelize", "fn(model, mesh)")
     check_call(fn, "--parallelize", target, "fn(model, mesh)", model, mesh)
     try:

@@ -7,7 +7,7 @@ repeated blocks (fxacct.parallel.engine.repeated_blocks).
 FQN and automatic splits cut the model with torch.distributed.pipelining's own front end,
 ``pipeline(model, mb_args, split_spec={fqn: SplitPoint.BEGINNING})`` (torch.export based; it runs
 on meta tensors), so any model whose repeated blocks are found splits without a split function,
-and the real run (fxacct.parallel.gloo_run) builds its stages the same way. A tied weight (GPT-2's
+and the real run (fxacct.runtime.gloo_run) builds its stages the same way. A tied weight (GPT-2's
 ``wte``/``lm_head``) is then a parameter of every stage that uses one of its names, as pipeline()
 builds it.
 """
@@ -21,6 +21,7 @@ import torch
 
 from fxacct.errors import UsageError, classify
 from fxacct.trace import torch_private as tp
+from fxacct.parallel.engine import repeated_blocks
 
 
 def is_function(pp_split: str | None) -> bool:
@@ -30,8 +31,6 @@ def is_function(pp_split: str | None) -> bool:
 def split_points(model, pp_split: str | None, stages: int, block_cost=None) -> list[str]:
     """The FQNs where stages 1..P−1 begin: the user's list (checked), or balanced (``block_cost``:
     () -> (cost before the blocks, [cost per block], cost after))."""
-    from fxacct.parallel.engine import repeated_blocks
-
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(b)] for b in repeated_blocks(model)]
     if pp_split:
@@ -158,7 +157,7 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 
 # torch.export records F.scaled_dot_product_attention as the aten op, which an interpreted stage
 # calls below the torch-function layer, where the target-device rules choose the kernel a GPU runs
-# (fxacct.predict.targets, rule 1): the stage calls the torch function again, as the model did.
+# (fxacct.trace.targets, rule 1): the stage calls the torch function again, as the model did.
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 

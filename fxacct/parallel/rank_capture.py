@@ -32,7 +32,7 @@ class Prepared:
     """What CaptureOptions.prepared carries: the mode the model's tensors were made in, the model's
     own tensors as the capture's FakeModel, and the tensor subclasses the recorder defers to."""
 
-    mode: object
+    mode: FakeTensorMode
     fake: FakeModel
     defer: tuple
     resizes: StorageResizes  # FSDP2's frees and re-allocations of unsharded parameters

@@ -13,7 +13,7 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
 1.21× of measured (bench/calibrated_cpu.py).
 
 - P_mm on a GPU of the table: the datasheet's tensor-core peak for the op's input dtype
-  (fxacct.predict.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
+  (fxacct.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
   torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at TF32 because
   torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the matmul and
   attention classes only; P_other is the non-tensor fp32 rate.
@@ -38,7 +38,7 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
   A creation op (zeros, ones_like...) writes its output and reads nothing.
 - Per-op overhead: every op (a view too: it is dispatched) but the state init also costs a fixed
   ``op_overhead_s``, added to its time and reported as its own line (ops × overhead): on a GPU of the
-  table the kernel launch latency (fxacct.predict.devices.LAUNCH_S, sourced there), on a calibrated
+  table the kernel launch latency (fxacct.devices.LAUNCH_S, sourced there), on a calibrated
   device what an op of a small model's training step costs beyond this roofline, by the op's phase
   (forward with the loss, backward, optimizer: fxacct.tools.calibrate ``dispatch_s_by_phase``), a
   view the trivial op's dispatch alone (``view_overhead_s``). A small model's step is mostly this
@@ -71,7 +71,7 @@ from fxacct.account.rollup import inclusive
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
 from fxacct.load.config import Config
 from fxacct.predict import calibration
-from fxacct.predict.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
+from fxacct.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
 # what bounds an op; FREE: a view; INIT: creates optimizer state (not in a steady-state step)
@@ -179,7 +179,7 @@ def for_config(config: Config) -> DeviceModel | None:
 
 
 def gpu_key(name: str) -> str | None:
-    """The fxacct.predict.devices key of a GPU as torch.cuda.get_device_name() names it, or None."""
+    """The fxacct.devices key of a GPU as torch.cuda.get_device_name() names it, or None."""
     n = name.lower()
     if "h200" in n:
         return "h200"

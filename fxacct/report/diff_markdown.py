@@ -6,6 +6,7 @@ from __future__ import annotations
 from fxacct.report.diff_text import _delta, _num, _ratio
 from fxacct.report.markdown import ROOT, pipe_table
 from fxacct.tools.diff import DiffResult
+from fxacct.report.diff_text import config_note
 
 CHANGE_HEADERS = ["before", "after", "Δ", "%"]
 
@@ -46,8 +47,6 @@ def render_diff_markdown(result: DiffResult, old_path: str, new_path: str) -> st
     note = " (different models)" if result.old_model != result.new_model else ""
     parts += [f"#### Totals: `{old_path}` → `{new_path}`{note}", ""]
     if result.config_changes:
-        from fxacct.report.diff_text import config_note
-
         parts += [f"Note: {config_note(result)}", ""]
     parts += [totals_table(result), ""]
     if result.modules:

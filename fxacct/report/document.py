@@ -11,6 +11,9 @@ from fxacct.dtypes import dtype_name
 from fxacct.step import Profile
 from fxacct.report.checkpoint_text import checkpoint_json
 from fxacct.units import FLOPS_PER_FMA
+from fxacct.report.collectives import add_to_document
+from fxacct.report.runtime_json import predicted
+from fxacct.report.runtime_json import runtime as runtime_json
 
 SCHEMA = "fxacct.profile/1"
 
@@ -22,18 +25,12 @@ def _by_class(f: Flops) -> dict[str, int]:
 def document(p: Profile, prediction=None, runtime=None) -> dict:
     """``prediction``: a fxacct.predict.roofline.Prediction (fills ``totals.predicted_step_ms`` and adds
     ``predicted``); ``runtime``: a fxacct.runtime.RuntimeResult (adds ``runtime``)."""
-    from fxacct.report.collectives import add_to_document
-
     doc = add_to_document(_document(p), p.parallel)
     if prediction is not None:
-        from fxacct.report.runtime_json import predicted
-
         if p.parallel is None or p.parallel.time is None:  # under --mesh: the critical path (add_to_document)
             doc["totals"]["predicted_step_ms"] = prediction.step_ms
         doc["predicted"] = predicted(prediction)
     if runtime is not None:
-        from fxacct.report.runtime_json import runtime as runtime_json
-
         doc["runtime"] = runtime_json(runtime)
     return doc
 

@@ -9,6 +9,7 @@ from fxacct.report.durations import format_ms
 from fxacct.report.summary_text import exact_bytes, facts
 from fxacct.report.tables import tabulate
 from fxacct.units import format_bytes
+from fxacct.report.collectives import render_collectives
 
 ROOT = "(root)"  # the root module's name in every table (its FQN is "")
 
@@ -73,7 +74,6 @@ def render_markdown(p: Profile, prediction=None, by: str = "module", depth: int 
                     summary_only: bool = False) -> str:
     parts = [f"### fxacct profile: `{p.title}`", "", render_summary_markdown(p, prediction)]
     if p.parallel is not None:  # whose figures these are, the pipeline and the collectives: the text report's
-        from fxacct.report.collectives import render_collectives
 
         parts += ["", f"#### Mesh `{p.parallel.mesh}`", "", "```text", render_collectives(p.parallel), "```"]
     if not summary_only:

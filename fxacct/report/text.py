@@ -11,6 +11,11 @@ from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
 from fxacct.dtypes import dtype_name
 from fxacct.step import Profile
 from fxacct.units import format_bytes, format_count
+from fxacct.report.memory_text import render_memory
+from fxacct.report.checkpoint_text import checkpoint_section
+from fxacct.report.runtime_text import predicted_section, runtime_section
+from fxacct.report.summary_text import render_summary
+from fxacct.report.collectives import render_collectives
 
 
 LOSS_TEXT = {"sum": "sum of outputs", "model": "the model's own loss is in its forward"}
@@ -120,12 +125,9 @@ def unsupported_footer(p: Profile) -> str:
 
 
 def render_text(p: Profile, depth: int = 2, top: int = 10, width: int | None = None) -> str:
-    from fxacct.report.memory_text import render_memory
-
     parts = [summary(p), "", render_memory(p), "",
              f"modules (depth {depth}, inclusive):", modules_table(p, depth, width), ""]
     if p.checkpoint is not None:
-        from fxacct.report.checkpoint_text import checkpoint_section
         parts += [checkpoint_section(p.checkpoint), ""]
     if top > 0:
         parts += [f"top {top} node{'s' if top != 1 else ''} by forward+backward FLOPs:", nodes_table(p, top, width),
@@ -144,9 +146,6 @@ def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=No
     the predicted step time (fxacct.predict.roofline) and, after --runtime, the comparison of
     predicted and measured (fxacct.report.runtime_text). Tables fit ``width`` and prose wraps at it
     (None: no limit)."""
-    from fxacct.report.runtime_text import predicted_section, runtime_section
-    from fxacct.report.summary_text import render_summary
-
     parts = [render_summary(p, prediction, width)]
     if p.warnings:  # what makes the numbers less than exact: under --summary too
         parts += ["", *(f"WARNING: {w}" for w in p.warnings)]
@@ -154,8 +153,6 @@ def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=No
         parts += ["", render_text(p, depth=depth, top=top, width=width).rstrip("\n"), "",
                   predicted_section(prediction)]
         if p.parallel is not None:
-            from fxacct.report.collectives import render_collectives
-
             parts += ["", render_collectives(p.parallel, width)]
         if runtime is not None:
             parts += ["", runtime_section(runtime, depth=depth, top=top, width=width)]

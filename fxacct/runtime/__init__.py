@@ -5,7 +5,7 @@ and memory beside fxacct's prediction.
     >>> r.measured.step_s, r.comparison.predicted["step"], r.measured.peak_bytes
 
 Order: the static account for the device the run executes on (on CUDA without ``--gpu``, the
-local GPU's fxacct.predict.devices entry, so its kernel rules apply) → the roofline prediction for that
+local GPU's fxacct.devices entry, so its kernel rules apply) → the roofline prediction for that
 device (its calibration, else its datasheet entry, else none) → the safety check (the predicted
 peak against free device memory: a ModelError, exit 3, unless ``force``) → the real run
 (fxacct.runtime.run) → the comparison (fxacct.runtime.compare).
@@ -19,11 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fxacct import api
 from fxacct.load.config import Config
 from fxacct.predict.roofline import Prediction, for_local, predict_profile
 from fxacct.runtime.compare import Comparison, compare
 from fxacct.runtime.run import Measured, measure
 from fxacct.runtime.setup import check_fits, prediction_config, resolve_device, validate
+from fxacct.step import Profile
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class RuntimeOptions:
 
 @dataclass(frozen=True)
 class RuntimeResult:
-    profile: object  # fxacct.Profile, of the config the prediction is for
+    profile: Profile  # of the config the prediction is for
     prediction: Prediction | None  # on the device the run executed on; None if not calibrated
     measured: Measured
     comparison: Comparison
@@ -46,12 +48,10 @@ class RuntimeResult:
 
 def run(config: Config, options: RuntimeOptions = RuntimeOptions(),
         progress: Callable[[str, int, int], None] | None = None) -> RuntimeResult:
-    import fxacct
-
     validate(config, options)
     device = resolve_device(options.device)
     config = prediction_config(config, device)
-    profile = fxacct.profile(config)
+    profile = api.profile(config)
     model = for_local(device.type, config.gpu)  # the step is timed plain (fxacct.runtime.run)
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory

@@ -12,6 +12,8 @@ import torch
 
 from fxacct.predict.roofline import DeviceModel, Prediction, for_local
 from fxacct.runtime.run import Measured
+from fxacct.devices import DEVICES
+from fxacct.predict.roofline import from_gpu
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,6 @@ class Comparison:
 
 def mfu_peak(kind: str, gpu: str | None, dtype: torch.dtype) -> tuple[float | None, str]:
     """The MFU denominator: the datasheet matmul peak of a known GPU; else the calibrated rate."""
-    from fxacct.predict.devices import DEVICES
-    from fxacct.predict.roofline import from_gpu
-
     device: DeviceModel | None = None
     if kind == "cuda" and gpu in DEVICES:
         device = from_gpu(DEVICES[gpu])

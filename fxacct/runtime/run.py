@@ -55,6 +55,8 @@ from fxacct.errors import FxacctError, ModelError, classify, first_line
 from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
 from fxacct.runtime.transfer import Transfer, measure_transfer
 from fxacct.runtime.storage_tracker import StorageTracker
+from fxacct.trace.checkpointing import wrap
+from fxacct.predict.calibration import cpu_name
 
 SEED = 0
 
@@ -129,7 +131,6 @@ def build_model(config: Config, device: torch.device):
     if config.dtype is not None:
         model.to(config.dtype)
     if config.checkpoint:  # --checkpoint: the real run checkpoints the modules the capture did
-        from fxacct.trace.checkpointing import wrap
         wrap(model, config.checkpoint, config.checkpoint_policy)
     return model, source
 
@@ -389,7 +390,6 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
                 op_peak = _op_level_peak(step, progress)
         except KeyboardInterrupt:
             interrupted = True
-    from fxacct.predict.calibration import cpu_name
 
     name = torch.cuda.get_device_name(device) if cuda else cpu_name()
     return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,

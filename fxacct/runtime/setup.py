@@ -52,7 +52,7 @@ def resolve_device(name: str) -> torch.device:
 
 def prediction_config(config: Config, device: torch.device) -> Config:
     """The config whose account a run on ``device`` is compared with: on CUDA without --gpu, the local
-    GPU's fxacct.predict.devices entry (its CUDA kernel rules); on the CPU, no --gpu. The largest-batch
+    GPU's fxacct.devices entry (its CUDA kernel rules); on the CPU, no --gpu. The largest-batch
     search is skipped (it is not what the run measures)."""
     if device.type == "cpu":
         if config.gpu is not None:

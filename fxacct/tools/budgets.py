@@ -4,7 +4,7 @@ value, the limit and how far over. Values are for one rank, as every figure of a
 
 - memory: the per-rank training peak (peak_train_bytes; the inference peak for a model with
   nothing to train) against --max-memory, by default the --gpu's capacity as the driver reports
-  it (nvidia-smi memory.total, fxacct.predict.devices), the memory a job can actually use.
+  it (nvidia-smi memory.total, fxacct.devices), the memory a job can actually use.
 - params: all parameters (trainable or not).
 - flops: forward + backward FLOPs of one step, every class; flops_per_example: that ÷ batch.
 - step_time: model FLOPs (forward + backward, matmul + attention: the FLOPs MFU is defined on)
@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import torch
 
-from fxacct.predict.devices import get_device
+from fxacct.devices import get_device
 from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
 from fxacct.step import Profile

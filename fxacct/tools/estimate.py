@@ -18,7 +18,7 @@ from fractions import Fraction
 import torch
 
 from fxacct.load.config import Config
-from fxacct.predict.devices import get_device
+from fxacct.devices import get_device
 from fxacct.dtypes import dtype_name, parse_dtype
 from fxacct.errors import UsageError
 from fxacct.memory.per_param import BytesPerParam, bytes_per_param
@@ -30,7 +30,7 @@ DAYS_PER_MONTH = 30  # the seeds' month: "days / 30"
 # 6·N·D: per token, forward 2N (one multiply-add per parameter) + backward 4N (gradients of
 # activations and of weights), Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1.
 FLOPS_PER_PARAM_PER_TOKEN = 6
-# The seeds' peak: H100 SXM bf16 dense, 989.5 TFLOP/s (NVIDIA H100 datasheet; fxacct.predict.devices).
+# The seeds' peak: H100 SXM bf16 dense, 989.5 TFLOP/s (NVIDIA H100 datasheet; fxacct.devices).
 DEFAULT_PEAK_DTYPE = torch.bfloat16
 
 

@@ -15,7 +15,6 @@ from functools import lru_cache
 
 import torch
 
-from fxacct.costs import registry
 
 aten = torch.ops.aten
 
@@ -44,17 +43,3 @@ def schema_kind(op) -> str | None:
     if not schema.returns:  # returns nothing (torch.export's _assert_tensor_metadata): no data, no bytes
         return VIEW
     return None
-
-
-def op_kind(op, has_tensor_inputs: bool) -> str:
-    kind = schema_kind(op)
-    if kind is not None:
-        return kind
-    info = registry.lookup(op)
-    if info is not None and info.creation:
-        return CREATION
-    if not has_tensor_inputs:
-        return CREATION
-    if info is not None and info.movement:
-        return COPY
-    return COMPUTE

@@ -28,6 +28,7 @@ import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -42,17 +43,35 @@ from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
 from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
+from fxacct.load.specs import OptimizerSpec
 from fxacct.trace.optim_step import step_once
 from fxacct.trace.records import (  # noqa: F401  (re-exported)
     TAG, Ref, Slot, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
 )
+from fxacct.trace.replay import BlockReplay, find_runs
+from fxacct.trace.replay_train import TrainReplay
+from fxacct.trace.targets import CudaRules
+from fxacct.trace.checkpointing import checkpointed
+
+
+class PreparedModel(Protocol):
+    """A model whose tensors were made fake before the capture (fxacct.parallel.rank_capture.Prepared:
+    parallelized, then materialized in ``mode``): the capture runs in that mode, takes ``fake`` as
+    the model's tensors, defers to the tensor subclasses in ``defer`` (DTensor) and lets it
+    ``attach`` to the recorder."""
+
+    mode: FakeTensorMode
+    fake: FakeModel
+    defer: tuple
+
+    def attach(self, recorder: Recorder) -> None: ...
 
 
 @dataclass(frozen=True)
 class CaptureOptions:
     """How to trace. ``dtype``: floating parameters, buffers and inputs cast to it. ``amp``:
     forward and loss under autocast to that dtype. ``master_weights``: the optimizer steps fp32
-    copies. ``cuda``: apply fxacct.predict.targets' CUDA kernel rules. ``optimizer``: an
+    copies. ``cuda``: apply fxacct.trace.targets' CUDA kernel rules. ``optimizer``: an
     fxacct.trace.optim_step.OptimizerSpec stepped once after the backward. ``inference``: the
     forward alone, under eval() and no_grad(). ``dedup``: repeated blocks proven identical are
     traced once and replayed (fxacct.trace.replay, fxacct.trace.replay_train)."""
@@ -61,7 +80,7 @@ class CaptureOptions:
     input_requires_grad: bool = False
     loss_output: int | None = None
     backward: bool = True
-    optimizer: object = None
+    optimizer: OptimizerSpec | None = None
     inference: bool = False
     amp: torch.dtype | None = None
     master_weights: bool = False
@@ -71,7 +90,7 @@ class CaptureOptions:
     causal_lm: bool = False  # cross-entropy targets are the next tokens (fxacct.load.hf.is_causal_lm)
     # the model's own tensors are already fake (fxacct.parallel: a parallelized model materialized
     # under ``prepared``'s FakeTensorMode); its parameters may be DTensors, traced below that layer
-    prepared: object = None  # fxacct.parallel.rank_capture.Prepared
+    prepared: PreparedModel | None = None
     checkpoint: tuple[str, ...] = ()  # fxacct.trace.checkpointing: module globs to checkpoint
     checkpoint_policy: str | None = None
 
@@ -204,9 +223,6 @@ def _to_fake(t, options: CaptureOptions):
 
 
 def _replay_for(session: _Session):
-    from fxacct.trace.replay import BlockReplay, find_runs
-    from fxacct.trace.replay_train import TrainReplay
-
     o = session.options
     if o.inference and o.dedup:
         return BlockReplay(session.recorder, session.storages, find_runs(session.model))
@@ -220,9 +236,6 @@ def _replay_for(session: _Session):
 
 def _run(session: _Session) -> None:
     """The traced program: forward, then (training) loss, backward and one optimizer step."""
-    from fxacct.predict.targets import CudaRules
-    from fxacct.trace.checkpointing import checkpointed
-
     o, rec, model = session.options, session.recorder, session.model
     names = {id(m): n for n, m in model.named_modules()}
     replay = _replay_for(session)

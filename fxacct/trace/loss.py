@@ -28,24 +28,9 @@ import torch.nn.functional as F
 from fxacct.errors import ModelError, UsageError
 from fxacct.trace import torch_private as tp
 
-SUM, CROSS_ENTROPY, MSE, MODEL = "sum", "cross-entropy", "mse", "model"
-LOSSES = (SUM, CROSS_ENTROPY, MSE, MODEL)
+from fxacct.load.specs import CROSS_ENTROPY, LOSSES, MODEL, MSE, SUM, LossSpec  # noqa: F401  (re-exported)
+
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, Hugging Face's label padding
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    kind: str = SUM
-    output: int | None = None  # --loss-output: an index into the floating outputs
-    causal: bool = False  # next-token targets (a Hugging Face causal LM)
-
-    def __post_init__(self):
-        if self.kind not in LOSSES:
-            raise UsageError(f"--loss {self.kind!r} is not a loss fxacct knows: use one of {', '.join(LOSSES)}")
-
-    @property
-    def needs_target(self) -> bool:
-        return self.kind in (CROSS_ENTROPY, MSE)
 
 
 @dataclass(frozen=True)

@@ -5,78 +5,12 @@ it once, so the state it allocates is exact for any optimizer and option, `step`
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
 
 import torch
 
 from fxacct.errors import UsageError, describe_exception
 
-OPTIMIZERS = {
-    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop, "adadelta": torch.optim.Adadelta,
-    "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
-    "asgd": torch.optim.ASGD, "rprop": torch.optim.Rprop,
-}
-NONE = "none"
-
-
-def parse_optim_arg(text: str) -> tuple[str, object]:
-    """'momentum=0.9' -> ('momentum', 0.9); optimizer options must be Python literals."""
-    from fxacct.load.model_spec import split_assignment
-
-    key, raw, value = split_assignment(text, "--optim-arg", "momentum=0.9")
-    if value is raw:  # not a literal: optimizers take numbers, booleans and tuples, never bare words
-        raise UsageError(f"--optim-arg {text!r}: {raw!r} is not a Python literal "
-                         "(write numbers, True/False, or tuples such as betas=(0.9,0.95))")
-    return key, value
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    name: str = "adamw"  # a key of OPTIMIZERS, "none", or "PATH.py:Name"
-    args: dict = field(default_factory=dict)
-
-    @property
-    def per_parameter(self) -> bool:
-        """A built-in optimizer in its single-tensor implementation: each parameter is updated on
-        its own (torch/optim/*.py, _single_tensor_*), so one parameter per shape stands for all."""
-        return (self.name.lower() in OPTIMIZERS and not self.args.get("foreach")
-                and not self.args.get("fused") and not self.args.get("differentiable"))
-
-    def resolve(self):
-        """The optimizer class, or None for "none"."""
-        key = self.name.lower()
-        if key == NONE:
-            return None
-        if key in OPTIMIZERS:
-            cls = OPTIMIZERS[key]
-        elif ":" in self.name:
-            from fxacct.load.model_spec import resolve
-
-            cls, _ = resolve(self.name)
-            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-                raise UsageError(f"{self.name} is not a torch.optim.Optimizer subclass")
-        else:
-            raise UsageError(f"unknown optimizer {self.name!r}: use one of {', '.join(sorted(OPTIMIZERS))}, "
-                             "none, or PATH.py:Name for your own torch.optim.Optimizer class")
-        accepted = inspect.signature(cls.__init__).parameters
-        unknown = [k for k in self.args if k not in accepted]
-        if unknown and not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
-            raise UsageError(f"--optim-arg {', '.join(unknown)}: {cls.__name__} takes "
-                             f"{', '.join(k for k in accepted if k not in ('self', 'params'))}")
-        return cls
-
-    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
-        cls = self.resolve()
-        if cls is None or not params:
-            return None
-        try:
-            return cls(params, **self.args)
-        except Exception as e:  # the options are what the user gave: a usage error, not the model's
-            raise UsageError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.args.items())}) "
-                             f"rejected its options: {e}") from None
-
+from fxacct.load.specs import NONE, OPTIMIZERS, OptimizerSpec, parse_optim_arg  # noqa: F401  (re-exported)
 
 STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
 

@@ -24,6 +24,16 @@ import torch
 from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
 from fxacct.parallel.collectives import _OPS
 from fxacct.trace import torch_private as tp
+from fxacct.parallel.pipeline import resolve_points
+from fxacct.parallel.pipeline_schedule import per_rank
+from fxacct.parallel.engine import device_mesh, parallelize
+from fxacct.runtime.run import build_model, make_inputs
+from fxacct.runtime.storage_tracker import StorageTracker
+from fxacct.trace.loss import training_loss
+from fxacct.load.mesh import without_pp
+from fxacct.parallel.pipeline import _split
+from fxacct.parallel.pipeline_schedule import schedule_class
+from fxacct.parallel.pipeline_split import is_function
 
 MAX_RANKS = 8
 
@@ -97,8 +107,6 @@ def run_mesh(config, steps: int = 3, warmup: int = 1) -> tuple[RankMeasured, ...
 
     spec = check_runnable(config)
     if spec.size("pp") > 1:  # every rank cuts the model at the same points, into P × V stages
-        from fxacct.parallel.pipeline import resolve_points
-        from fxacct.parallel.pipeline_schedule import per_rank
 
         points = resolve_points(config, spec.size("pp") * per_rank(config.pp_schedule, config.pp_stages_per_rank))
         config = config if points is None else replace(config, pp_split=",".join(points))
@@ -159,10 +167,6 @@ def _rank_main(rank, world, port, config, out, steps, warmup):
 def _measure(rank, config, steps, warmup) -> dict:
     import torch.distributed as dist
 
-    from fxacct.parallel.engine import device_mesh, parallelize
-    from fxacct.runtime.run import build_model, make_inputs
-    from fxacct.runtime.storage_tracker import StorageTracker
-    from fxacct.trace.loss import training_loss
 
     spec = config.mesh
     if spec.size("pp") > 1:
@@ -208,9 +212,6 @@ def _measure(rank, config, steps, warmup) -> dict:
 def _pipeline_place(rank, spec):
     """(this rank's pipeline rank, the pp process group or None for the default one, the MeshSpec
     and DeviceMesh each stage is parallelized on, or None with pp alone)."""
-    from fxacct.parallel.engine import device_mesh
-    from fxacct.load.mesh import without_pp
-
     rest = without_pp(spec)
     if rest is None:
         return rank, None, None, None
@@ -226,12 +227,6 @@ def _measure_pipeline(rank, spec, config, steps, warmup) -> dict:
     of the mesh as the account's are (fxacct.parallel.engine.parallelize)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from fxacct.parallel.engine import parallelize
-    from fxacct.parallel.pipeline import _split
-    from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
-    from fxacct.parallel.pipeline_split import is_function
-    from fxacct.runtime.run import build_model, make_inputs
-    from fxacct.runtime.storage_tracker import StorageTracker
 
     cpu = torch.device("cpu")
     ranks = spec.size("pp")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from fxacct.load.source import load_model
 
 SCREEN_BLOCKS = 3
 
@@ -90,8 +91,6 @@ def truncate(model: torch.nn.Module, k: int) -> torch.nn.Module:
 
 def truncated_loader(k: int):
     """A loader for fxacct.parallel.profile.profile_parallel: the model with k blocks."""
-    from fxacct.load.source import load_model
-
     def load(config):
         model, args, kwargs, inputs_for = load_model(config)
         return truncate(model, k), args, kwargs, inputs_for

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 from fxacct.errors import UsageError
 from fxacct.units import format_bytes
+from fxacct.tools.plan_screen import block_container
+from fxacct.load.source import load_model
+from fxacct.parallel.engine import check_heads
+from fxacct.load.mesh import MeshSpec
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Layout:
 class ModelFacts:
     """What the planner reads from the model built once on meta."""
 
-    blocks: int  # repeated blocks in the largest container (fxacct.parallel.screen.block_container)
+    blocks: int  # repeated blocks in the largest container (fxacct.tools.plan_screen.block_container)
     container: str  # their container's name ("layers"): checkpointing wraps "layers.*"
     param_bytes: int  # every parameter, in the traced dtype
 
@@ -74,9 +78,6 @@ def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline
 
 def model_facts(config) -> tuple[ModelFacts, object]:
     """(facts, the model on meta) from one build of config.target."""
-    from fxacct.parallel.screen import block_container
-    from fxacct.load.source import load_model
-
     model = load_model(config)[0]
     found = block_container(model)
     name = next((n for n, m in model.named_modules() if found and m is found[0]), "")
@@ -89,9 +90,6 @@ def model_facts(config) -> tuple[ModelFacts, object]:
 def exact_rejection(layout: Layout, facts: ModelFacts, model, gpus: int, global_batch: int,
                     capacity: int) -> str | None:
     """Why the layout cannot run or fit, from arguments that need no trace; None if none applies."""
-    from fxacct.parallel.engine import check_heads
-    from fxacct.load.mesh import MeshSpec
-
     if layout.micro_batch == 0:
         return f"the global batch {global_batch} does not divide over {layout.fsdp} data-parallel ranks"
     if layout.pp > max(facts.blocks, 1):

@@ -1,11 +1,11 @@
-"""``fxacct plan``: the layouts of N GPUs (fxacct.parallel.layouts), ranked by predicted
+"""``fxacct plan``: the layouts of N GPUs (fxacct.tools.plan_layouts), ranked by predicted
 throughput among those that fit, and why the others were rejected.
 
 How a layout is judged, cheapest first:
 
-1. Exact rejections before any trace (fxacct.parallel.layouts.exact_rejection; per layout, a
+1. Exact rejections before any trace (fxacct.tools.plan_layouts.exact_rejection; per layout, a
    pipeline with fewer micro-batches than 1F1B's stages).
-2. The screen (fxacct.parallel.screen): one rank's account from two traces of the model cut to 3
+2. The screen (fxacct.tools.plan_screen): one rank's account from two traces of the model cut to 3
    and 4 repeated blocks, extrapolated to all of them: FLOPs and bytes exact, the peak a lower
    bound (so "over memory" from the screen is a sound rejection, "fits" needs step 4). Pipeline
    layouts are traced in full (each stage one rank, fxacct.parallel.pipeline).
@@ -34,9 +34,12 @@ from dataclasses import dataclass, replace
 
 from fxacct.errors import FxacctError, UsageError
 from fxacct.heap import with_frozen_heap
-from fxacct.parallel.layouts import Layout, enumerate_layouts, exact_rejection, model_facts
-from fxacct.parallel.screen import SCREEN_BLOCKS, Point, point, screen
+from fxacct.tools.plan_layouts import Layout, enumerate_layouts, exact_rejection, model_facts
+from fxacct.tools.plan_screen import SCREEN_BLOCKS, Point, point, screen
 from fxacct.units import format_bytes
+from fxacct.devices import get_device
+from fxacct.parallel.profile import profile_parallel
+from fxacct.api import profile
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,6 @@ class Planner:
     mesh, micro-batch, checkpointing and block count)."""
 
     def __init__(self, config, gpus: int, global_batch: int):
-        from fxacct.predict.devices import get_device
-
         self.config, self.gpus, self.global_batch = config, gpus, global_batch
         device = get_device(config.gpu)
         self.capacity = device.capacity_reported
@@ -96,19 +97,16 @@ class Planner:
         return replace(self.config, mesh=lay.mesh, batch=lay.micro_batch, find_max_batch=False, parallelize=parallelize,
                        checkpoint=self.ckpt if lay.checkpoint else (),
                        checkpoint_policy=self.config.checkpoint_policy if lay.checkpoint else None,
-                       microbatches=lay.accumulation if lay.pp > 1 else None)
+                       microbatches=lay.accumulation if lay.pp > 1 else None,
+                       pp_split=self.config.pp_split if lay.pp > 1 else None)
 
     def _trace(self, cfg, loader) -> Point:
-        from fxacct.parallel.profile import profile_parallel
-
         key = (cfg.mesh, cfg.batch, cfg.checkpoint, getattr(loader, "blocks", None))
         if key not in self.cache:
             self.cache[key] = point(profile_parallel(cfg, loader, with_inference=False))
         return self.cache[key]
 
     def _pipeline(self, cfg):
-        from fxacct.api import profile
-
         key = (cfg.mesh, cfg.batch, cfg.checkpoint, cfg.microbatches)
         if key not in self.cache:
             self.cache[key] = profile(cfg).parallel.pipeline
@@ -277,7 +275,7 @@ def _ranked(cands) -> list[Candidate]:
 
 def confirm(planner: Planner, out: dict, n: int) -> None:
     """The top n fitting layouts traced in full (in place). The screen's peak is a lower bound
-    (fxacct.parallel.screen), so one may turn out over memory: it is rejected, and the next
+    (fxacct.tools.plan_screen), so one may turn out over memory: it is rejected, and the next
     smaller micro-batch of its group is traced in full in its place."""
     while True:
         pending = [c for c in _ranked(out.values())[:n] if c.source == "screen"]
