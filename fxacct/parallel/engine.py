@@ -88,20 +88,26 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     class) holds blocks too. Only the outermost count: a block's own repeated parts (two
     Linears in each of a Sequential's blocks) are inside a unit already, and FSDP2 cannot wrap a
     child after its parent."""
-    blocks, inside = [], set()
+    return [m for _, items in block_containers(model) for _, m in items]
+
+
+def block_containers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[str, torch.nn.Module]]]]:
+    """(container, [(key, block), ...]) for each outermost container of repeated blocks, in
+    module order: the walk behind repeated_blocks, and the planner's truncation (fxacct.tools.plan_screen)."""
+    found, inside = [], set()
     for container in model.modules():
         if id(container) in inside:
             continue
-        if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
-            items = list(container.values() if isinstance(container, torch.nn.ModuleDict) else container)
-        else:
-            named = list(container.named_children())
-            items = [m for _, m in named] if len(named) > 1 and all(n.isdigit() for n, _ in named) else []
-        classes = [type(m) for m in items]
-        found = [m for m in items if classes.count(type(m)) > 1]
-        blocks += found
-        inside.update(id(d) for m in found for d in m.modules())
-    return blocks
+        named = list(container.named_children())
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)) and not (
+                len(named) > 1 and all(n.isdigit() for n, _ in named)):
+            named = []
+        classes = [type(m) for _, m in named]
+        items = [(n, m) for n, m in named if classes.count(type(m)) > 1]
+        if items:
+            found.append((container, items))
+        inside.update(id(d) for _, m in items for d in m.modules())
+    return found
 
 
 def _one_dtype_per_unit(model, blocks, spec: MeshSpec) -> None:

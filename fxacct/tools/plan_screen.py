@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from fxacct.load.source import load_model
+from fxacct.parallel.engine import block_containers
 
 SCREEN_BLOCKS = 3
 
@@ -61,16 +62,11 @@ def extrapolate(a: Point, b: Point, k: int, blocks: int) -> Point:
 
 
 def block_container(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]] | None:
-    """(the container holding the most repeated blocks, the keys of those blocks), or None."""
-    best = None
-    for container in model.modules():
-        if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
-            items = list(container.named_children())
-            classes = [type(m) for _, m in items]
-            keys = [k for k, m in items if classes.count(type(m)) > 1]
-            if keys and (best is None or len(keys) > len(best[1])):
-                best = (container, keys)
-    return best
+    """(the list-like container holding the most repeated blocks, the keys of those blocks), or None
+    (fxacct.parallel.engine.block_containers finds them, as FSDP2's units are found)."""
+    lists = [(c, [k for k, _ in items]) for c, items in block_containers(model)
+             if isinstance(c, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential))]
+    return max(lists, key=lambda found: len(found[1])) if lists else None
 
 
 def truncate(model: torch.nn.Module, k: int) -> torch.nn.Module:
