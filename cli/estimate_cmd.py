@@ -17,7 +17,7 @@ from fxacct.report import estimate_text
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (AMP, DEBUG, GPU_HELP, MASTER_WEIGHTS, MFU, OPTIM_ARG, OPTIMIZER, OUTPUT, OUTPUT_GROUP,
                                 SHARD, count_or_none, dtype_or_none, format_option, group, max_memory_option,
-                                optim_args, world_size_option)
+                                world_size_option)
 
 FORMAT = format_option("table", "json")
 WORLD_SIZE = world_size_option("--gpus")  # --gpus: the same flag, as the calculators speak of GPUs
@@ -83,8 +83,8 @@ def max_params_command(gpu, max_memory, optimizer, optim_items, dtype, amp, mast
                        fmt, output, debug):
     """The largest model whose parameters, gradients, master weights and optimizer state fit each
     GPU (activations not included)."""
-    config = Config(optimizer=optimizer, optim_args=optim_args(optim_items), dtype=dtype_or_none(dtype),
-                    amp=dtype_or_none(amp), master_weights=master_weights, world_size=world_size, shard=shard)
+    config = Config(optimizer=optimizer, optim_args=tuple(optim_items), dtype=dtype,
+                    amp=amp, master_weights=master_weights, world_size=world_size, shard=shard)
     result = estimate.max_params(config, gpu=gpu, capacity_bytes=max_memory)
     _emit(result, fmt, output, estimate_text.render_max_params, estimate_text.max_params_document)
 

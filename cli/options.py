@@ -15,13 +15,11 @@ import cloup
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.load.config import CAUSAL_CONVENTIONS, Config
-from fxacct.load.inputs import parse_input_spec
 from fxacct.load.mesh import parse_mesh
 from fxacct.load.model_spec import parse_kwarg
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.report.files import check_writable
 from fxacct.trace.loss import LOSSES
-from fxacct.trace.optim_step import parse_optim_arg
 from fxacct.units import parse_bytes
 
 DEFAULTS = Config()
@@ -96,8 +94,11 @@ SHARD = click.option("--shard", default=DEFAULTS.shard, show_default=True,
                      help="Partitioning across ranks: none, zero1, zero2, zero3, fsdp.")
 
 LOSS = click.option("--loss", type=click.Choice(LOSSES), default=DEFAULTS.loss, show_default=True,
-                    help="The loss: sum of the outputs, cross-entropy or mse against random targets, or "
-                         "model (the loss the model returns, e.g. with labels).")
+                    help="The loss: sum of the outputs (any model; the model's FLOPs are the same under "
+                         "every loss), cross-entropy or mse against random targets (cross-entropy: classes in "
+                         "the last dim up to [B,T,V], else dim 1 as in [B,C,H,W]), or model (the loss the "
+                         "model returns, e.g. with labels). Give cross-entropy for a language model: its "
+                         "log-softmax over the vocabulary is often the peak, which sum leaves out.")
 HF_CLASS = click.option("--hf-class", default=None, metavar="CLASS",
                         help="hf:PATH: the transformers class (default: the config's architectures, "
                              "else AutoModelForCausalLM).")
@@ -118,9 +119,14 @@ TARGET = click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH")
 
 # The option groups of --help (cloup). Add an option to a group with one line in its list; a
 # command shows the groups it is decorated with (model_options: the first three).
+def _batch(**extra):
+    return click.option("-b", "--batch", type=int, default=DEFAULTS.batch, show_default=True,
+                        help="Per-rank micro-batch; B in --input specs.", **extra)
+
+
+BATCH = _batch()
 MODEL_AND_INPUTS = [
-    click.option("-b", "--batch", type=int, default=DEFAULTS.batch, show_default=True,
-                 help="Per-rank micro-batch; B in --input specs."),
+    BATCH,
     click.option("--kwargs", "kwargs_json", default=None,
                  help="Constructor arguments as a JSON object (default: none)."),
     click.option("-k", "--kwarg", "kwarg_items", multiple=True, metavar="NAME=VALUE",
@@ -165,10 +171,28 @@ def _mesh(ctx, param, value):
     return parse_mesh(value) if value is not None else None  # a malformed mesh fails when the flags are read
 
 
+def _mesh_option(**extra):
+    from fxacct.load.mesh import DIMS
+
+    # the dimensions from fxacct.load.mesh.DIMS, so the help lists every one the parser takes
+    return click.option("--mesh", default=None, callback=_mesh, metavar="DIM=N,...",
+                        help=f"Device mesh, outer to inner ({', '.join(DIMS)}): trace one rank of the model "
+                             "parallelized by PyTorch's own engine, e.g. fsdp=8,tp=8 or pp=2,fsdp=4 (default: one device).",
+                        **extra)
+
+
+def _microbatches(**extra):
+    return click.option("--microbatches", type=int, default=None,
+                        help="With --mesh pp=P: micro-batches per step (default P).", **extra)
+
+
+MESH = _mesh_option()
+MICROBATCHES = _microbatches()
+# options a command takes only to refuse them with a reason (fxacct plan chooses these per layout):
+# hidden from its --help, still parsed so the refusal can say why
+HIDDEN = {BATCH: _batch(hidden=True), MESH: _mesh_option(hidden=True), MICROBATCHES: _microbatches(hidden=True)}
 MESH_OPTIONS = (
-    click.option("--mesh", default=None, callback=_mesh, metavar="DIM=N,...",
-                 help="Device mesh, outer to inner (dp, fsdp, tp): trace one rank of the model parallelized "
-                      "by PyTorch's own engine, e.g. fsdp=8,tp=8 (default: one device)."),
+    MESH,
     click.option("--parallelize", default=None, metavar="PATH.py:fn",
                  help="With --mesh: your function fn(model, mesh) that parallelizes the model "
                       "(default: the model's tensor-parallel plan and FSDP2 per repeated block)."),
@@ -179,7 +203,7 @@ MESH_OPTIONS = (
     click.option("--pp-split", default=None, metavar="PATH.py:fn|FQN,...",
                  help="With --mesh pp=P: fn(model, stage, stages) returning the stage's module, or the module "
                       "FQNs where stages 1.. begin (layers.2); default: blocks balanced by traced FLOPs."),
-    click.option("--microbatches", type=int, default=None, help="With --mesh pp=P: micro-batches per step (default P)."),
+    MICROBATCHES,
     click.option("--pp-schedule", type=click.Choice(("gpipe", "1f1b", "interleaved-1f1b")), default=DEFAULTS.pp_schedule,
                  show_default=True, help="With --mesh pp=P: the pipeline schedule (torch.distributed.pipelining's)."),
     click.option("--pp-stages-per-rank", type=int, default=None, metavar="V",
@@ -191,9 +215,17 @@ CONFIRM = click.option("--confirm", type=click.IntRange(min=0), default=1, show_
                        help="Trace the N best layouts in full (the others are screened from short traces).")
 
 
-def mesh_options(fn):
-    """The --mesh flags, their own section of --help."""
-    return group("Device mesh (many GPUs)", *MESH_OPTIONS)(fn)
+def _shown(options, hide) -> list:
+    return [HIDDEN[o] if o in hide else o for o in options]
+
+
+def mesh_options(fn=None, *, hide=()):
+    """The --mesh flags, their own section of --help; ``hide``: options (MESH, MICROBATCHES) parsed
+    but left out of --help (``@mesh_options(hide=(MESH,))``)."""
+    def apply(fn):
+        return group("Device mesh (many GPUs)", *_shown(MESH_OPTIONS, hide))(fn)
+
+    return apply if fn is None else apply(fn)
 
 
 def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
@@ -207,10 +239,15 @@ def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward
                    pp_stages_per_rank=pp_stages_per_rank)
 
 
-def model_options(fn):
-    for title, options in reversed(GROUPS):
-        fn = group(title, *options)(fn)
-    return TARGET(fn)
+def model_options(fn=None, *, hide=()):
+    """The model, precision and hardware flags in their sections of --help; ``hide`` as mesh_options'
+    (BATCH)."""
+    def apply(fn):
+        for title, options in reversed(GROUPS):
+            fn = group(title, *_shown(options, hide))(fn)
+        return TARGET(fn)
+
+    return apply if fn is None else apply(fn)
 
 
 def terminal_width() -> int | None:
@@ -233,10 +270,6 @@ def dtype_or_none(text: str | None):
     return parse_dtype(text) if text is not None else None
 
 
-def optim_args(items) -> dict:
-    return dict(parse_optim_arg(i) for i in items)
-
-
 def _kwargs(kwargs_json: str | None, kwarg_items) -> dict:
     kwargs = {}
     if kwargs_json is not None:
@@ -255,14 +288,14 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
               costs=(), mesh=None, **_) -> Config:
-    # with --mesh (with_mesh adds its other flags): a clash with --shard is named as that, not as
-    # --shard's own want of a --world-size
+    # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
+    # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
+    # with --shard is named as that, not as --shard's own want of a --world-size
     return Config(
         target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
-        inputs=tuple(parse_input_spec(s) for s in input_specs),
-        dtype=dtype_or_none(dtype), input_requires_grad=input_requires_grad,
+        inputs=tuple(input_specs), dtype=dtype, input_requires_grad=input_requires_grad,
         loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
-        optimizer=optimizer, optim_args=optim_args(optim_items), amp=dtype_or_none(amp),
+        optimizer=optimizer, optim_args=tuple(optim_items), amp=amp,
         master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
@@ -271,6 +304,6 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
 
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
-           "DEBUG", "MFU", "GPU", "GPU_HELP", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
+           "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
            "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
-           "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none", "optim_args"]
+           "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

@@ -10,8 +10,8 @@ from fxacct.errors import UsageError
 from fxacct.tools.plan import check_job, plan
 from fxacct.report.plan_text import plan_json, render_plan
 from fxacct_cli.main import cli, examples, write_output
-from fxacct_cli.options import (CONFIRM, DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group, mesh_options,
-                                model_options, terminal_width, to_config, with_mesh)
+from fxacct_cli.options import (BATCH, CONFIRM, DEBUG, MESH, MICROBATCHES, OUTPUT, OUTPUT_GROUP, format_option, group,
+                                mesh_options, model_options, terminal_width, to_config, with_mesh)
 
 
 @cli.command("plan", epilog=examples(
@@ -19,8 +19,8 @@ from fxacct_cli.options import (CONFIRM, DEBUG, OUTPUT, OUTPUT_GROUP, format_opt
     "fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize "
     "--pp-split examples/llama.py:pipeline_stage",
     "fxacct plan examples/gpt2.py:GPT --gpus 4 --gpu h100 --global-batch 32 --format json -o plan.json"))
-@model_options
-@mesh_options
+@model_options(hide=(BATCH,))  # the plan chooses these per layout: not in --help, refused with the reason
+@mesh_options(hide=(MESH, MICROBATCHES))
 @group("Plan", click.option("--gpus", type=int, required=True, help="GPUs in the job (required)."),
        click.option("--global-batch", type=int, required=True,
                     help="Examples per step over the whole job (required)."), CONFIRM)

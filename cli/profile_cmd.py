@@ -10,10 +10,9 @@ import click
 
 import fxacct
 from fxacct.errors import InternalError, ModelError, UsageError
-from fxacct.report import document, render_rows
+from fxacct.report import document, render
 from fxacct.report.text import render_profile_text
 from fxacct.runtime import RuntimeOptions
-from fxacct.report.markdown import render_markdown
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (DEBUG, FORMATS, OUTPUT, OUTPUT_GROUP, RUNTIME_GROUP, file_option, format_option, group,
                                 mesh_options, model_options, terminal_width, to_config, with_mesh)
@@ -40,6 +39,14 @@ def _check_layout_flags(fmt: str, by, depth, top, summary_only=False, wide=False
                              f"{'module' if flag == '--depth' else 'node'}: drop {flag}")
 
 
+def _check_html_destination(fmt: str, output) -> None:
+    """An HTML page (hundreds of KB, one line of JSON) written to a terminal is of no use to read:
+    refused there, before the work; a pipe or a file takes it."""
+    if fmt == "html" and output in (None, "-") and sys.stdout.isatty():
+        raise UsageError("--format html writes a whole page, not for a terminal: add -o FILE.html "
+                         "(or pipe stdout to a file)")
+
+
 def _runtime_options(runtime: bool, trace, **given) -> RuntimeOptions | None:
     """The RuntimeOptions of the flags given (the library's defaults for the rest), or None
     without --runtime, where any of them is refused rather than ignored."""
@@ -62,7 +69,8 @@ PROFILE_OUTPUT = [
     click.option("--by", type=click.Choice(("node", "module")), default=None,
                  help="Rows of the csv/markdown table (default: node for csv, module for markdown)."),
     click.option("--depth", type=click.IntRange(min=0), default=None,
-                 help=f"Module nesting depth shown in the table (default {_default(render_profile_text, 'depth')})."),
+                 help=f"Module nesting depth shown in the table and the markdown (default "
+                      f"{_default(render_profile_text, 'depth')})."),
     click.option("--top", type=click.IntRange(min=0), default=None,
                  help=f"How many nodes, by FLOPs, the table lists (default {_default(render_profile_text, 'top')})."),
     OUTPUT,
@@ -103,6 +111,7 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
     free memory); 4 an internal error of fxacct; 130 interrupted.
     """
     _check_layout_flags(fmt, by, depth, top, summary_only, wide)
+    _check_html_destination(fmt, output)
     config = with_mesh(to_config(**options), **options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
@@ -136,19 +145,8 @@ def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace
     if fmt in ("json", "csv"):  # the document carries them (json: "warnings"); a terminal shows them too
         for w in result.warnings:
             click.echo(f"warning: {w}", err=True)
-    if fmt == "json":
-        text = json.dumps(document(result, prediction, run), indent=2) + "\n"
-    elif fmt == "html":
-        from fxacct.report.html import render_html
-
-        text = render_html(result, prediction, run)
-    elif fmt == "csv":
-        text = render_rows(result, fmt, **({"by": by} if by is not None else {}))
-    elif fmt == "markdown":
-        text = render_markdown(result, prediction, by=by or "module", depth=layout.get("depth"),
-                               summary_only=layout["summary_only"])
-    else:
-        text = render_profile_text(result, prediction=prediction, runtime=run, **layout)
+    text = render(result, fmt, prediction, run, by=by, depth=layout.get("depth"), top=layout.get("top"),
+                  summary_only=layout["summary_only"], width=layout["width"])
     write_output(text, output)
     if run is not None and trace is not None:
         from fxacct.report.trace import trace_document

@@ -13,12 +13,13 @@ GiB = 2**30
 
 
 def format_bytes(n: int | None) -> str:
-    """Human-readable bytes in binary units (KiB, MiB, GiB), the exact integer below 1 KiB."""
+    """Human-readable bytes in binary units (KiB up to EiB, the unit picked by magnitude), the exact
+    integer below 1 KiB."""
     if n is None:
         return "-"
     if abs(n) < 1024:
         return f"{n} B"
-    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     raise AssertionError("unreachable")

@@ -125,6 +125,15 @@ def test_cli_reports_both_accounts(tmp_path):
     assert doc["modules"] == ["h.0", "h.1"]
     assert doc["with"]["activation_bytes"] < doc["without"]["activation_bytes"]
     assert doc["without"]["recompute_flops"] == 0 < doc["with"]["recompute_flops"]
+    # the change column in its row's unit (binary bytes beside the MiB/KiB columns, SI FLOPs), signed
+    from fxacct.units import format_bytes, format_count
+
+    section = text.output.split("activation checkpointing what-if")[1]
+    saved = next(line for line in section.splitlines() if line.startswith("activations (saved)"))
+    fewer = doc["without"]["activation_bytes"] - doc["with"]["activation_bytes"]
+    assert saved.endswith(f"  -{format_bytes(fewer)}") and format_bytes(fewer).endswith("iB"), saved
+    recompute = next(line for line in section.splitlines() if line.startswith("recompute FLOPs"))
+    assert recompute.endswith(f"  +{format_count(doc['with']['recompute_flops'])}"), recompute
     bad = CliRunner().invoke(main, [*args[:-2], "--checkpoint", "nothing.*"])
     assert bad.exit_code == 2 and "matches no module" in bad.output
 

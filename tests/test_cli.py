@@ -251,11 +251,16 @@ def test_markdown_has_summary_totals_and_tables():
     assert len(rows) == 2 + 3, text  # header, separator, x / mm / mm_1
     assert "| forward + backward FLOPs" in text and "144 |" in text, text  # 60 forward + 84 backward
     by_module = profile(*TINY_GPT, "--format", "markdown").stdout
-    mlines = [line for line in by_module.split("#### Modules")[1].splitlines() if line.startswith("|")]
+    mlines = [line for line in by_module.split("#### Modules (depth 2")[1].splitlines() if line.startswith("|")]
     assert "module" in mlines[0], by_module
-    assert len(mlines) == 2 + 16, by_module  # 16 modules in named_modules() of the tiny GPT
-    assert any("`h.0.attn.c_attn`" in line for line in mlines), by_module
+    # depth 2 by default, as the text table: root, wte, wpe, h, h.0, ln_f, lm_head
+    assert len(mlines) == 2 + 7, by_module
+    assert not any("`h.0.attn" in line for line in mlines), by_module
     assert mlines[2].startswith("| (root)"), by_module  # the root is named, not blank
+    every = profile(*TINY_GPT, "--format", "markdown", "--depth", "9").stdout
+    mlines = [line for line in every.split("#### Modules")[1].splitlines() if line.startswith("|")]
+    assert len(mlines) == 2 + 16, every  # 16 modules in named_modules() of the tiny GPT
+    assert any("`h.0.attn.c_attn`" in line for line in mlines), every
 
 
 def test_depth_limits_the_module_table():

@@ -60,8 +60,20 @@ def test_train_time_reproduces_the_seeds_70b_on_1024_h100s():
     # days = 6.3e24 / 2.6263e22 = 239.9 → "240"; months = 239.9 / 30 = 7.996 → "8.0"
     out = ok("train-time", *SEEDS_TRAIN)
     assert "6.30e24" in out and "2.63e22" in out, out
-    assert "240 days ≈ 8.0 months" in out, out
+    assert "\n8 months (240 days) on 1,024 × NVIDIA H100 SXM5 80GB" in out, out  # the unit by magnitude
     assert "989.5 TFLOP/s" in out, out
+
+
+def test_train_time_line_picks_a_human_unit():
+    # 6·N·D = 6 · 1e9 · 1e8 = 6e17 FLOPs; per day 989.5e12 · 0.3 · 1 · 86,400 = 2.564784e19 FLOPs
+    # → 0.023394 days = 33.69 min (not "0.0234 days ≈ 0.00078 months")
+    out = ok("train-time", "--params", "1e9", "--tokens", "1e8", "--world-size", "1", "--gpu", "h100", "--mfu", "0.3")
+    minutes = 6e17 / (989.5e12 * 0.3 * 86_400) * 24 * 60
+    assert f"{minutes:.3g}" == "33.7"
+    assert "\n33.7 min (0.0234 days) on 1 × NVIDIA H100 SXM5 80GB at MFU 0.3" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("time to train"))
+    assert row.split()[3:5] == ["33.7", "min"], row
+    assert "0.00078" not in out, out
 
 
 def test_train_time_json_is_exact():

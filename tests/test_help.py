@@ -3,11 +3,14 @@ command's help ending with two or three example command lines."""
 
 from __future__ import annotations
 
+import re
+
 import click
+import cloup
 import pytest
 from click.testing import CliRunner
 
-from fxacct_cli.main import cli
+from fxacct_cli.main import HELP_SETTINGS, cli
 
 
 def commands(group: click.Group = cli, path: tuple[str, ...] = ()):
@@ -39,7 +42,8 @@ def default_is_shown(option: click.Option) -> bool:
 
 @pytest.mark.parametrize("path, command", ALL, ids=IDS)
 def test_every_option_has_help_and_its_default(path, command):
-    ctx = click.Context(command)
+    # the CLI's own settings: click caches a command's help option from the first context made
+    ctx = cloup.Context(command, **HELP_SETTINGS)
     missing = [o.name for o in command.get_params(ctx) if isinstance(o, click.Option) and not (o.help or "").strip()]
     assert not missing, missing
     hidden_default = [o.name for o in command.params if isinstance(o, click.Option) and not default_is_shown(o)]
@@ -70,3 +74,21 @@ def test_profile_help_shows_the_option_groups_in_order():
 def test_check_help_groups_budgets():
     text = help_text(("check",))
     assert "\nBudgets:\n" in text and "\nModel and inputs:\n" in text, text
+
+
+def test_plan_help_leaves_out_the_flags_plan_chooses_itself():
+    text = CliRunner().invoke(cli, ["plan", "--help"], terminal_width=200).output
+    options = set(re.findall(r"^\s+(-[-\w]+(?:, --[-\w]+)?)", text, re.M))
+    flags = {f.strip() for o in options for f in o.split(",")}
+    assert {"--gpus", "--global-batch", "--parallelize", "--pp-split"} <= flags, flags
+    assert not {"--mesh", "--batch", "-b", "--microbatches"} & flags, flags  # plan refuses them
+
+
+def test_mesh_help_lists_every_mesh_dimension():
+    from fxacct.load.mesh import DIMS
+
+    for command in ("profile", "check"):
+        text = " ".join(CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output.split())
+        mesh = text[text.index("--mesh DIM=N,..."):][:200]
+        assert f"outer to inner ({', '.join(DIMS)})" in mesh, mesh
+        assert all(d in mesh for d in ("pp", "dp", "fsdp", "tp")), mesh

@@ -262,3 +262,70 @@ def test_what_the_loss_saves_is_in_the_total_and_the_root_row_only():
     plain = fxacct.profile(_gpt_config("sum")).accounting.totals
     assert plain.loss_activation_bytes == 0
     assert plain.activation_bytes == t.activation_bytes - t.loss_activation_bytes
+
+
+def _cross_entropy_flops(rows: int, classes: int) -> int:
+    """F.cross_entropy's loss FLOPs by hand, mean over ``rows`` targets of ``classes`` classes (the
+    element passes of test_cross_entropy_flops_equal_the_eager_ops_by_hand): log-softmax 5·n·v + n,
+    its backward 4·n·v, nll_loss forward 3·n + 1, its backward n + n·v + 1."""
+    n, v = rows, classes
+    return (5 * n * v + n) + 4 * n * v + (3 * n + 1) + (n + n * v + 1)
+
+
+def _eager_ce_ops(logits, y, flatten: bool) -> Counter:
+    """The aten ops (with their input shapes) an eager F.cross_entropy forward + backward runs."""
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[func, tuple(args[0].shape)] += 1
+            return func(*args, **(kwargs or {}))
+
+    logits = logits.detach().requires_grad_()
+    with Ops() as ops:
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)) if flatten else F.cross_entropy(logits, y)
+        loss.backward()
+    return ops.seen
+
+
+def _cli_json(*args) -> dict:
+    from click.testing import CliRunner
+    from fxacct_cli.main import cli
+
+    r = CliRunner().invoke(cli, ["profile", *args, "--format", "json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_cross_entropy_on_image_logits_takes_dim_1_as_the_classes():
+    # [B, 5, 32, 32]: F.cross_entropy reads 5 classes at each of B·32·32 pixels, not 32 classes
+    b = 2
+    eager = _eager_ce_ops(torch.randn(b, 5, 32, 32), torch.randint(0, 5, (b, 32, 32)), flatten=False)
+    assert eager[aten.nll_loss2d_forward.default, (b, 5, 32, 32)] == 1  # the classes stay in dim 1
+    doc = _cli_json("tests/models/segmenter.py:Segmenter", "--batch", str(b), "--loss", "cross-entropy")
+    assert doc["totals"]["loss_flops"] == _cross_entropy_flops(b * 32 * 32, 5) == 112_642
+    # the target is an input of the step: int64[2, 32, 32] = 16,384 B beside the 2·3·32·32·4 B images
+    p = fxacct.profile(fxacct.Config(target="tests/models/segmenter.py:Segmenter", batch=b, loss="cross-entropy"))
+    assert p.memory.peak_train.category("inputs") == b * 32 * 32 * 8 + b * 3 * 32 * 32 * 4
+
+
+def test_cross_entropy_on_language_model_logits_takes_the_vocabulary():
+    # [B, T, V] logits of a tiny GPT (T = 16, V = 64): B·T rows of V classes, flattened as nanoGPT does
+    b, t, v = 2, 16, 64
+    eager = _eager_ce_ops(torch.randn(b, t, v), torch.randint(0, v, (b, t)), flatten=True)
+    assert eager[aten._log_softmax.default, (b * t, v)] == 1
+    doc = _cli_json("examples/gpt2.py:GPT", "-k", "n_layer=1", "-k", "n_embd=32", "-k", "n_head=2",
+                    "-k", f"block_size={t}", "-k", f"vocab_size={v}", "--batch", str(b), "--loss", "cross-entropy")
+    assert doc["totals"]["loss_flops"] == _cross_entropy_flops(b * t, v) == 20_642
+
+
+def test_help_says_why_sum_is_the_default_and_when_to_give_cross_entropy():
+    from click.testing import CliRunner
+    from fxacct_cli.main import cli
+
+    text = " ".join(CliRunner().invoke(cli, ["profile", "--help"], terminal_width=200).output.split())
+    assert "[default: sum]" in text
+    assert "the model's FLOPs are the same under every loss" in text
+    assert "Give cross-entropy for a language model" in text

@@ -98,7 +98,9 @@ def test_profile_markdown_has_summary_totals_and_modules_with_separators():
     assert values["parameters"] == "15,328", values  # tests/test_cli.py TINY_GPT: 15,328 by hand
     assert values["training peak"].endswith(f"({t['peak_train_bytes']:,} B)"), values
     assert modules[0] == ["module", "forward FLOPs", "backward FLOPs", "share", "activations"], modules
-    assert [r[0] for r in modules[1:]] == [m["module"] or "(root)" for m in doc["modules"]], modules
+    # the table's default depth, 2 (as the text table's): h.0 is shown, h.0.attn (depth 3) is not
+    shown = [m["module"] or "(root)" for m in doc["modules"] if not m["module"] or m["module"].count(".") + 1 <= 2]
+    assert [r[0] for r in modules[1:]] == shown and "h.0" in shown, modules
     lm_head = next(r for r in modules if r[0] == "lm_head")
     assert lm_head[1] == "131,072", lm_head  # 2·(B·T = 32)·32·64
     assert "**FLOPs**" in text and "**peak**" in text, text  # the summary, as a list above the tables

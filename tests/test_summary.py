@@ -12,7 +12,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
+import fxacct
 from fxacct.report.durations import format_ms
+from fxacct.units import format_count
 from fxacct.report.width import fit_table, shorten_middle
 from fxacct_cli.main import cli
 from helpers import target
@@ -125,6 +127,10 @@ def test_fit_table_shortens_text_in_the_middle_and_never_cuts_numbers():
     (0.00481e-3, "4.81 ns"),  # 4.81e-9 s: was "0.00481 µs"
     (0.5e-3, "500 ns"), (0.0123, "12.3 µs"), (1.0, "1 ms"), (12.74, "12.7 ms"), (999, "999 ms"),
     (44_100, "44.1 s"), (0, "0 s"), (None, "-"),
+    (60_000, "1 min"), (0.0238 * 86_400e3, "34.3 min"),  # 0.0238 days = 34.27 min
+    (2.99 * 3.6e6, "2.99 h"), (3 * 86_400e3, "3 days"),
+    (239.9 * 86_400e3, "8 months"),  # 239.9 / 30 = 7.997 (30-day months)
+    (1e4 * 86_400e3, "27.4 years"),  # 10,000 / 365 = 27.40
 ])
 def test_durations_pick_the_unit_that_keeps_the_number_at_least_1(ms, text):
     assert format_ms(ms) == text
@@ -162,3 +168,45 @@ def test_warnings_reach_every_output():
     assert result.stderr.strip() == f"warning: {doc['warnings'][0]}"
     plain = CliRunner().invoke(cli, ["profile", *TINY_GPT, "--format", "json"], env={"COLUMNS": ""})
     assert json.loads(plain.stdout)["warnings"] == [] and plain.stderr == ""
+
+
+def test_config_line_names_the_sequence_length_and_the_loss():
+    lines = run(*TINY_GPT, "--summary").splitlines()
+    # tiny GPT: block_size 16 tokens per example (its example_inputs are long[B,16])
+    assert line_with(lines, "config") == "config      batch 2, sequence 16, model dtypes, adamw, loss sum"
+    lines = run(*TINY_GPT, "--loss", "cross-entropy", "--summary").splitlines()
+    assert line_with(lines, "config").endswith(", loss cross-entropy")
+
+
+def test_mesh_parameters_are_labelled_per_rank_beside_the_whole_model():
+    from helpers import load
+
+    llama, par = target("examples/llama.py:Llama"), target("examples/llama.py:parallelize")
+    args = (llama, "--batch", "2", "--mesh", "fsdp=2,tp=2", "--parallelize", par)
+    whole = sum(p.numel() for p in load(fxacct.Config(target=llama))[0].parameters())
+    rank0 = json.loads(run(*args, "--format", "json"))["totals"]["params"]
+    assert rank0 < whole  # rank 0 holds a shard
+    lines = run(*args, "--summary").splitlines()
+    params = line_with(lines, "parameters")
+    assert params.startswith(f"parameters  per rank (rank 0's shard) {format_count(rank0)} ({rank0:,})"), params
+    assert params.endswith(f"the whole model {format_count(whole)} ({whole:,})"), params
+    assert "per rank, mesh fsdp=2,tp=2" in line_with(lines, "config")
+    md = run(*args, "--format", "markdown")
+    assert "| parameters (per rank)" in md and "| training peak per rank" in md
+    row = next(line for line in md.splitlines() if line.startswith("| parameters (the whole model)"))
+    assert row.split("|")[2].strip() == f"{whole:,}"
+
+
+def test_a_model_far_too_large_is_short_by_pib_and_its_step_takes_hours():
+    # one 2^24 × 2^24 linear layer twice (MLP, d_model = d_hidden = 2^24): 2 · (2^48 + 2^24) + 2^24 + ... ≈ 5.6e14
+    # parameters, so about 10 PiB at the AdamW peak against an H100's 79.65 GiB
+    args = (target("examples/mlp.py:MLP"), "-k", "d_model=16777216", "-k", "d_hidden=16777216", "-k", "n_blocks=1",
+            "--gpu", "h100", "--no-max-batch")
+    doc = json.loads(run(*args, "--format", "json"))
+    short, ms = -doc["memory"]["fit"]["headroom_bytes"], doc["totals"]["predicted_step_ms"]
+    assert 2**53 < short < 2**60 and 3.6e6 < ms < 86.4e6  # PiB short; between an hour and a day
+    lines = run(*args, "--summary").splitlines()
+    assert line_with(lines, "fit").startswith(f"fit         DOES NOT FIT, {short / 2**50:.2f} PiB short of 79.65 GiB on")
+    assert line_with(lines, "step time").startswith(f"step time   {ms / 3.6e6:.3g} h predicted")
+    full = run(*args)
+    assert f"per-rank peak {doc['totals']['peak_train_bytes'] / 2**50:.2f} PiB, DOES NOT FIT, " in full, full

@@ -12,6 +12,9 @@ from fxacct.errors import UsageError
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.devices import get_device
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check
+from fxacct.dtypes import parse_dtype
+from fxacct.load.inputs import InputSpec, parse_input_spec
+from fxacct.load.specs import parse_optim_arg
 
 CAUSAL_CONVENTIONS = ("full", "halved")
 AMP_DTYPES = (torch.bfloat16, torch.float16)
@@ -19,6 +22,11 @@ AMP_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class Config:
+    """One account's request. Fields take what the CLI's flags take, as strings too:
+    ``Config(dtype="bf16", amp="fp16", inputs=["long[B,128]<50257"], checkpoint="h.*",
+    optim_args=["momentum=0.9"])`` is the same request as ``--dtype bf16 --input 'long[B,128]<50257'
+    ...``; a value of the wrong kind is a one-line UsageError naming the field."""
+
     target: str | None = None  # "PATH.py:Name", for reports
     batch: int = 1
     kwargs: dict = field(default_factory=dict)  # constructor arguments
@@ -54,6 +62,7 @@ class Config:
     pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
 
     def __post_init__(self):
+        self._normalize()
         if self.batch <= 0:
             raise UsageError(f"--batch must be a positive integer, got {self.batch}")
         if self.causal_attention not in CAUSAL_CONVENTIONS:
@@ -82,6 +91,46 @@ class Config:
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self.optimizer_spec().resolve()
+
+    def _normalize(self):
+        """The CLI's strings parsed as the CLI parses them (one parser each), so the library takes
+        what the flags take; anything else of the wrong kind is a UsageError, not an AttributeError later."""
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in ("dtype", "amp"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                put(name, parse_dtype(value))
+            elif value is not None and not isinstance(value, torch.dtype):
+                raise UsageError(f"Config({name}={value!r}): give a dtype name such as 'bf16', 'fp16', "
+                                 "'float32' or a torch.dtype")
+        for name in ("batch", "world_size", "gpus_per_node", "tokens_per_example", "loss_output", "seq_len",
+                     "microbatches", "pp_stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UsageError(f"Config({name}={value!r}): give an integer")
+        specs = (self.inputs,) if isinstance(self.inputs, (str, InputSpec)) else self.inputs
+        if not isinstance(specs, (tuple, list)):
+            raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
+        put("inputs", tuple(parse_input_spec(s) if isinstance(s, str) else s for s in specs))
+        if not all(isinstance(s, InputSpec) for s in self.inputs):
+            raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
+        for name in ("checkpoint", "costs"):
+            value = getattr(self, name)
+            items = (value,) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(v, str) for v in items):
+                raise UsageError(f"Config({name}={value!r}): give a string or a list of strings")
+            put(name, items)
+        if not isinstance(self.kwargs, dict):
+            raise UsageError(f"Config(kwargs={self.kwargs!r}): give the constructor arguments as a dict")
+        args = self.optim_args
+        if isinstance(args, str):
+            args = (args,)
+        if not isinstance(args, dict):
+            if not all(isinstance(a, str) for a in args):
+                raise UsageError(f"Config(optim_args={self.optim_args!r}): give a dict or NAME=VALUE strings")
+            put("optim_args", dict(parse_optim_arg(a) for a in args))
 
     def _check_loading(self):
         LossSpec(self.loss, self.loss_output)

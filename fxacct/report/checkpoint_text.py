@@ -14,6 +14,11 @@ ROWS = (("activations (saved)", "activation_bytes", format_bytes),
         ("largest batch (--gpu)", "max_batch", lambda n: f"{n:,}"))
 
 
+def _change(d: int, fmt) -> str:
+    """The change in its row's own unit, signed: '-1.50 MiB', '+12.3M', '0 B'."""
+    return f"+{fmt(d)}" if d > 0 else fmt(d)
+
+
 def checkpoint_section(w) -> str:
     """``w``: a fxacct.trace.checkpointing.CheckpointWhatIf."""
     rows = []
@@ -22,7 +27,7 @@ def checkpoint_section(w) -> str:
         if a is None and b is None:
             continue
         rows.append([label, "—" if a is None else fmt(a), "—" if b is None else fmt(b),
-                     "—" if a is None or b is None else f"{b - a:+,}"])
+                     "—" if a is None or b is None else _change(b - a, fmt)])
     policy = f", policy {w.policy}" if w.policy else ""
     title = (f"activation checkpointing what-if ({', '.join(w.patterns)}: {len(w.modules)} module"
              f"{'s' if len(w.modules) != 1 else ''} wrapped{policy}):")

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 from fxacct.report.tables import tabulate
 
+from fxacct.report.durations import format_seconds
 from fxacct.tools.estimate import DAYS_PER_MONTH, FlopsEstimate, MaxParams, TrainTime
 from fxacct.report.check_text import plain_number
 from fxacct.units import FLOPS_PER_FMA, GB, format_count
@@ -24,10 +25,6 @@ def sci(x) -> str:
 def decimal(x: Fraction | int) -> str:
     x = Fraction(x)
     return str(x.numerator) if x.denominator == 1 else f"{float(x):.4g}"
-
-
-def _months(months: float) -> str:
-    return f"{months:.1f}" if months >= 1 else f"{months:.2g}"
 
 
 def _grouped(x) -> str:
@@ -60,12 +57,13 @@ def render_train_time(r: TrainTime) -> str:
         ["MFU", f"{r.mfu:g}", "achieved / peak FLOP/s"],
         ["GPUs", f"{r.world_size:,}", ""],
         ["FLOPs per day", sci(r.flops_per_day), "peak × MFU × GPUs × 86,400 s"],
-        ["days", days_text(r.days), ""],
-        [f"months ({DAYS_PER_MONTH} days)", _months(r.months), ""],
+        ["time to train", format_seconds(r.days * 86_400),
+         f"{days_text(r.days)} days (the unit by magnitude; a month is {DAYS_PER_MONTH} days, a year 365)"],
     ]
     lines = ["fxacct estimate train-time",
              tabulate(rows, headers=["quantity", "value", "from"], colalign=("left", "right", "left")), "",
-             f"{days_text(r.days)} days ≈ {_months(r.months)} months on {r.world_size:,} × {r.gpu} at MFU {r.mfu:g}"]
+             f"{format_seconds(r.days * 86_400)} ({days_text(r.days)} days) on {r.world_size:,} × {r.gpu} "
+             f"at MFU {r.mfu:g}"]
     if r.six_n_d_flops:
         lines.append(f"(6·N·D with the profile's N = {r.params:,} would give {sci(r.six_n_d_flops)} FLOPs)")
     lines.append("not included: communication, data loading, restarts, evaluation")

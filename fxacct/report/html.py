@@ -1,8 +1,9 @@
 """The HTML report: one self-contained page, readable offline and shareable as a single file.
 
 The page carries the profile document (fxacct.report.document, schema fxacct.profile/1) plus the
-memory timeline of the step as one embedded JSON; the script in assets/report.js draws it (summary,
-module treemaps, timeline, node table, predicted beside measured). Nothing is fetched when the page
+memory timeline of the step as one embedded JSON; the script in assets/report.js draws it (summary
+cards, module treemaps, timeline, node table, predicted beside measured). The summary and the totals
+are also in the page as static HTML (static_summary), readable without JavaScript. Nothing is fetched when the page
 is viewed: the template, style and script are inlined here, and a Content-Security-Policy forbids
 any request.
 """
@@ -18,9 +19,11 @@ from fxacct.errors import InternalError
 from fxacct.memory.peak import CATEGORIES
 from fxacct.report.document import document
 from fxacct.report.plot import memory_timeline
+from fxacct.report.markdown import totals_rows
+from fxacct.report.summary_text import facts
 
 _ASSETS = ("report.html", "report.css", "report.js")
-_MARKERS = re.compile(r"\{\{TITLE\}\}|/\*\{\{CSS\}\}\*/|/\*\{\{JS\}\}\*/|\{\{DATA\}\}")
+_MARKERS = re.compile(r"\{\{TITLE\}\}|/\*\{\{CSS\}\}\*/|/\*\{\{JS\}\}\*/|\{\{DATA\}\}|\{\{STATIC\}\}")
 
 
 def timeline_json(profile) -> dict:
@@ -58,6 +61,19 @@ def _script_json(data: dict) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def static_summary(profile, prediction=None) -> str:
+    """The summary (fxacct.report.summary_text.facts) and the totals (the markdown report's rows) as
+    plain HTML, so the page shows its numbers without JavaScript; the script adds the cards and charts."""
+    esc = html.escape
+    items = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in facts(profile, prediction))
+    rows = "".join(f'<tr><th scope="row">{esc(k)}</th><td class="num">{esc(v)}</td></tr>'
+                   for k, v in totals_rows(profile, prediction))
+    return (f'<dl id="summary-facts" class="facts">{items}</dl>\n'
+            f'<table id="totals" class="data totals"><caption>Totals</caption>'
+            f'<thead><tr><th scope="col">total</th><th scope="col" class="num">value</th></tr></thead>'
+            f"<tbody>{rows}</tbody></table>")
+
+
 def _asset(name: str) -> str:
     return resources.files("fxacct.report").joinpath("assets", name).read_text(encoding="utf-8")
 
@@ -68,11 +84,12 @@ def render_html(profile, prediction=None, runtime=None) -> str:
     template, css, js = (_asset(name) for name in _ASSETS)
     title = f"fxacct profile: {profile.title}"
     parts = {"{{TITLE}}": html.escape(title), "/*{{CSS}}*/": css, "/*{{JS}}*/": js,
-             "{{DATA}}": _script_json(html_document(profile, prediction, runtime))}
+             "{{DATA}}": _script_json(html_document(profile, prediction, runtime)),
+             "{{STATIC}}": static_summary(profile, prediction)}
     missing = [m for m in parts if m not in template]
     if missing:
         raise InternalError(f"fxacct/report/assets/report.html lacks {', '.join(missing)}")
     return _MARKERS.sub(lambda m: parts[m.group(0)], template)
 
 
-__all__ = ["render_html", "html_document", "timeline_json"]
+__all__ = ["render_html", "html_document", "timeline_json", "static_summary"]

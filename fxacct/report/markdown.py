@@ -8,6 +8,7 @@ from fxacct.step import Profile
 from fxacct.report.durations import format_ms
 from fxacct.report.summary_text import exact_bytes, facts
 from fxacct.report.tables import tabulate
+from fxacct.report.text import DEFAULT_DEPTH
 from fxacct.units import format_bytes
 from fxacct.report.collectives import render_collectives
 
@@ -29,23 +30,32 @@ def flops(n: int) -> str:
 
 
 def totals_table(p: Profile, prediction=None) -> str:
+    return pipe_table(["total", "value"], totals_rows(p, prediction), ("left", "right"))
+
+
+def totals_rows(p: Profile, prediction=None) -> list[list[str]]:
+    """[label, value] of the totals: the markdown table's and the HTML page's static table."""
     t, m = p.accounting.totals, p.memory
+    rank = " (per rank)" if p.parallel is not None else ""  # rank 0's shard under --mesh
     rows = [["forward FLOPs", flops(t.forward.total)], ["backward FLOPs", flops(t.backward.total)],
             ["forward + backward FLOPs", flops(t.forward.total + t.backward.total)],
             ["loss FLOPs (not in the above)", flops(t.loss_flops)],
-            ["parameters", f"{t.params:,}"], ["trainable parameters", f"{t.trainable_params:,}"],
-            ["parameter bytes", exact_bytes(t.param_bytes)], ["gradient bytes", exact_bytes(t.grad_bytes)],
-            ["optimizer state bytes", exact_bytes(m.optimizer_bytes)],
-            ["activations saved for backward", exact_bytes(t.activation_bytes)]]
+            ["parameters" + rank, f"{t.params:,}"], ["trainable parameters" + rank, f"{t.trainable_params:,}"],
+            ["parameter bytes" + rank, exact_bytes(t.param_bytes)], ["gradient bytes" + rank, exact_bytes(t.grad_bytes)],
+            ["optimizer state bytes" + rank, exact_bytes(m.optimizer_bytes)],
+            ["activations saved for backward" + rank, exact_bytes(t.activation_bytes)]]
     if t.loss_activation_bytes:
         rows.append(["of them saved by the loss", exact_bytes(t.loss_activation_bytes)])
+    if p.parallel is not None and p.parallel.model_params:
+        rows.insert(6, ["parameters (the whole model)", f"{p.parallel.model_params:,}"])
     if m.rank_peak is not None:
-        rows.append(["training peak" + (" per rank" if m.per_rank is not None else ""), exact_bytes(m.rank_peak.bytes)])
+        rows.append(["training peak" + (" per rank" if m.per_rank is not None or rank else ""),
+                     exact_bytes(m.rank_peak.bytes)])
     if m.peak_inference is not None:
         rows.append(["inference peak", exact_bytes(m.peak_inference.bytes)])
     if prediction is not None:
         rows.append([f"predicted step time ({prediction.device.name})", format_ms(prediction.step_ms)])
-    return pipe_table(["total", "value"], rows, ("left", "right"))
+    return rows
 
 
 def modules_table(p: Profile, depth: int | None = None) -> str:
@@ -70,8 +80,10 @@ def render_summary_markdown(p: Profile, prediction=None) -> str:
     return "\n".join(f"- **{k}**: {cell(v)}" for k, v in facts(p, prediction))
 
 
-def render_markdown(p: Profile, prediction=None, by: str = "module", depth: int | None = None,
+def render_markdown(p: Profile, prediction=None, by: str = "module", depth: int | None = DEFAULT_DEPTH,
                     summary_only: bool = False) -> str:
+    """The markdown report; its module table shows ``depth`` levels of nesting, the text table's
+    default (None: every module)."""
     parts = [f"### fxacct profile: `{p.title}`", "", render_summary_markdown(p, prediction)]
     if p.parallel is not None:  # whose figures these are, the pipeline and the collectives: the text report's
 
@@ -86,5 +98,5 @@ def render_markdown(p: Profile, prediction=None, by: str = "module", depth: int 
     return "\n".join(parts) + "\n"
 
 
-__all__ = ["render_markdown", "render_summary_markdown", "totals_table", "modules_table", "nodes_table",
+__all__ = ["render_markdown", "render_summary_markdown", "totals_table", "totals_rows", "modules_table", "nodes_table",
            "pipe_table", "cell", "ROOT"]

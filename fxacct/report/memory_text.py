@@ -7,7 +7,8 @@ from fxacct.report.tables import tabulate
 
 from fxacct.memory.peak import Peak
 from fxacct.step import Profile
-from fxacct.units import GiB, format_bytes
+from fxacct.units import format_bytes
+from fxacct.report.summary_text import fit_verdict
 
 ROWS = (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer state", "optimizer_bytes"),
         ("master weights", "master_bytes"), ("activations (saved)", "activation_bytes"))
@@ -76,10 +77,9 @@ def render_memory(p: Profile) -> str:
     lines.append(f"forward views: {views}; copies: {copies}")
     if m.fit is not None:
         f = m.fit
-        verdict = (f"fits, {f.headroom_bytes / GiB:.2f} GiB headroom" if f.headroom_bytes >= 0
-                   else f"DOES NOT FIT, {-f.headroom_bytes / GiB:.2f} GiB short")
-        lines.append(f"{f.gpu} ({f.capacity_bytes / GiB:.2f} GiB as the driver reports): per-rank peak "
-                     f"{f.peak_bytes / GiB:.2f} GiB, {verdict}")
+
+        lines.append(f"{f.gpu} ({format_bytes(f.capacity_bytes)} as the driver reports): per-rank peak "
+                     f"{format_bytes(f.peak_bytes)}, {fit_verdict(f.headroom_bytes)}")
         if f.max_batch is not None:
             lines.append(f"largest batch that fits: {f.max_batch}"
                          + (f" (traced: {f.max_batch} fits, {f.max_batch + 1} does not)" if f.max_batch_verified else " (estimate: the search ran out of traces)"))

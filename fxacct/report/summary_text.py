@@ -9,7 +9,7 @@ import textwrap
 from fxacct.dtypes import dtype_name
 from fxacct.step import Profile
 from fxacct.report.durations import format_ms
-from fxacct.units import GiB, format_bytes, format_count
+from fxacct.units import format_bytes, format_count
 
 TOP_CATEGORIES = 3  # the peak's biggest parts shown in the summary
 
@@ -24,6 +24,13 @@ def exact_bytes(n: int) -> str:
     """'6.49 GiB (6,972,663,156 B)', or '360 B' when that is already exact."""
     short = format_bytes(n)
     return short if short == f"{n} B" else f"{short} ({n:,} B)"
+
+
+def fit_verdict(headroom_bytes: int) -> str:
+    """'fits, 12.30 GiB headroom' or 'DOES NOT FIT, 69.20 PiB short': the unit by magnitude."""
+    if headroom_bytes >= 0:
+        return f"fits, {format_bytes(headroom_bytes)} headroom"
+    return f"DOES NOT FIT, {format_bytes(-headroom_bytes)} short"
 
 
 def _precision(p: Profile) -> str:
@@ -47,17 +54,29 @@ def facts(p: Profile, prediction=None) -> list[tuple[str, str]]:
         flops += f", {format_count(fb // (c.batch * t.tokens_per_example))} per token"
     batch = f"micro-batch {c.batch} × {pipe.microbatches} per step ({pipe.schedule})" if pipe else f"batch {c.batch}"
     rows = [("config", batch
-                       + (f" × {c.world_size} ranks ({c.shard})" if c.world_size > 1 else "")
-                       + f", {_precision(p)}, {c.optimizer}"),
+                       + (f" × {c.world_size} ranks ({c.shard})" if c.world_size > 1 and c.mesh is None else "")
+                       + (f" per rank, mesh {c.mesh}" if c.mesh is not None else "")
+                       + (f", sequence {t.tokens_per_example}" if t.tokens_per_example else "")
+                       + f", {_precision(p)}, {c.optimizer}, loss {c.loss}"),
             ("FLOPs", flops),
-            ("parameters", f"{exact_count(t.params)}"
-                           + (f", trainable {exact_count(t.trainable_params)}" if t.trainable_params != t.params else "")
-                           + f"; {format_bytes(t.param_bytes)}")]
+            ("parameters", _parameters(p))]
     memory = _memory_facts(p)
     rows += memory if pipe is None else [(k, _pipeline_memory(k, v, p, pipe)) for k, v in memory]
     rows += _time_facts(p, prediction)
     rows.append(("uncosted", _uncosted(p)))
     return rows
+
+
+def _parameters(p: Profile) -> str:
+    """The parameter count; under --mesh rank 0's shard, said so, beside the whole model's."""
+    t, par = p.accounting.totals, p.parallel
+    text = (f"{exact_count(t.params)}"
+            + (f", trainable {exact_count(t.trainable_params)}" if t.trainable_params != t.params else "")
+            + f"; {format_bytes(t.param_bytes)}")
+    if par is None:
+        return text
+    whole = f"; the whole model {exact_count(par.model_params)}" if par.model_params else ""
+    return f"per rank (rank 0's shard) {text}{whole}"
 
 
 def _pipeline(p: Profile):
@@ -73,9 +92,7 @@ def _pipeline_memory(label: str, text: str, p: Profile, pipe) -> str:
                 f"{format_bytes(p.memory.rank_peak.bytes)}")
     if label == "fit" and p.memory.fit is not None:
         f = p.memory.fit
-        room = f.capacity_bytes - worst
-        verdict = f"fits, {room / GiB:.2f} GiB headroom" if room >= 0 else f"DOES NOT FIT, {-room / GiB:.2f} GiB short"
-        return f"{verdict} of {f.capacity_bytes / GiB:.2f} GiB on {f.gpu} (the largest rank's peak)"
+        return f"{fit_verdict(f.capacity_bytes - worst)} of {format_bytes(f.capacity_bytes)} on {f.gpu} (the largest rank's peak)"
     return text
 
 
@@ -92,9 +109,7 @@ def _memory_facts(p: Profile) -> list[tuple[str, str]]:
         rows.append(("inference", f"peak {format_bytes(m.peak_inference.bytes)} (eval, no_grad)"))
     if m.fit is not None:
         f = m.fit
-        verdict = (f"fits, {f.headroom_bytes / GiB:.2f} GiB headroom" if f.headroom_bytes >= 0
-                   else f"DOES NOT FIT, {-f.headroom_bytes / GiB:.2f} GiB short")
-        text = f"{verdict} of {f.capacity_bytes / GiB:.2f} GiB on {f.gpu}"
+        text = f"{fit_verdict(f.headroom_bytes)} of {format_bytes(f.capacity_bytes)} on {f.gpu}"
         if f.max_batch is not None:
             text += f"; largest batch {f.max_batch}" + ("" if f.max_batch_verified else " (estimate)")
         rows.append(("fit", text))
@@ -171,4 +186,4 @@ def render_summary(p: Profile, prediction=None, width: int | None = None) -> str
     return "\n".join(lines)
 
 
-__all__ = ["facts", "render_summary", "exact_count", "exact_bytes"]
+__all__ = ["facts", "render_summary", "exact_count", "exact_bytes", "fit_verdict"]

@@ -18,6 +18,8 @@ from fxacct.report.summary_text import render_summary
 from fxacct.report.collectives import render_collectives
 
 
+DEFAULT_DEPTH = 2  # module nesting shown by the text and markdown tables (--depth)
+DEFAULT_TOP = 10  # nodes listed by the text table (--top)
 LOSS_TEXT = {"sum": "sum of outputs", "model": "the model's own loss is in its forward"}
 
 
@@ -124,7 +126,7 @@ def unsupported_footer(p: Profile) -> str:
             f"{count} of {a.node_count:,} op nodes ({100 * count / max(1, a.node_count):.1f}%): {ops}")
 
 
-def render_text(p: Profile, depth: int = 2, top: int = 10, width: int | None = None) -> str:
+def render_text(p: Profile, depth: int = DEFAULT_DEPTH, top: int = DEFAULT_TOP, width: int | None = None) -> str:
     parts = [summary(p), "", render_memory(p), "",
              f"modules (depth {depth}, inclusive):", modules_table(p, depth, width), ""]
     if p.checkpoint is not None:
@@ -136,11 +138,11 @@ def render_text(p: Profile, depth: int = 2, top: int = 10, width: int | None = N
     return "\n".join(parts) + "\n"
 
 
-__all__ = ["render_text", "summary", "modules_table", "nodes_table", "unsupported_footer",
+__all__ = ["render_text", "render_profile_text", "DEFAULT_DEPTH", "DEFAULT_TOP", "summary", "modules_table", "nodes_table", "unsupported_footer",
            "MATMUL", "ATTENTION", "OTHER"]
 
 
-def render_profile_text(p: Profile, depth: int = 2, top: int = 10, prediction=None, runtime=None,
+def render_profile_text(p: Profile, depth: int = DEFAULT_DEPTH, top: int = DEFAULT_TOP, prediction=None, runtime=None,
                         width: int | None = None, summary_only: bool = False) -> str:
     """The one-screen summary (fxacct.report.summary_text), then (unless ``summary_only``) render_text,
     the predicted step time (fxacct.predict.roofline) and, after --runtime, the comparison of

@@ -143,8 +143,9 @@ class Recorder(tp.TorchDispatchMode):
         if self.phase == BACKWARD and not torch.is_grad_enabled():
             return NotImplemented  # a no-grad op (checkpointing packing what it saves) consumes no number
         self.group = TookSequenceNumbers(self.last_seq, hi) if hi != self.last_seq and self.phase != BACKWARD else None
-        # in the backward, a subclass op that made a grad_fn is checkpointing's recompute: so are its local ops
-        self.recomputing = self.phase == BACKWARD and hi != self.last_seq
+        # in the backward, a subclass op that made a grad_fn under torch.utils.checkpoint's recompute
+        # is a recompute: so are its local ops
+        self.recomputing = self.phase == BACKWARD and hi != self.last_seq and tp.in_checkpoint_recompute()
         self.last_seq = hi
         return NotImplemented
 
@@ -237,12 +238,15 @@ class Recorder(tp.TorchDispatchMode):
         index = len(self.records)
         hi = tp.next_autograd_number()
         if self.phase == BACKWARD:
-            # an op that records a grad_fn during the backward is a forward op run again:
-            # activation checkpointing recomputing what it did not save (model FLOPs leave it out)
+            # an op that records a grad_fn during the backward, under torch.utils.checkpoint's
+            # recompute, is a forward op run again: activation checkpointing recomputing what it did
+            # not save (model FLOPs leave it out). A custom autograd.Function's backward that re-runs
+            # forward ops under enable_grad is that Function's backward work, not a recompute.
             # checkpointing's recompute packs what it saves with detach ops under no_grad, after
             # the op that took the number and before it runs: they neither take nor consume it
             grad_on = torch.is_grad_enabled()
-            scope = RECOMPUTE if grad_on and (hi != self.last_seq or self.recomputing) else None
+            scope = (RECOMPUTE if grad_on and (self.recomputing or (hi != self.last_seq and tp.in_checkpoint_recompute()))
+                     else None)
             if not grad_on:
                 hi = self.last_seq
             seq = tp.current_autograd_number()

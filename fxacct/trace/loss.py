@@ -2,9 +2,13 @@
 
 - ``sum`` (the default): the sum over every floating-point output tensor (pytree order) of
   ``t.float().sum()``, or only the output at index ``--loss-output`` of that list.
-- ``cross-entropy``: ``F.cross_entropy(out.float().view(-1, C), target.view(-1))`` on the first
-  floating output (or ``--loss-output``), C its last dimension (the vocabulary or the classes);
-  the target is a long tensor of the output's shape without that dimension, values in [0, C).
+- ``cross-entropy``: on the first floating output (or ``--loss-output``), its class dimension C
+  decided by its rank (``class_dim``): up to 3 dimensions, the last one (``[N, C]``, or a language
+  model's logits ``[B, T, V]``, taken as ``F.cross_entropy(out.float().view(-1, V), target.view(-1))``,
+  as nanoGPT and Hugging Face flatten them); from 4 dimensions, dim 1, as ``F.cross_entropy`` itself
+  reads ``[B, C, d1, d2, ...]`` (segmentation: ``[B, 5, 32, 32]`` is 5 classes over 32×32 pixels),
+  taken as ``F.cross_entropy(out.float(), target)``. The target is a long tensor of the output's
+  shape without the class dimension, values in [0, C).
   For a causal language model the targets are the next tokens, as Hugging Face shifts its labels:
   the last position of each row is ``IGNORE_INDEX`` and the logits are not sliced.
 - ``mse``: ``F.mse_loss(out.float(), target.float())``, the target shaped and typed like the output.
@@ -84,6 +88,12 @@ def loss_input(output, spec: LossSpec) -> torch.Tensor:
     return leaves[0]
 
 
+def class_dim(out: torch.Tensor) -> int:
+    """The class dimension cross-entropy reads in ``out``: the last up to 3 dimensions ([N, C], a
+    language model's [B, T, V]), else 1 (F.cross_entropy's [B, C, d1, d2, ...])."""
+    return out.dim() - 1 if out.dim() <= 3 else 1
+
+
 def target_spec(output, spec: LossSpec) -> TargetSpec | None:
     """The target the loss needs for this output, or None (sum, model)."""
     if not spec.needs_target:
@@ -94,7 +104,9 @@ def target_spec(output, spec: LossSpec) -> TargetSpec | None:
     if out.dim() == 0:
         raise UsageError("--loss cross-entropy needs logits with a class dimension, but the chosen output "
                          "is a scalar; pick the logits with --loss-output or use --loss model")
-    return TargetSpec(tuple(out.shape[:-1]), torch.long, int(out.shape[-1]), spec.causal and out.dim() >= 3)
+    c = class_dim(out)
+    shape = tuple(out.shape[:c]) + tuple(out.shape[c + 1:])
+    return TargetSpec(shape, torch.long, int(out.shape[c]), spec.causal and out.dim() == 3)
 
 
 def training_loss(output, spec: LossSpec | int | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +129,8 @@ def training_loss(output, spec: LossSpec | int | None = None, target: torch.Tens
         raise ValueError(f"--loss {spec.kind} needs a target (fxacct.trace.loss.target_spec)")
     if spec.kind == MSE:
         return F.mse_loss(out.float(), target.float())
+    if class_dim(out) == 1 and out.dim() > 2:  # [B, C, d1, ...]: F.cross_entropy's own layout
+        return F.cross_entropy(out.float(), target, ignore_index=IGNORE_INDEX)
     return F.cross_entropy(out.float().view(-1, out.shape[-1]), target.view(-1), ignore_index=IGNORE_INDEX)
 
 

@@ -322,3 +322,37 @@ def composable_state_keys() -> frozenset:
 def no_python_dispatch():
     """Ops run their kernels directly, below every TorchDispatchMode and tensor subclass."""
     return torch._C._DisableTorchDispatch()
+
+
+from torch.utils import checkpoint as _checkpoint  # noqa: E402
+
+
+def _checkpoint_recompute_codes() -> frozenset:
+    """The code objects activation checkpointing recomputes a forward in (torch/utils/checkpoint.py):
+    the non-reentrant variant's ``recompute_fn``, a closure of ``_checkpoint_without_reentrant_generator``
+    called from the unpack hook of a saved tensor. (The reentrant variant refuses torch.autograd.grad,
+    which a capture calls, so it never runs here.)"""
+    import types
+
+    generator = _require(_checkpoint, "_checkpoint_without_reentrant_generator", "torch.utils.checkpoint")
+    codes = {c for c in generator.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "recompute_fn"}
+    if not codes:
+        raise FxacctError(f"this torch ({torch.__version__}) has no recompute_fn in "
+                          "torch.utils.checkpoint._checkpoint_without_reentrant_generator, which fxacct needs")
+    return frozenset(codes)
+
+
+_RECOMPUTE_CODES = _checkpoint_recompute_codes()
+
+
+def in_checkpoint_recompute() -> bool:
+    """Whether torch.utils.checkpoint is recomputing a forward on this thread's Python stack now
+    (a custom autograd.Function's backward that re-runs forward ops is not)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _RECOMPUTE_CODES:
+            return True
+        frame = frame.f_back
+    return False
