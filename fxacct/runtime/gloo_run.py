@@ -20,9 +20,9 @@ import warnings
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
-from fxacct.parallel.collectives import _OPS
 from fxacct.trace import torch_private as tp
 from fxacct.parallel.pipeline import resolve_points
 from fxacct.parallel.pipeline_schedule import per_rank
@@ -46,24 +46,45 @@ class RankMeasured:
     collectives: dict  # op -> [count, output-buffer bytes]
 
 
+def collective_family(packet) -> str:
+    """torch's name of a collective op, as the account names its kind: c10d's ``_allgather_base_``
+    and the functional ``all_gather_into_tensor`` are both ``all_gather``. Derived from the name
+    alone, not from fxacct's own op table (fxacct.parallel.collectives), so that a collective the
+    account misses shows up here under a name of its own."""
+    name = getattr(packet, "__name__", str(packet)).replace("_", "").lower()
+    for prefix, family in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
+                           ("allreduce", "all_reduce"), ("alltoall", "all_to_all"), ("send", "send"),
+                           ("recv", "recv")):
+        if name.startswith(prefix):
+            return family
+    return name
+
+
+# torch's own registry of collectives (CommDebugMode's), and the pipeline's point-to-point ops
+_COUNTED = tp.comm_debug_collectives() | {torch.ops.c10d.send, torch.ops.c10d.recv_}
+
+
 class CollectiveCounter(tp.TorchDispatchMode):
+    """Each rank's collectives, found by torch's own registry (CommDebugMode's: c10d's and the
+    functional ones; its mode itself tracks modules in a way pipelining's stages break) and the
+    pipeline's sends and receives, with the output buffer's bytes of each: the first tensor
+    argument of a c10d op (it writes there in place), the result of a functional one.
+    ``found``: family -> [count, bytes]."""
+
     def __init__(self):
         super().__init__()
         self.found: dict[str, list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars into local ops and collectives first
         out = func(*args, **(kwargs or {}))
-        entry = _OPS.get(func)
-        if entry is not None and entry[0] != "wait":
-            buf = args[entry[1]] if entry[1] is not None else out
-            buf = buf[0] if isinstance(buf, (list, tuple)) else buf
-            acc = self.found.setdefault(entry[0], [0, 0])
+        if getattr(func, "_overloadpacket", None) in _COUNTED:
+            written = args[0] if func.namespace == "c10d" else out  # c10d ops write in place
+            first = tp.tree_leaves(written)[0]
+            acc = self.found.setdefault(collective_family(func._overloadpacket), [0, 0])
             acc[0] += 1
-            acc[1] += buf.numel() * buf.element_size()
+            acc[1] += first.numel() * first.element_size()
         return out
 
 

@@ -306,6 +306,17 @@ def pipeline_order(schedule_cls, stages: int, microbatches: int, per_rank: int =
                    for a in actions] for rank, actions in order.items()}
 
 
+def comm_debug_collectives() -> frozenset:
+    """The op packets torch's CommDebugMode counts as collectives: its functional-collective
+    registry and c10d's collectives (torch/distributed/tensor/debug/_comm_mode.py,
+    ``CommDebugMode.comm_registry`` and ``c10d_collective_ops``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.debug import _comm_mode
+
+    c10d = _require(_comm_mode, "c10d_collective_ops", "torch.distributed.tensor.debug._comm_mode")
+    return frozenset(CommDebugMode().comm_registry) | frozenset(c10d)
+
+
 def composable_state_keys() -> frozenset:
     """The attribute names under which torch.distributed's composable APIs (``fully_shard``) keep
     each module's state and registry (torch/distributed/_composable/contract.py, ``STATE_KEY`` and
