@@ -288,20 +288,24 @@ function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "
 
 def pipeline_order(schedule_cls, stages: int, microbatches: int, per_rank: int = 1) -> dict:
     """rank -> [(computation type "F"/"B"/..., stage index, micro-batch) or None (an idle slot)]:
-    the per-rank action list torch.distributed.pipelining's schedules build from the stage and
-    micro-batch counts alone, without a process group: ``_get_pipeline_order`` of the
-    single-stage ones (ScheduleGPipe, Schedule1F1B), ``_calculate_single_rank_operations`` of
-    ScheduleInterleaved1F1B (``per_rank`` stages on each rank, rounds of ``microbatches //
-    stages`` micro-batches, as its ``__init__`` sets them)."""
-    from types import SimpleNamespace
+    the per-rank action lists a torch.distributed.pipelining schedule builds when it is made
+    (its ``pipeline_order``), made here over stand-in stages (nn.Identity: the order depends on the
+    stage and micro-batch counts alone) of rank 0 under the fake process group of ``stages`` ranks:
+    stage 0 of ``stages``, or under interleaving stages 0, P, 2P, ... of P·``per_rank``."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
 
-    if per_rank == 1:
-        order = schedule_cls._get_pipeline_order(SimpleNamespace(_num_stages=stages, _n_microbatches=microbatches))
-    else:
-        rounds = max(1, microbatches // stages)
-        ns = SimpleNamespace(n_local_stages=per_rank, pp_group_size=stages, _n_microbatches=microbatches,
-                             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
-        order = {rank: schedule_cls._calculate_single_rank_operations(ns, rank) for rank in range(stages)}
+    if dist.is_initialized():
+        raise FxacctError("fxacct simulates a pipeline schedule under a fake process group of its own; "
+                          "call it outside your torch.distributed process group")
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=stages)
+    try:
+        total = stages * per_rank
+        mine = [PipelineStage(torch.nn.Identity(), s, total, torch.device("cpu")) for s in range(0, total, stages)]
+        schedule = schedule_cls(mine if per_rank > 1 else mine[0], n_microbatches=microbatches)
+        order = _require(schedule, "pipeline_order", f"{schedule_cls.__name__} instance")
+    finally:
+        dist.destroy_process_group()
     return {rank: [None if a is None else (a.computation_type.value, a.stage_index, a.microbatch_index)
                    for a in actions] for rank, actions in order.items()}
 
