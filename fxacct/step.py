@@ -7,6 +7,7 @@ so a flag reaches one device, a rank and a stage alike."""
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +28,7 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.checkpointing import CheckpointWhatIf
 from fxacct.trace.loss import MODEL, ignored_loss_warning
+from fxacct.units import format_bytes, format_count
 
 if TYPE_CHECKING:  # the layer above fills it in (fxacct.parallel.profile_parallel)
     from fxacct.parallel.accounts import ParallelAccount
@@ -52,6 +54,32 @@ class Profile:
         if self.model_class is None or target.rpartition(":")[2] == self.model_class:
             return target
         return f"{target} ({self.model_class})"
+
+    def summary(self) -> list[tuple[str, str]]:
+        """(label, value) of the headline figures: what a notebook shows for a Profile (the full
+        report: fxacct.report.render)."""
+        t, mem, par = self.accounting.totals, self.memory, self.parallel
+        scope = " per rank" if par is not None else ""
+        peak = par.pipeline.peak_bytes if par is not None and par.pipeline is not None else (
+            mem.rank_peak.bytes if mem.rank_peak is not None else None)
+        rows = [("FLOPs, forward + backward" + scope, f"{format_count(t.forward.total)} + {format_count(t.backward.total)}"),
+                ("parameters" + scope, f"{t.params:,}"),
+                ("training peak" + scope, format_bytes(peak) if peak is not None else "no training step"),
+                ("inference peak" + scope, format_bytes(mem.peak_inference.bytes) if mem.peak_inference else "-")]
+        if par is not None:
+            rows.insert(0, ("mesh", str(par.mesh)))
+        if self.prediction is not None:
+            rows.append(("predicted step time", f"{self.prediction.step_ms:.3g} ms"))
+        return rows
+
+    def __repr__(self) -> str:
+        return f"<fxacct.Profile {self.title}: " + "; ".join(f"{k} {v}" for k, v in self.summary()) + ">"
+
+    def _repr_html_(self) -> str:
+        """The headline figures as a table in a notebook."""
+        cells = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                        for k, v in self.summary())
+        return f"<table><caption>fxacct profile: {html.escape(self.title)}</caption>{cells}</table>"
 
 
 class Capturer(Protocol):

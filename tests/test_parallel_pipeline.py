@@ -386,3 +386,34 @@ def test_pipeline_stage_under_gpu_takes_the_gpu_attention_kernel():
     assert _attention_ops(one) == {"aten._scaled_dot_product_efficient_attention.default",
                                    "aten._scaled_dot_product_efficient_attention_backward.default"}
     assert _attention_ops(stage) == _attention_ops(one)
+
+
+@pytest.mark.parametrize("schedule,p,m", [("gpipe", 2, 4), ("1f1b", 4, 8), ("1f1b", 3, 3)])
+def test_step_seconds_of_equal_stages_is_the_closed_form(schedule, p, m):
+    """Equal stages (forward f, backward b per micro-batch) span (M + P − 1)·(f + b) under GPipe and
+    1F1B: M slots of work on every rank plus P − 1 of fill and drain (Huang et al. 2019; Narayanan
+    et al. 2021)."""
+    from fxacct.parallel.pipeline_schedule import step_seconds
+
+    f, b = 0.003, 0.007
+    assert step_seconds(schedule, p, m, 1, [f] * p, [b] * p) == pytest.approx((m + p - 1) * (f + b))
+
+
+def test_pipeline_whole_step_time_under_gpu():
+    """--mesh pp=2 --gpu h100: the whole step is the schedule run with each stage's roofline time per
+    micro-batch, then the slowest rank's optimizer. Bounds that hold for any two stages: each rank
+    computes its M micro-batches, and the step is at most M + P − 1 slots of the slower stage."""
+    from fxacct.predict.roofline import predict_profile
+
+    cfg = fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh="pp=2", microbatches=4, gpu="h100")
+    prof = fxacct.profile(cfg)
+    pipe = prof.parallel.pipeline
+    phases = [predict_profile(s.profile).by_phase for s in pipe.stages]
+    slot = [ph["forward"] + ph["loss"] + ph["backward"] for ph in phases]
+    optimizer = max(ph["optimizer"] for ph in phases)
+    assert 4 * max(slot) <= pipe.step_s - optimizer <= (4 + 2 - 1) * max(slot) + 1e-12
+    from fxacct.report.summary_text import render_summary
+
+    assert "the whole step: 4 micro-batches through 2 stages" in render_summary(prof, prof.prediction)
+    assert fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh="pp=2",
+                                        microbatches=4)).parallel.pipeline.step_s is None  # no device model

@@ -210,3 +210,19 @@ def test_a_model_far_too_large_is_short_by_pib_and_its_step_takes_hours():
     assert line_with(lines, "step time").startswith(f"step time   {ms / 3.6e6:.3g} h predicted")
     full = run(*args)
     assert f"per-rank peak {doc['totals']['peak_train_bytes'] / 2**50:.2f} PiB, DOES NOT FIT, " in full, full
+
+
+def test_a_profile_shows_its_headline_in_a_notebook():
+    """repr and _repr_html_ (what a notebook shows): the two-layer model's forward 2·2·3·3 + 2·2·3·2 =
+    60 FLOPs, backward 84 (x needs no gradient: 120 − 36), 3·3 + 3·2 = 15 parameters; under a mesh
+    the figures say per rank."""
+    import fxacct
+
+    p = fxacct.profile(fxacct.Config(target="examples/two_layer.py:TwoLayer", batch=2))
+    text = repr(p)
+    assert text.startswith("<fxacct.Profile examples/two_layer.py:TwoLayer:") and "60 + 84" in text
+    assert "parameters 15;" in text and "per rank" not in text
+    page = p._repr_html_()
+    assert "<td>60 + 84</td>" in page and "<td>15</td>" in page
+    mesh = fxacct.profile(fxacct.Config(target="examples/two_layer.py:TwoLayer", batch=2, mesh="fsdp=2"))
+    assert "parameters per rank" in repr(mesh) and "mesh fsdp=2" in repr(mesh)

@@ -33,6 +33,10 @@ class PipelineAccount:
     bubble_fraction: float  # idle share of the step on a rank, from the schedule's order
     stages_per_rank: int = 1
     model_class: str | None = None  # the class of the whole model, before it was cut into stages
+    # with a device model: the whole step, the schedule run with each stage's roofline time per
+    # micro-batch (forward with the loss, backward) and then the slowest rank's optimizer step;
+    # sends, receives and the collectives inside a stage are not on it
+    step_s: float | None = None
 
     @property
     def peak_bytes(self) -> int:

@@ -35,10 +35,11 @@ from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.pipeline_collectives import rank_rows
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
-from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate
+from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate, step_seconds
 from fxacct.parallel.pipeline_split import (
     MODEL_INPUT, StageInput, block_costs, is_function, meta_like, split_points, stage_inputs, stage_module,
 )
+from fxacct.predict.roofline import for_config, predict_profile
 from fxacct.step import OneDevice, account_step
 from fxacct.trace import torch_private as tp
 
@@ -181,7 +182,20 @@ def profile_pipeline(config):
     flows = [traffic([r for _, _, r in parts], s) for s in range(stages)]
     accounts = tuple(_rank_account(profs, flows, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
-    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, type(whole).__name__)
+    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, type(whole).__name__,
+                           _step_seconds(config, profs, ranks, m, v))
+
+
+def _step_seconds(config, profs, ranks: int, m: int, v: int) -> float | None:
+    """The whole step on the device the config predicts for (PipelineAccount.step_s), or None."""
+    device = for_config(config)
+    if device is None:
+        return None
+    phases = [predict_profile(p, device).by_phase for p in profs]
+    span = step_seconds(config.pp_schedule, ranks, m, v, [ph["forward"] + ph["loss"] for ph in phases],
+                        [ph["backward"] for ph in phases])
+    optimizer = max(sum(phases[s]["optimizer"] for s in range(r, len(profs), ranks)) for r in range(ranks))
+    return span + optimizer
 
 
 def _profile_stage(config, s: int, stages: int, points, args, kwargs):

@@ -3,7 +3,7 @@ stage holds at once and the idle slots (the bubble).
 
 The order is torch.distributed.pipelining's own: each schedule class builds a per-rank action
 list (F = forward, B = full backward of one stage and micro-batch): GPipe's and 1F1B's
-``_get_pipeline_order``, interleaved 1F1B's ``_calculate_single_rank_operations`` (stage r, r + P,
+``pipeline_order`` as the schedule builds it (interleaved 1F1B: stage r, r + P,
 ... on rank r). The single-stage lists drop their idle slots, and 1F1B's numbers the last rank's
 micro-batches from 1, so only their sequence of F and B is taken; both schedules run each kind in
 micro-batch order, so the k-th F (B) is micro-batch k. The bubble comes from running the order
@@ -69,12 +69,29 @@ def rank_actions(schedule: str, stages: int, microbatches: int, v: int = 1) -> d
 
 
 def simulate(schedule: str, stages: int, microbatches: int, v: int = 1, backward_units: int = 2) -> tuple[RankOrder, ...]:
-    """Each rank's order, in-flight count and busy/idle time (module docstring); stage st runs on
-    rank st mod P, stage st's forward of micro-batch k waits for stage st − 1's, its backward for
-    stage st + 1's (the last stage's for its own forward)."""
+    """Each rank's order, in-flight count and busy/idle time (module docstring), one unit of time
+    per forward and ``backward_units`` per backward."""
     actions = rank_actions(schedule, stages, microbatches, v)
+    clock = _run(schedule, actions, stages, microbatches, v, lambda kind, st: 1 if kind == "F" else backward_units)
+    span = max(clock)
+    return tuple(RankOrder(tuple(actions[r]), _in_flight(actions[r]), v * microbatches * (1 + backward_units), span)
+                 for r in range(stages))
+
+
+def step_seconds(schedule: str, stages: int, microbatches: int, v: int, forward_s: list[float],
+                 backward_s: list[float]) -> float:
+    """The schedule's span when stage st's forward of one micro-batch takes forward_s[st] and its
+    backward backward_s[st]: the same dependency walk as simulate, with these durations."""
+    actions = rank_actions(schedule, stages, microbatches, v)
+    return max(_run(schedule, actions, stages, microbatches, v,
+                    lambda kind, st: forward_s[st] if kind == "F" else backward_s[st]))
+
+
+def _run(schedule: str, actions: dict, stages: int, microbatches: int, v: int, duration) -> list:
+    """Each rank's finish time: stage st runs on rank st mod P, stage st's forward of micro-batch k
+    waits for stage st − 1's, its backward for stage st + 1's (the last stage's for its own forward)."""
     last = stages * v - 1
-    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> finish time
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> finish time
     clock, nxt = [0] * stages, [0] * stages
     while any(nxt[r] < len(actions[r]) for r in range(stages)):
         progressed = False
@@ -85,14 +102,12 @@ def simulate(schedule: str, stages: int, microbatches: int, v: int = 1, backward
                     (("B", st + 1, mb) if st < last else ("F", st, mb))
                 if dep is not None and dep not in done:
                     break
-                clock[r] = done[(kind, st, mb)] = max(clock[r], done.get(dep, 0)) + (1 if kind == "F" else backward_units)
+                clock[r] = done[(kind, st, mb)] = max(clock[r], done.get(dep, 0)) + duration(kind, st)
                 nxt[r] += 1
                 progressed = True
         if not progressed:
             raise UsageError(f"--pp-schedule {schedule} deadlocks at pp={stages}, M={microbatches}")
-    span = max(clock)
-    return tuple(RankOrder(tuple(actions[r]), _in_flight(actions[r]), v * microbatches * (1 + backward_units), span)
-                 for r in range(stages))
+    return clock
 
 
 def _in_flight(actions) -> int:

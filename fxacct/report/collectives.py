@@ -21,6 +21,7 @@ def collectives_json(parallel) -> list[dict]:
 def pipeline_json(pipe) -> dict:
     return {"schedule": pipe.schedule, "microbatches": pipe.microbatches, "bubble_fraction": pipe.bubble_fraction,
             "stages_per_rank": pipe.stages_per_rank,
+            "step_ms": None if pipe.step_s is None else 1e3 * pipe.step_s,
             "stages": [{"stage": s.stage, "stages_on_rank": list(s.stages_on_rank), "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
                         "one_microbatch_peak_bytes": s.profile.memory.peak_train.bytes,
                         "activation_bytes": s.profile.accounting.totals.activation_bytes,

@@ -135,7 +135,23 @@ def _mesh_time(p: Profile, prediction) -> str:
     return text
 
 
+def _pipeline_time(p: Profile, pipe) -> str:
+    """--mesh pp=P with a device model: the whole step, every micro-batch through the schedule."""
+    c, t = p.config, p.accounting.totals
+    where = c.gpu or "this CPU"
+    text = (f"{format_ms(1e3 * pipe.step_s)} predicted on {where}, the whole step: {pipe.microbatches} micro-batches "
+            f"through {len(pipe.stages) * pipe.stages_per_rank} stages ({pipe.schedule}, roofline; sends and the "
+            "collectives inside a stage not on it)")
+    if t.tokens_per_example and pipe.step_s > 0:
+        pipeline_tokens = c.batch * pipe.microbatches * t.tokens_per_example
+        text += f"; {_rate(pipeline_tokens / pipe.step_s)} tokens/s per pipeline"
+    return text
+
+
 def _time_facts(p: Profile, prediction) -> list[tuple[str, str]]:
+    pipe = _pipeline(p)
+    if pipe is not None and pipe.step_s is not None:
+        return [("step time", _pipeline_time(p, pipe))]
     if p.parallel is not None and p.parallel.time is not None:
         return [("step time", _mesh_time(p, prediction))]
     if prediction is None:
