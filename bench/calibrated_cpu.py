@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 import fxacct  # noqa: E402
 from fxacct.predict import calibration  # noqa: E402
-from fxacct.tools import calibrate  # noqa: E402
 from fxacct.runtime import RuntimeOptions, run  # noqa: E402
+from fxacct.tools import calibrate  # noqa: E402
 
 # (target, constructor kwargs, batch): the MLP at its defaults (matmul-bound), the others at the small
 # configs of tests/helpers.py SMALL_EXAMPLES (overhead-bound: many small ops)

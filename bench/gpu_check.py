@@ -30,12 +30,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import fxacct  # noqa: E402
-from fxacct.predict import calibration  # noqa: E402
-from fxacct.tools import calibrate  # noqa: E402
 from fxacct.devices import DEVICES  # noqa: E402
+from fxacct.predict import calibration  # noqa: E402
 from fxacct.predict.roofline import from_gpu, predict_profile  # noqa: E402
 from fxacct.runtime import RuntimeOptions, run  # noqa: E402
 from fxacct.runtime.compare import achieved_flops_per_s, mfu  # noqa: E402
+from fxacct.tools import calibrate  # noqa: E402
 from fxacct.units import GiB  # noqa: E402
 
 SMALL = {

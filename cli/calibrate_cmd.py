@@ -25,8 +25,8 @@ def calibrate_command(device, debug):
     of fxacct.
     """
     from fxacct.predict import calibration
-    from fxacct.tools import calibrate
     from fxacct.report.calibrate_text import render_calibration
+    from fxacct.tools import calibrate
 
     cal = calibrate.calibrate(device, progress=lambda what: click.echo(f"measuring {what}...", err=True))
     path = calibration.save(cal)

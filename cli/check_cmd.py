@@ -10,14 +10,25 @@ import sys
 import click
 
 import fxacct
-from fxacct.tools.budgets import Limits, check_mesh, evaluate, validate
 from fxacct.load.quantities import parse_duration
 from fxacct.report import document
 from fxacct.report.check_text import check_document, render_check
+from fxacct.tools.budgets import Limits, check_mesh, evaluate, validate
 from fxacct_cli.main import cli, examples, write_output
-from fxacct_cli.options import (DEBUG, MFU, OUTPUT, OUTPUT_GROUP, count_or_none, format_option, group,
-                                max_memory_option, mesh_options, model_options, to_config, with_mesh)
-
+from fxacct_cli.options import (
+    DEBUG,
+    MFU,
+    OUTPUT,
+    OUTPUT_GROUP,
+    count_or_none,
+    format_option,
+    group,
+    max_memory_option,
+    mesh_options,
+    model_options,
+    to_config,
+    with_mesh,
+)
 
 BUDGETS = [
     max_memory_option("Per-rank training peak budget, e.g. 80GB, 79.6GiB, 512MiB (GB = 1e9 B, GiB = 2^30 B). "

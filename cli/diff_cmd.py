@@ -8,10 +8,10 @@ import sys
 
 import click
 
-from fxacct.tools.diff import diff
 from fxacct.load.profile_file import read_profile, same_schema
 from fxacct.report.diff_markdown import render_diff_markdown
 from fxacct.report.diff_text import diff_document, render_diff
+from fxacct.tools.diff import diff
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group
 

@@ -8,16 +8,31 @@ import re
 
 import click
 
-from fxacct.tools import estimate
-from fxacct.load.config import Config
 from fxacct.errors import UsageError
+from fxacct.load.config import Config
 from fxacct.load.profile_file import read_profile
 from fxacct.load.quantities import parse_count
 from fxacct.report import estimate_text
+from fxacct.tools import estimate
 from fxacct_cli.main import cli, examples, write_output
-from fxacct_cli.options import (AMP, DEBUG, GPU_HELP, MASTER_WEIGHTS, MFU, OPTIM_ARG, OPTIMIZER, OUTPUT, OUTPUT_GROUP,
-                                SHARD, count_or_none, dtype_or_none, format_option, group, max_memory_option,
-                                world_size_option)
+from fxacct_cli.options import (
+    AMP,
+    DEBUG,
+    GPU_HELP,
+    MASTER_WEIGHTS,
+    MFU,
+    OPTIM_ARG,
+    OPTIMIZER,
+    OUTPUT,
+    OUTPUT_GROUP,
+    SHARD,
+    count_or_none,
+    dtype_or_none,
+    format_option,
+    group,
+    max_memory_option,
+    world_size_option,
+)
 
 FORMAT = format_option("table", "json")
 WORLD_SIZE = world_size_option("--gpus")  # --gpus: the same flag, as the calculators speak of GPUs

@@ -86,12 +86,8 @@ def write_output(text: str, path: str | None) -> None:
     click.echo(f"wrote {path}", err=True)
 
 
-from fxacct_cli import profile_cmd  # noqa: E402,F401  (registers the command)
-from fxacct_cli import check_cmd  # noqa: E402,F401
-from fxacct_cli import diff_cmd  # noqa: E402,F401
-from fxacct_cli import estimate_cmd  # noqa: E402,F401
-from fxacct_cli import calibrate_cmd  # noqa: E402,F401
-from fxacct_cli import plan_cmd  # noqa: E402,F401
+# each command module registers its command on `cli` (defined above, so they come last)
+from fxacct_cli import calibrate_cmd, check_cmd, diff_cmd, estimate_cmd, plan_cmd, profile_cmd  # noqa: E402,F401,I001
 
 
 def main() -> None:

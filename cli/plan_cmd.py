@@ -7,11 +7,25 @@ import json
 import click
 
 from fxacct.errors import UsageError
-from fxacct.tools.plan import check_job, plan
 from fxacct.report.plan_text import plan_json, render_plan
+from fxacct.tools.plan import check_job, plan
 from fxacct_cli.main import cli, examples, write_output
-from fxacct_cli.options import (BATCH, CONFIRM, DEBUG, MESH, MICROBATCHES, OUTPUT, OUTPUT_GROUP, format_option, group,
-                                mesh_options, model_options, terminal_width, to_config, with_mesh)
+from fxacct_cli.options import (
+    BATCH,
+    CONFIRM,
+    DEBUG,
+    MESH,
+    MICROBATCHES,
+    OUTPUT,
+    OUTPUT_GROUP,
+    format_option,
+    group,
+    mesh_options,
+    model_options,
+    terminal_width,
+    to_config,
+    with_mesh,
+)
 
 
 @cli.command("plan", epilog=examples(

@@ -14,8 +14,21 @@ from fxacct.report import document, render
 from fxacct.report.text import render_profile_text
 from fxacct.runtime import RuntimeOptions
 from fxacct_cli.main import cli, examples, write_output
-from fxacct_cli.options import (DEBUG, FORMATS, OUTPUT, OUTPUT_GROUP, RUNTIME_GROUP, file_option, format_option, group,
-                                mesh_options, model_options, terminal_width, to_config, with_mesh)
+from fxacct_cli.options import (
+    DEBUG,
+    FORMATS,
+    OUTPUT,
+    OUTPUT_GROUP,
+    RUNTIME_GROUP,
+    file_option,
+    format_option,
+    group,
+    mesh_options,
+    model_options,
+    terminal_width,
+    to_config,
+    with_mesh,
+)
 
 
 def _default(fn, name: str):
@@ -165,8 +178,8 @@ def _run_runtime(config, options: RuntimeOptions):
 
 def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dict) -> None:
     """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
-    from fxacct.runtime.gloo_run import check_runnable, run_mesh
     from fxacct.report.collectives import ranks_json, render_ranks
+    from fxacct.runtime.gloo_run import check_runnable, run_mesh
 
     check_runnable(config)
     if options.keep_trace:  # the ranks run without torch.profiler: no events to write

@@ -7,9 +7,9 @@ computed on fake tensors before you rent a GPU.
     60
 """
 
-from fxacct.load.config import Config
-from fxacct.errors import FxacctError, ModelError, UsageError
 from fxacct.api import profile, profile_module
+from fxacct.errors import FxacctError, ModelError, UsageError
+from fxacct.load.config import Config
 from fxacct.step import Profile
 from fxacct.units import FLOPS_PER_FMA, GB, GiB
 

@@ -5,11 +5,12 @@ three. No formatting (fxacct.report) and no flags (the CLI)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
+from fxacct.devices import get_device
 from fxacct.errors import ModelError
 from fxacct.heap import with_frozen_heap
 from fxacct.load.config import Config
@@ -21,7 +22,6 @@ from fxacct.memory.account import Fit
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
-from fxacct.devices import get_device
 from fxacct.predict.roofline import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, training_peak
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from fxacct.trace import torch_private as tp
-
-from fxacct.tools.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
-from fxacct.load.config import Config
+from fxacct.api import profile_module
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.api import profile_module
-from fxacct.units import parse_bytes
+from fxacct.load.config import Config
 from fxacct.report.check_text import render_check
+from fxacct.tools.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
+from fxacct.trace import torch_private as tp
+from fxacct.units import parse_bytes
 
 
 def _inputs(inputs) -> tuple[tuple, dict]:

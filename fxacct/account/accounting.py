@@ -13,10 +13,10 @@ import torch.fx as fx
 
 from fxacct.account.annotate import NodeCost
 from fxacct.account.rollup import ancestors, inclusive  # noqa: F401  (ancestors re-exported)
-from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize, tensor_metas
 from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
 from fxacct.load.inputs import describe
+from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize, tensor_metas
 
 
 @dataclass(frozen=True)

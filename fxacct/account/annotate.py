@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxacct.trace import aliasing
 from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
+from fxacct.trace import aliasing
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, RECOMPUTE
 from fxacct.trace.graph_builder import INPUT, OP, NodeTrace, trace_of
 from fxacct.trace.records import TensorMeta, map_nested, tensor_metas

@@ -4,10 +4,10 @@ A fused bias add (addmm, baddbmm, convolution with bias) is 1 FLOP per output el
 so `matmul` stays 2·m·n·p and equals torch.utils.flop_counter's figure.
 """
 
+import torch
+
 from fxacct.costs.registry import Flops, argument, numel, register
 from fxacct.units import FLOPS_PER_FMA
-
-import torch
 
 aten = torch.ops.aten
 

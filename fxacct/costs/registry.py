@@ -11,8 +11,8 @@ output shape(s) as ``out_shape``, and a ``CostContext``; it returns ``Flops``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -31,7 +31,7 @@ class Flops:
     attention: int = 0
     other: int = 0
 
-    def __add__(self, o: "Flops") -> "Flops":
+    def __add__(self, o: Flops) -> Flops:
         return Flops(self.matmul + o.matmul, self.attention + o.attention, self.other + o.other)
 
     @property

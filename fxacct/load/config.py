@@ -8,13 +8,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fxacct.errors import UsageError
-from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.devices import get_device
-from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check
 from fxacct.dtypes import parse_dtype
+from fxacct.errors import UsageError
 from fxacct.load.inputs import InputSpec, parse_input_spec
-from fxacct.load.specs import parse_optim_arg
+from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
+from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
 
 CAUSAL_CONVENTIONS = ("full", "halved")
 AMP_DTYPES = (torch.bfloat16, torch.float16)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from fxacct.account.accounting import Accounting
-from fxacct.trace.capture import Capture
+from fxacct.costs.registry import numel
 from fxacct.dtypes import dtype_name
 from fxacct.memory.peak import Peak
-from fxacct.costs.registry import numel
+from fxacct.trace.capture import Capture
 from fxacct.trace.records import itemsize
 
 
@@ -41,7 +41,7 @@ class Fit:
     max_batch_verified: bool
 
     @classmethod
-    def on(cls, device, peak: int, max_batch: int | None = None, verified: bool = False) -> "Fit":
+    def on(cls, device, peak: int, max_batch: int | None = None, verified: bool = False) -> Fit:
         """``peak`` bytes per rank on ``device`` (fxacct.devices), against the capacity
         its driver reports."""
         capacity = device.capacity_reported

@@ -23,9 +23,9 @@ from fractions import Fraction
 
 import torch
 
-from fxacct.load.config import Config
 from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
+from fxacct.load.config import Config
 from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAMETERS
 from fxacct.memory.sharding import partitioned
 from fxacct.trace.optim_step import OptimizerSpec

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAMETERS
-
 from fxacct.load.specs import SHARDS, check  # noqa: F401  (re-exported)
+from fxacct.memory.peak import GRADIENTS, MASTER_WEIGHTS, OPTIMIZER_STATE, PARAMETERS
 
 
 def partitioned(shard: str, world_size: int) -> dict[str, int]:

@@ -14,9 +14,9 @@ import torch
 
 from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import MeshSpec
-from fxacct.trace import torch_private as tp
-from fxacct.parallel.plans import apply_model_plan
 from fxacct.load.model_spec import call_user, check_call, resolve_function
+from fxacct.parallel.plans import apply_model_plan
+from fxacct.trace import torch_private as tp
 
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
 

@@ -32,13 +32,20 @@ from fxacct.load.model_spec import call_user, check_call, resolve_function
 from fxacct.load.source import load_model
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
-from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.pipeline_collectives import rank_rows
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate, step_seconds
 from fxacct.parallel.pipeline_split import (
-    MODEL_INPUT, StageInput, block_costs, is_function, meta_like, split_points, stage_inputs, stage_module,
+    MODEL_INPUT,
+    StageInput,
+    block_costs,
+    is_function,
+    meta_like,
+    split_points,
+    stage_inputs,
+    stage_module,
 )
+from fxacct.parallel.profile import profile_parallel
 from fxacct.predict.roofline import for_config, predict_profile
 from fxacct.step import OneDevice, account_step
 from fxacct.trace import torch_private as tp

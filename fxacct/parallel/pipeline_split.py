@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from fxacct.errors import UsageError, classify
-from fxacct.trace import torch_private as tp
 from fxacct.parallel.engine import repeated_blocks
+from fxacct.trace import torch_private as tp
 
 
 def is_function(pp_split: str | None) -> bool:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fxacct.errors import classify
-from fxacct.parallel.engine import parallelize
-from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
 from fxacct.memory.peak import lifetimes
 from fxacct.parallel.collectives import alias_waits, mark
+from fxacct.parallel.engine import parallelize
+from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
 from fxacct.parallel.fsdp_storage import StorageResizes, unsave_resized, with_resizes
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
@@ -49,8 +49,7 @@ def own_tensors(model: torch.nn.Module) -> FakeModel:
     """The model's own (already fake) parameters and buffers; tied names share one entry. Call
     inside the mode: tensors kept as plain attributes get fake stand-ins."""
     fake = FakeModel({}, {}, {}, {}, [])
-    for kind, named, groups in (("p", model.named_parameters, fake.param_groups),
-                                ("b", model.named_buffers, fake.buffer_groups)):
+    for named, groups in ((model.named_parameters, fake.param_groups), (model.named_buffers, fake.buffer_groups)):
         for name, t in named(remove_duplicate=False):
             fake.fake_of.setdefault(id(t), t)
             groups.setdefault(id(t), []).append(name)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx as fx
 
+from fxacct.devices import get_device
 from fxacct.parallel.collectives import _OPS, _fn, is_collective
 from fxacct.parallel.links import LINKS, collective_seconds, within_node
-from fxacct.devices import get_device
 from fxacct.predict.roofline import for_config, gpu_key, matmul_dtype, predict
 from fxacct.trace.dispatch_recorder import OPTIMIZER
 

@@ -68,10 +68,10 @@ import torch
 import torch.fx as fx
 
 from fxacct.account.rollup import inclusive
-from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
+from fxacct.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
 from fxacct.load.config import Config
 from fxacct.predict import calibration
-from fxacct.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
+from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
 # what bounds an op; FREE: a view; INIT: creates optimizer state (not in a steady-state step)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fxacct.report.durations import format_ms
 from fxacct.report.tables import tabulate
-
 from fxacct.units import format_bytes
 
 

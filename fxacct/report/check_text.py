@@ -7,7 +7,6 @@ from fractions import Fraction
 
 from fxacct.report.durations import format_ms
 from fxacct.report.tables import tabulate
-
 from fxacct.tools.budgets import Budget, CheckResult
 from fxacct.units import format_bytes, format_count
 

@@ -3,10 +3,9 @@ after, Δ, %) of the totals and of the modules that changed most, for a pull-req
 
 from __future__ import annotations
 
-from fxacct.report.diff_text import _delta, _num, _ratio
+from fxacct.report.diff_text import _delta, _num, _ratio, config_note
 from fxacct.report.markdown import ROOT, pipe_table
 from fxacct.tools.diff import DiffResult
-from fxacct.report.diff_text import config_note
 
 CHANGE_HEADERS = ["before", "after", "Δ", "%"]
 

@@ -3,10 +3,9 @@ the --max-increase budgets; plain text for a CI log, and a JSON document."""
 
 from __future__ import annotations
 
-from fxacct.report.tables import tabulate
-
-from fxacct.tools.diff import Change, DiffResult
 from fxacct.report.check_text import plain_number
+from fxacct.report.tables import tabulate
+from fxacct.tools.diff import Change, DiffResult
 
 DIFF_SCHEMA = "fxacct.diff/1"
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from fxacct.costs.registry import FLOP_CLASSES, Flops
 from fxacct.dtypes import dtype_name
-from fxacct.step import Profile
 from fxacct.report.checkpoint_text import checkpoint_json
-from fxacct.units import FLOPS_PER_FMA
 from fxacct.report.collectives import add_to_document
 from fxacct.report.runtime_json import predicted
 from fxacct.report.runtime_json import runtime as runtime_json
+from fxacct.step import Profile
+from fxacct.units import FLOPS_PER_FMA
 
 SCHEMA = "fxacct.profile/1"
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from fxacct.report.tables import tabulate
-
-from fxacct.report.durations import format_seconds
-from fxacct.tools.estimate import DAYS_PER_MONTH, FlopsEstimate, MaxParams, TrainTime
 from fxacct.report.check_text import plain_number
+from fxacct.report.durations import format_seconds
+from fxacct.report.tables import tabulate
+from fxacct.tools.estimate import DAYS_PER_MONTH, FlopsEstimate, MaxParams, TrainTime
 from fxacct.units import FLOPS_PER_FMA, GB, format_count
 
 ESTIMATE_SCHEMA = "fxacct.estimate/1"

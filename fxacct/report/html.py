@@ -18,8 +18,8 @@ from importlib import resources
 from fxacct.errors import InternalError
 from fxacct.memory.peak import CATEGORIES
 from fxacct.report.document import document
-from fxacct.report.plot import memory_timeline
 from fxacct.report.markdown import totals_rows
+from fxacct.report.plot import memory_timeline
 from fxacct.report.summary_text import facts
 
 _ASSETS = ("report.html", "report.css", "report.js")

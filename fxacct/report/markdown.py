@@ -4,13 +4,13 @@ flavoured pipe tables, numbers right-aligned)."""
 
 from __future__ import annotations
 
-from fxacct.step import Profile
+from fxacct.report.collectives import render_collectives
 from fxacct.report.durations import format_ms
 from fxacct.report.summary_text import exact_bytes, facts
 from fxacct.report.tables import tabulate
 from fxacct.report.text import DEFAULT_DEPTH
+from fxacct.step import Profile
 from fxacct.units import format_bytes
-from fxacct.report.collectives import render_collectives
 
 ROOT = "(root)"  # the root module's name in every table (its FQN is "")
 

@@ -3,12 +3,11 @@ fit on a GPU, checkpoint size, views vs copies."""
 
 from __future__ import annotations
 
-from fxacct.report.tables import tabulate
-
 from fxacct.memory.peak import Peak
+from fxacct.report.summary_text import fit_verdict
+from fxacct.report.tables import tabulate
 from fxacct.step import Profile
 from fxacct.units import format_bytes
-from fxacct.report.summary_text import fit_verdict
 
 ROWS = (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer state", "optimizer_bytes"),
         ("master weights", "master_bytes"), ("activations (saved)", "activation_bytes"))

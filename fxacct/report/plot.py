@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fxacct.errors import UsageError
 from fxacct.memory import sharding
-from fxacct.report.files import atomic_file
 from fxacct.memory.peak import CATEGORIES, PARAMETERS, lifetimes, walk
+from fxacct.report.files import atomic_file
 from fxacct.units import GiB
 
 _PHASE_COLORS = {"forward": "#4c72b0", "loss": "#c44e52", "backward": "#dd8452", "optimizer": "#55a868"}

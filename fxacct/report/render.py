@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 
 from fxacct.errors import UsageError
-from fxacct.report.text import DEFAULT_DEPTH, DEFAULT_TOP
 from fxacct.report.document import document
 from fxacct.report.html import render_html
-from fxacct.report.rows import render_rows
 from fxacct.report.markdown import render_markdown
-from fxacct.report.text import render_profile_text
+from fxacct.report.rows import render_rows
+from fxacct.report.text import DEFAULT_DEPTH, DEFAULT_TOP, render_profile_text
 from fxacct.step import Profile
 
 FORMATS = ("text", "json", "csv", "markdown", "html")

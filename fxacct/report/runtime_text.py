@@ -4,11 +4,10 @@ and per node). Ratios are measured / predicted."""
 
 from __future__ import annotations
 
+from fxacct.predict.roofline import COMPUTE, MEMORY, PHASES, Prediction
 from fxacct.report.durations import format_ms
 from fxacct.report.tables import tabulate
 from fxacct.report.width import fit_table
-
-from fxacct.predict.roofline import COMPUTE, MEMORY, PHASES, Prediction
 from fxacct.runtime.compare import achieved_flops_per_s, mfu
 from fxacct.units import format_bytes, format_count
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import textwrap
 
 from fxacct.dtypes import dtype_name
-from fxacct.step import Profile
 from fxacct.report.durations import format_ms
+from fxacct.step import Profile
 from fxacct.units import format_bytes, format_count
 
 TOP_CATEGORIES = 3  # the peak's biggest parts shown in the summary

@@ -3,20 +3,17 @@ footer of ops fxacct could not cost."""
 
 from __future__ import annotations
 
-from fxacct.report.summary_text import uncosted_ops
-from fxacct.report.tables import tabulate
-from fxacct.report.width import fit_table, wrap_lines
-
 from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
 from fxacct.dtypes import dtype_name
+from fxacct.report.checkpoint_text import checkpoint_section
+from fxacct.report.collectives import render_collectives
+from fxacct.report.memory_text import render_memory
+from fxacct.report.runtime_text import predicted_section, runtime_section
+from fxacct.report.summary_text import render_summary, uncosted_ops
+from fxacct.report.tables import tabulate
+from fxacct.report.width import fit_table, wrap_lines
 from fxacct.step import Profile
 from fxacct.units import format_bytes, format_count
-from fxacct.report.memory_text import render_memory
-from fxacct.report.checkpoint_text import checkpoint_section
-from fxacct.report.runtime_text import predicted_section, runtime_section
-from fxacct.report.summary_text import render_summary
-from fxacct.report.collectives import render_collectives
-
 
 DEFAULT_DEPTH = 2  # module nesting shown by the text and markdown tables (--depth)
 DEFAULT_TOP = 10  # nodes listed by the text table (--top)

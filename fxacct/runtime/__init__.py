@@ -16,8 +16,8 @@ and nodes), transfer (host-to-device copy of a batch), compare (predicted vs mea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fxacct import api
 from fxacct.load.config import Config

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fxacct.predict.roofline import DeviceModel, Prediction, for_local
-from fxacct.runtime.run import Measured
 from fxacct.devices import DEVICES
-from fxacct.predict.roofline import from_gpu
+from fxacct.predict.roofline import DeviceModel, Prediction, for_local, from_gpu
+from fxacct.runtime.run import Measured
 
 
 @dataclass(frozen=True)

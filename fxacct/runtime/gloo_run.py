@@ -23,17 +23,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
-from fxacct.trace import torch_private as tp
-from fxacct.parallel.pipeline import resolve_points
-from fxacct.parallel.pipeline_schedule import per_rank
+from fxacct.load.mesh import without_pp
 from fxacct.parallel.engine import device_mesh, parallelize
+from fxacct.parallel.pipeline import _split, resolve_points
+from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
+from fxacct.parallel.pipeline_split import is_function
 from fxacct.runtime.run import build_model, make_inputs
 from fxacct.runtime.storage_tracker import StorageTracker
+from fxacct.trace import torch_private as tp
 from fxacct.trace.loss import training_loss
-from fxacct.load.mesh import without_pp
-from fxacct.parallel.pipeline import _split
-from fxacct.parallel.pipeline_schedule import schedule_class
-from fxacct.parallel.pipeline_split import is_function
 
 MAX_RANKS = 8
 

@@ -53,7 +53,7 @@ class Progress:
             self.stream.flush()
             self.drawn = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -38,25 +38,24 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
-from fxacct.trace import torch_private as tp
 from torch.autograd.profiler import record_function
 
-from fxacct.trace.loss import LossSpec, target_spec, training_loss
-from fxacct.load import source as sources
-from fxacct.load.hf import is_causal_lm
-from fxacct.trace.module_hooks import global_module_hooks
-from fxacct.load.config import Config
 from fxacct.errors import FxacctError, ModelError, classify, first_line
-from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
-from fxacct.runtime.transfer import Transfer, measure_transfer
-from fxacct.runtime.storage_tracker import StorageTracker
-from fxacct.trace.checkpointing import wrap
+from fxacct.load import source as sources
+from fxacct.load.config import Config
+from fxacct.load.hf import is_causal_lm
 from fxacct.predict.calibration import cpu_name
+from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
+from fxacct.runtime.storage_tracker import StorageTracker
+from fxacct.runtime.transfer import Transfer, measure_transfer
+from fxacct.trace import torch_private as tp
+from fxacct.trace.checkpointing import wrap
+from fxacct.trace.loss import LossSpec, target_spec, training_loss
+from fxacct.trace.module_hooks import global_module_hooks
 
 SEED = 0
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from fxacct.predict.calibration import check_device
-from fxacct.load.config import Config
 from fxacct.errors import ModelError, UsageError
+from fxacct.load.config import Config
+from fxacct.predict.calibration import check_device
 from fxacct.predict.roofline import gpu_key
 from fxacct.units import format_bytes
 

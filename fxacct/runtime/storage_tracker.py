@@ -56,9 +56,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from fxacct.trace.torch_private import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 from fxacct.trace.loss import training_loss
+from fxacct.trace.torch_private import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 aten = torch.ops.aten
 

@@ -22,9 +22,9 @@ import torch
 from fxacct.devices import get_device
 from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
-from fxacct.step import Profile
 from fxacct.load.mesh import MeshSpec
 from fxacct.load.quantities import DEFAULT_MFU, check_mfu
+from fxacct.step import Profile
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 

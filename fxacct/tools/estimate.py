@@ -17,12 +17,12 @@ from fractions import Fraction
 
 import torch
 
-from fxacct.load.config import Config
 from fxacct.devices import get_device
 from fxacct.dtypes import dtype_name, parse_dtype
 from fxacct.errors import UsageError
-from fxacct.memory.per_param import BytesPerParam, bytes_per_param
+from fxacct.load.config import Config
 from fxacct.load.quantities import check_mfu
+from fxacct.memory.per_param import BytesPerParam, bytes_per_param
 from fxacct.units import FLOPS_PER_FMA
 
 SECONDS_PER_DAY = 24 * 60 * 60  # 86,400 s

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.utils.benchmark as benchmark
@@ -322,8 +322,8 @@ def attention(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
         out, lse = fwd(q, k, v, 0.0, True)[:2]
         grad = torch.randn_like(out)
         work = length * length  # FLOPs ∝ T² (fit_latency's intercept does not depend on the scale)
-        for op, call in ((fwd, lambda: fwd(q, k, v, 0.0, True)),
-                         (bwd, lambda: bwd(grad, q, k, v, out, lse, 0.0, True))):
+        for op, call in ((fwd, lambda q=q, k=k, v=v: fwd(q, k, v, 0.0, True)),
+                         (bwd, lambda q=q, k=k, v=v, g=grad, o=out, s=lse: bwd(g, q, k, v, o, s, 0.0, True))):
             t = stable(timer, call, budget_s)
             points[str(op)].append((work, t.seconds, t.stable))
             spreads.append(t.spread)

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fxacct.api import profile
+from fxacct.devices import get_device
 from fxacct.errors import FxacctError, UsageError
 from fxacct.heap import with_frozen_heap
+from fxacct.parallel.profile import profile_parallel
 from fxacct.tools.plan_layouts import Layout, enumerate_layouts, exact_rejection, model_facts
 from fxacct.tools.plan_screen import SCREEN_BLOCKS, Point, point, screen
 from fxacct.units import format_bytes
-from fxacct.devices import get_device
-from fxacct.parallel.profile import profile_parallel
-from fxacct.api import profile
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxacct.errors import UsageError
-from fxacct.units import format_bytes
-from fxacct.tools.plan_screen import block_container
+from fxacct.load.mesh import MeshSpec
 from fxacct.load.source import load_model
 from fxacct.parallel.engine import check_heads
-from fxacct.load.mesh import MeshSpec
+from fxacct.tools.plan_screen import block_container
+from fxacct.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
 from fxacct.load.source import load_model
 from fxacct.parallel.engine import block_containers
 

@@ -11,10 +11,9 @@
   cat, clone, _to_copy...), `compute`.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import torch
-
 
 aten = torch.ops.aten
 
@@ -30,7 +29,7 @@ VIEW, COPY, COMPUTE, INPLACE, CREATION, INPUT = "view", "copy", "compute", "inpl
 KINDS = (INPUT, VIEW, COPY, COMPUTE, INPLACE, CREATION)
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema_kind(op) -> str | None:
     """`inplace` or `view` from the alias annotations, else None (the op allocates)."""
     schema = getattr(op, "_schema", None)

@@ -34,24 +34,38 @@ import torch
 import torch.fx as fx
 
 from fxacct.errors import FxacctError, ModelError, classify, describe_exception
+from fxacct.load.specs import OptimizerSpec
 from fxacct.trace import torch_private as tp
+from fxacct.trace.checkpointing import checkpointed
 from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases)
-    BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, SavedTracker, module_tracking,
+    BACKWARD,
+    FORWARD,
+    LOSS,
+    OPTIMIZER,
+    AttentionScope,
+    Recorder,
+    SavedTracker,
+    module_tracking,
 )
 from fxacct.trace.fake_mode import FakeTensorMode
 from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
-from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
+from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
-from fxacct.load.specs import OptimizerSpec
 from fxacct.trace.optim_step import step_once
 from fxacct.trace.records import (  # noqa: F401  (re-exported)
-    TAG, Ref, Slot, StateTensor, Storages, TensorMeta, itemsize, tensor_metas,
+    TAG,
+    Ref,
+    Slot,
+    StateTensor,
+    Storages,
+    TensorMeta,
+    itemsize,
+    tensor_metas,
 )
 from fxacct.trace.replay import BlockReplay, find_runs
 from fxacct.trace.replay_train import TrainReplay
 from fxacct.trace.targets import CudaRules
-from fxacct.trace.checkpointing import checkpointed
 
 
 class PreparedModel(Protocol):

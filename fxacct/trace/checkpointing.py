@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 import importlib.util
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 

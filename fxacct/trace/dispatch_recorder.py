@@ -14,8 +14,17 @@ from fxacct.errors import acts_for_torch, passes_through
 from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.trace.records import (
-    NO_NUMBERS, TAG, OpRecord, Ref, Slot, Storages, TensorMeta, TookSequenceNumbers, UnderAutogradNode,
-    itemsize, map_nested,
+    NO_NUMBERS,
+    TAG,
+    OpRecord,
+    Ref,
+    Slot,
+    Storages,
+    TensorMeta,
+    TookSequenceNumbers,
+    UnderAutogradNode,
+    itemsize,
+    map_nested,
 )
 
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"

@@ -16,7 +16,14 @@ import torch.fx as fx
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.records import (
-    DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers, UnderAutogradNode, map_nested,
+    DerivedFromRecord,
+    OpRecord,
+    Ref,
+    Slot,
+    TensorMeta,
+    TookSequenceNumbers,
+    UnderAutogradNode,
+    map_nested,
 )
 
 # what a node stands for

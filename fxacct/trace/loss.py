@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from fxacct.errors import ModelError, UsageError
-from fxacct.trace import torch_private as tp
-
 from fxacct.load.specs import CROSS_ENTROPY, LOSSES, MODEL, MSE, SUM, LossSpec  # noqa: F401  (re-exported)
+from fxacct.trace import torch_private as tp
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, Hugging Face's label padding
 

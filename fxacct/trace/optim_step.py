@@ -5,11 +5,9 @@ it once, so the state it allocates is exact for any optimizer and option, `step`
 
 from __future__ import annotations
 
-
 import torch
 
 from fxacct.errors import UsageError, describe_exception
-
 from fxacct.load.specs import NONE, OPTIMIZERS, OptimizerSpec, parse_optim_arg  # noqa: F401  (re-exported)
 
 STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped

@@ -8,10 +8,19 @@ import contextlib
 from dataclasses import dataclass, replace
 
 from fxacct.trace.dispatch_recorder import BACKWARD
-from fxacct.trace.records import comparable as comparable_args
 from fxacct.trace.records import (
-    NO_NUMBERS, TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, UnderAutogradNode, iter_nested, map_nested,
+    NO_NUMBERS,
+    TAG,
+    DerivedFromRecord,
+    OpRecord,
+    Ref,
+    Slot,
+    TensorMeta,
+    UnderAutogradNode,
+    iter_nested,
+    map_nested,
 )
+from fxacct.trace.records import comparable as comparable_args
 from fxacct.trace.replay import _relative
 
 

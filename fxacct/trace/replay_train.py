@@ -41,11 +41,25 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
 from fxacct.trace.known_values import VALUE, known
 from fxacct.trace.records import (
-    TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers,
+    TAG,
+    DerivedFromRecord,
+    OpRecord,
+    Ref,
+    Slot,
+    TensorMeta,
+    TookSequenceNumbers,
 )
 from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
 from fxacct.trace.replay_template import (
-    Template, comparable, find_meta, last_uses, lingering, map_to_block, norm_refs, tags_kept, tagged,
+    Template,
+    comparable,
+    find_meta,
+    last_uses,
+    lingering,
+    map_to_block,
+    norm_refs,
+    tagged,
+    tags_kept,
     to_template_space,
 )
 
@@ -330,7 +344,7 @@ class _ReplayFn(torch.autograd.Function):
         # the engine frees an incoming gradient once the block's last op that reads it has run;
         # here the engine holds it until this function returns, so its death is set from the
         # template (the probe held its own incoming gradients to the end)
-        for j, g in enumerate(gouts):
+        for j in range(len(gouts)):
             last = template.gout_last_use.get(j)
             if last is not None:
                 sid = stores[Slot("gout", j)]

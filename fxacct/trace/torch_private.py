@@ -314,8 +314,7 @@ def comm_debug_collectives() -> frozenset:
     """The op packets torch's CommDebugMode counts as collectives: its functional-collective
     registry and c10d's collectives (torch/distributed/tensor/debug/_comm_mode.py,
     ``CommDebugMode.comm_registry`` and ``c10d_collective_ops``)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.debug import _comm_mode
+    from torch.distributed.tensor.debug import CommDebugMode, _comm_mode
 
     c10d = _require(_comm_mode, "c10d_collective_ops", "torch.distributed.tensor.debug._comm_mode")
     return frozenset(CommDebugMode().comm_registry) | frozenset(c10d)
