@@ -22,8 +22,9 @@ by the traceback, innermost frame first:
 - ``@acts_for_torch`` marks fxacct code that does torch's own job where torch calls it (the
   saved-tensor hook that makes autograd's in-place check): its frames count as torch's.
 - An exception raised in an fxacct frame that torch called back (a hook, a replacement of a torch
-  function), or whose innermost frame outside torch is fxacct's, is fxacct's even though torch made
-  the call from inside the model's forward. One such call leaves no frame of fxacct's at all: torch
+  function), or whose innermost frame outside torch is fxacct's (no module's forward in between),
+  is fxacct's even though torch made the call from inside the model's forward: the walk never gets
+  past that frame to the model's. One such call leaves no frame of fxacct's at all: torch
   calling a function fxacct handed it (``called_by_torch``) with arguments that do not fit its
   signature, a TypeError raised at torch's call site (a release that changed the call, as torch
   2.15 added a keyword to FSDP2's copy-out); its message names the function, and it is fxacct's.
