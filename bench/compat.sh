@@ -76,7 +76,7 @@ for release in $RELEASES; do
     fi
     [ $install_only = 1 ] && continue
     # fxacct's package and its CLI import on this release, or the row says why not
-    if ! why=$(cd "$ROOT" && "$venv/bin/python" -c "import fxacct.api, fxacct_cli.main" 2>&1); then
+    if ! why=$(cd "$ROOT" && "$venv/bin/python" -c "import fxacct, fxacct_cli.main" 2>&1); then
         echo "| $release | fxacct does not import: $(echo "$why" | tail -n 1 | tr '|' '/') | - | - | - | - | - | - |" \
             >>"$tmp"
         continue
