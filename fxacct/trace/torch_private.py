@@ -18,7 +18,7 @@ def _require(owner, name: str, where: str):
     if fn is None:
         raise FxacctError(
             f"this torch ({torch.__version__}) has no {where}.{name}, which fxacct needs; "
-            "install a torch release fxacct supports (torch>=2.4)"
+            "install a torch release fxacct supports (torch>=2.13,<=2.14.1, docs/compat.md)"
         )
     return fn
 
