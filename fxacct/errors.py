@@ -21,6 +21,13 @@ by the traceback, innermost frame first:
   ``nn.Sequential``, an ``nn.Linear`` given the wrong shape) and the error is still the model's.
 - ``@acts_for_torch`` marks fxacct code that does torch's own job where torch calls it (the
   saved-tensor hook that makes autograd's in-place check): its frames count as torch's.
+- An exception raised in an fxacct frame that torch called back (a hook, a replacement of a torch
+  function), or whose innermost frame outside torch is fxacct's (no module's forward in between),
+  is fxacct's even though torch made the call from inside the model's forward: the walk never gets
+  past that frame to the model's. One such call leaves no frame of fxacct's at all: torch
+  calling a function fxacct handed it (``called_by_torch``) with arguments that do not fit its
+  signature, a TypeError raised at torch's call site (a release that changed the call, as torch
+  2.15 added a keyword to FSDP2's copy-out); its message names the function, and it is fxacct's.
 """
 
 from __future__ import annotations
@@ -92,6 +99,33 @@ def acts_for_torch(fn):
     return fn
 
 
+_CALLED_BY_TORCH: set[str] = set()  # qualified names
+
+
+def called_by_torch(fn):
+    """Mark ``fn`` as handed to torch for torch to call (a hook, a torch function's replacement):
+    torch calling it with arguments its signature refuses is fxacct's bug, never the model's.
+    Returns ``fn``; call it where fxacct registers the function, or use it as a decorator."""
+    _CALLED_BY_TORCH.add(fn.__qualname__)
+    return fn
+
+
+# CPython's messages for a call whose arguments do not bind (Python/ceval.c, "%U() takes %d
+# positional argument%s but %d %s given", "... missing %d required ... argument", "... got an
+# unexpected keyword argument", "... got multiple values for argument"); since Python 3.10 %U is the
+# function's qualified name
+_REFUSED_CALL = re.compile(r"(\S+)\(\) (?:takes |missing \d+ required |got an unexpected keyword argument |"
+                           r"got multiple values for argument |got some positional-only arguments )")
+
+
+def _refused_call_of_fxacct(e: BaseException | None) -> bool:
+    """Whether ``e`` is torch's call of a ``called_by_torch`` function failing to bind."""
+    if not isinstance(e, TypeError):
+        return False
+    match = _REFUSED_CALL.match(str(e))
+    return match is not None and match.group(1) in _CALLED_BY_TORCH
+
+
 # -- where a frame's code lives -------------------------------------------------------------------
 
 USER, FXACCT, TORCH, STDLIB = "user", "fxacct", "torch", "stdlib"
@@ -144,10 +178,11 @@ def _is_module_forward(frame) -> bool:
 _FORWARDED = re.compile(r"\bfunc\(")  # the forwarded call's line in a passes_through function
 
 
-def _blame(frames: list) -> tuple[str, object]:
-    """(USER or FXACCT, the frame to name or None) for an exception with these frames, outermost first."""
-    if not frames:
-        return FXACCT, None
+def _blame(frames: list, e: BaseException | None = None) -> tuple[str, object]:
+    """(USER or FXACCT, the frame to name or None) for an exception ``e`` with these frames,
+    outermost first."""
+    if not frames or _refused_call_of_fxacct(e):
+        return FXACCT, frames[-1] if frames else None  # the call site that passed what fxacct refused
     kinds = [TORCH if f.code in _AS_TORCH else frame_kind(f.filename) for f in frames]
     if kinds[-1] == FXACCT and frames[-1].code in _PASS_THROUGH and _FORWARDED.search(frames[-1].line):
         kinds[-1] = TORCH  # the call it forwarded raised in torch's C++ (a conv given a long tensor)
@@ -252,13 +287,13 @@ def _what(e: BaseException) -> str:
 def describe_exception(e: BaseException) -> str:
     """'ValueError: bad width (at model.py:12: raise ValueError(...))': the exception's first line
     and the frame it is blamed on (see ``classify``)."""
-    _, frame = _blame(_frames(e))
+    _, frame = _blame(_frames(e), e)
     return _what(e) + (f" (at {where(frame)})" if frame is not None else "")
 
 
 def internal_error(e: BaseException, doing: str | None = None) -> InternalError:
     """The one-line InternalError for an exception fxacct's own code raised."""
-    _, frame = _blame(_frames(e))
+    _, frame = _blame(_frames(e), e)
     at = f" (at {where(frame)})" if frame is not None else ""
     during = f" during {doing}" if doing else ""
     return InternalError(f"internal error {_what(e)}{at}{during}; {INTERNAL_HINT}")
@@ -269,12 +304,13 @@ def classify(e: BaseException, doing: str) -> FxacctError:
     fxacct ran ``doing``: "the model's forward", "GPT(n_embd=30)". Raise it ``from e``."""
     if isinstance(e, FxacctError):
         return e
-    kind, frame = _blame(_frames(e))
+    kind, frame = _blame(_frames(e), e)
     if kind == FXACCT:
         return internal_error(e, doing)
     at = f" (at {where(frame)})" if frame is not None else ""
     return ModelError(f"{doing} raised {_what(e)}{at}; {USER_FRAMES_HINT}")
 
 
-__all__ = ["FxacctError", "UsageError", "ModelError", "InternalError", "passes_through", "calls_user_code", "acts_for_torch", "classify",
+__all__ = ["FxacctError", "UsageError", "ModelError", "InternalError", "passes_through", "calls_user_code", "acts_for_torch",
+           "called_by_torch", "classify",
            "describe_exception", "internal_error", "first_line", "frame_kind", "USER_FRAMES_HINT"]

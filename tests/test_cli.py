@@ -720,6 +720,33 @@ def test_a_bug_in_fxacct_during_the_trace_is_an_internal_error(monkeypatch):
     assert "raised" not in line, line
 
 
+def test_torch_calling_an_fxacct_hook_wrongly_inside_the_forward_is_an_internal_error(tmp_path, monkeypatch):
+    # A torch release that calls one of fxacct's callbacks with other arguments (as torch 2.15 calls
+    # FSDP2's copy-out with all_gather_output_fn=) raises a TypeError at torch's call site, with no
+    # fxacct frame, from inside the model's forward. Here torch calls fxacct's global forward hook
+    # with the module's kwargs as well (with_kwargs=True: hook(module, args, kwargs, output)); the
+    # model is fine, so it is exit 4 naming fxacct's hook, never "the model's forward raised" (3).
+    import torch
+
+    model = tmp_path / "nested.py"
+    model.write_text("import torch\nfrom torch import nn\n\n"
+                     "class Nested(nn.Module):\n"
+                     "    def __init__(self):\n"
+                     "        super().__init__()\n"
+                     "        self.inner = nn.Linear(3, 2)\n\n"
+                     "    def forward(self, x):\n"
+                     "        return self.inner(x).relu()\n\n"
+                     "    def example_inputs(self, batch):\n"
+                     "        return (torch.randn(batch, 3),)\n")
+    assert invoke("profile", f"{model}:Nested").exit_code == 0  # the model itself profiles cleanly
+    register = torch.nn.modules.module.register_module_forward_hook
+    monkeypatch.setattr(torch.nn.modules.module, "register_module_forward_hook",
+                        lambda hook, **kw: register(hook, **{**kw, "with_kwargs": True}))
+    line = assert_one_line_error(invoke("profile", f"{model}:Nested"), 4, "internal error", "TypeError",
+                                 "post() takes 3 positional arguments but 4 were given", "torch/nn/modules/module.py")
+    assert "the model's forward raised" not in line and "nested.py" not in line, line
+
+
 def test_a_bug_in_a_cost_formula_is_an_internal_error(monkeypatch):
     from fxacct.account import annotate
     from fxacct.costs.registry import OpInfo

@@ -79,3 +79,56 @@ def test_reduce_op_type_reads_a_boxed_reduce_op():
         dist.destroy_process_group()
     assert [tp.reduce_op_type(op) for _, op in seen] == [int(dist.ReduceOp.SUM), int(dist.ReduceOp.MAX)] == [0, 4]
     assert [tp.reduce_op_type(group) for group, _ in seen] == [None, None]  # another ScriptObject
+
+
+def test_replaced_binds_what_torch_passes_by_name():
+    """A replaced function sees torch's call by the original's parameter names, however torch
+    passed them, and runs the original as called: torch 2.15 calls FSDP2's copy-out with a keyword
+    (all_gather_output_fn) 2.13's does not have."""
+    from types import SimpleNamespace
+
+    def default_fn(x):
+        return x + 1
+
+    def copy_out(result, params, group, *, output_fn=default_fn):
+        return output_fn(result) * 10 + params - group
+
+    owner = SimpleNamespace(copy_out=copy_out)
+    calls = []
+
+    def replacement(call):
+        calls.append((call.get("result"), call.get("params"), call.get("group"), call.get("output_fn"),
+                      call.get("absent"), call.at_defaults_except(("result", "params", "group"))))
+        return call.run()
+
+    with tp.replaced(owner, "copy_out", replacement, "owner"):
+        assert owner.copy_out(1, 2, group=3) == (1 + 1) * 10 + 2 - 3
+        assert owner.copy_out(1, 2, 3, output_fn=default_fn) == 19  # the default, passed explicitly
+        assert owner.copy_out(1, params=2, group=3, output_fn=lambda x: x) == 1 * 10 + 2 - 3
+    assert owner.copy_out is copy_out  # restored
+    assert [c[:3] for c in calls] == [(1, 2, 3)] * 3
+    assert [c[3] for c in calls[:2]] == [None, default_fn]  # not passed: absent from the call
+    assert [c[4] for c in calls] == [None] * 3
+    assert [c[5] for c in calls] == [True, True, False]  # another output_fn: not what the default does
+
+
+def test_reduce_scatter_copy_in_is_the_op_fsdp_calls():
+    """fsdp_reduce_scatter_copy_ins names the op FSDP2's reduce-scatter copy-in runs on this release
+    (fsdp.chunk_cat before 2.15, fsdp.chunk_cat_mixed_dtype from 2.15): seen by a dispatch mode."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    grads, out = [torch.ones(4, 3), torch.full((2, 3), 2.0)], torch.empty(18)
+    with Ops():
+        _fsdp_collectives.foreach_reduce_scatter_copy_in(grads, out, 2)
+    fsdp_ops = [op for op in seen if op.namespace == "fsdp"]
+    assert len(fsdp_ops) == 1 and fsdp_ops[0] in tp.fsdp_reduce_scatter_copy_ins(), seen
+    # chunk i of every gradient, one after another: [g0 rows 0-1, g1 row 0, g0 rows 2-3, g1 row 1]
+    assert out.tolist() == [1.0] * 6 + [2.0] * 3 + [1.0] * 6 + [2.0] * 3

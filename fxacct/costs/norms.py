@@ -104,7 +104,10 @@ def batch_norm_flops(x_shape, weight, bias, training, running_stats: bool) -> in
         # running_mean·(1-m) + m·mean (3C); running_var·(1-m) + m·var·n/(n-1) (4C)
         stats += 7 * c if running_stats else 0
     else:
-        stats = 4 * c  # invstd = 1 / sqrt(running_var + eps): add, sqrt, reciprocal, · 1
+        # invstd = rsqrt(running_var + eps): add, rsqrt (C each), as in training and the backward.
+        # torch's decomposition wrote 1 / sqrt(...) up to 2.14 (sqrt, reciprocal and a · 1 from the
+        # scalar division: 2C more, none of it work a kernel does); 2.15 writes rsqrt
+        stats = 2 * c
     return stats + 2 * n + _affine(n, weight, bias)  # (x - mean) · invstd (n each), affine
 
 

@@ -19,6 +19,7 @@ import torch.distributed.fsdp  # noqa: F401  (defines the torch.ops.fsdp copy op
 import torch.fx as fx
 
 from fxacct.costs.registry import register_zero
+from fxacct.trace import torch_private as tp
 from fxacct.trace.records import TensorMeta, tensor_metas
 
 COLLECTIVE = "collective"
@@ -46,7 +47,7 @@ register_zero(*_OPS)  # no arithmetic (a reduction's adds are not model FLOPs); 
 # FSDP2's copies into and out of its all-gather and reduce-scatter buffers (torch/distributed/fsdp/
 # _fully_shard/_fsdp_collectives.py): bytes moved, no FLOPs
 register_zero(torch.ops.fsdp.all_gather_copy_in.default, torch.ops.fsdp.split_with_sizes_copy.default,
-              torch.ops.fsdp.chunk_cat.default, movement=True)
+              *tp.fsdp_reduce_scatter_copy_ins(), movement=True)
 
 
 @dataclass(frozen=True)

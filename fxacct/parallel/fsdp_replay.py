@@ -69,24 +69,31 @@ class GatherReplay:
 
     # -- the two functions ---------------------------------------------------------------------
 
-    def _all_gather(self, original, fsdp_params, group, async_op, copy_in_stream, stream, device, comm):
-        key = None if async_op else _gather_key(fsdp_params, group, comm)
+    def _all_gather(self, call):
+        """FSDP2's foreach_all_gather, as ``call`` (fxacct.trace.torch_private.TorchCall) made it."""
+        fsdp_params, group, comm = call.get("fsdp_params"), call.get("group"), call.get("all_gather_comm")
+        replayable = call.get("async_op") is False and call.at_defaults_except(tp.FSDP_GATHER_ARGS)
+        key = _gather_key(fsdp_params, group, comm) if replayable else None
         roles = {Slot("shard", j): tp.fsdp_param_shard(p) for j, p in enumerate(fsdp_params)} if key else {}
         if key is not None and key in self.proven and self._recording():
             template = self.seen[key]
             ref, born, (cls, shape, dtype, fields) = template.result
-            stream.wait_stream(copy_in_stream)
+            stream = call.get("all_gather_stream")
+            stream.wait_stream(call.get("all_gather_copy_in_stream"))
             with self.recorder.suppressed():
-                buffer = torch.empty(shape, dtype=dtype, device=device)
+                buffer = torch.empty(shape, dtype=dtype, device=call.get("device"))
             base = self._emit(template, roles, {born: buffer})
             self.recorder.tag(buffer, _mapped(ref, base))
             return cls(all_gather_output=buffer, all_gather_event=stream.record_event(), all_gather_work=None,
                        **fields)
-        return self._traced(key, roles, lambda: original(fsdp_params, group, async_op, copy_in_stream, stream,
-                                                         device, comm), returns_buffer=True)
+        return self._traced(key, roles, call.run, returns_buffer=True)
 
-    def _copy_out(self, original, result, fsdp_params, group):
-        key = _copy_out_key(result, fsdp_params, group)
+    def _copy_out(self, call):
+        """FSDP2's foreach_all_gather_copy_out, as ``call`` made it. A copy-out given anything else
+        than what it takes by default (torch 2.15's ``all_gather_output_fn`` set to another
+        function than FSDP2's own) runs as it is, traced, never replayed."""
+        result, fsdp_params, group = call.get("all_gather_result"), call.get("fsdp_params"), call.get("group")
+        key = _copy_out_key(result, fsdp_params, group) if call.at_defaults_except(tp.FSDP_COPY_OUT_ARGS) else None
         roles = {}
         if key is not None:
             roles = {Slot("gathered", j): p.all_gather_outputs[0] for j, p in enumerate(fsdp_params)}
@@ -96,7 +103,7 @@ class GatherReplay:
                 p.alloc_all_gather_outputs()
             self._emit(self.seen[key], roles, {})
             return None
-        return self._traced(key, roles, lambda: original(result, fsdp_params, group), returns_buffer=False,
+        return self._traced(key, roles, call.run, returns_buffer=False,
                             resized=[roles[Slot("gathered", j)] for j in range(len(fsdp_params))] if key else ())
 
     # -- tracing a call and learning its template ----------------------------------------------

@@ -5,9 +5,12 @@ message naming the API instead of mis-counting later. tests/test_torch_private.p
 behaviour each one must have.
 """
 
+import contextlib
+import inspect
+
 import torch
 
-from fxacct.errors import FxacctError
+from fxacct.errors import FxacctError, called_by_torch
 
 
 def _require(owner, name: str, where: str):
@@ -15,7 +18,7 @@ def _require(owner, name: str, where: str):
     if fn is None:
         raise FxacctError(
             f"this torch ({torch.__version__}) has no {where}.{name}, which fxacct needs; "
-            "install a torch release fxacct supports (torch>=2.4)"
+            "install a torch release fxacct supports (torch>=2.13,<=2.14.1, docs/compat.md)"
         )
     return fn
 
@@ -191,6 +194,7 @@ def shared_mesh_concatenation():
     original = _require(cls, "_concatenate", "DeviceMesh")
     made: dict[tuple, tuple] = {}
 
+    @called_by_torch
     def concatenate(device_mesh_list):
         key = tuple(map(id, device_mesh_list))
         if key not in made:  # the meshes are kept with the result, so their ids stay theirs
@@ -215,10 +219,12 @@ def fsdp_storage_resizes(on_resize):
     free = _require(_fsdp_param, "free_storage", "torch.distributed.fsdp._fully_shard._fsdp_param")
     alloc = _require(_fsdp_param, "alloc_storage", "torch.distributed.fsdp._fully_shard._fsdp_param")
 
+    @called_by_torch
     def free_storage(tensor):
         free(tensor)
         on_resize(tensor, False)
 
+    @called_by_torch
     def alloc_storage(tensor):
         alloc(tensor)
         on_resize(tensor, True)
@@ -231,27 +237,95 @@ def fsdp_storage_resizes(on_resize):
         _fsdp_param.free_storage, _fsdp_param.alloc_storage, _fsdp_param_group.alloc_storage = free, alloc, alloc
 
 
-@__import__("contextlib").contextmanager
-def fsdp_gathers_patched(all_gather, copy_out):
-    """FSDP2's parameter groups call ``foreach_all_gather(fsdp_params, group, async_op,
-    copy_in_stream, stream, device, comm)`` to gather a group's shards and
-    ``foreach_all_gather_copy_out(result, fsdp_params, group)`` to copy them into the unsharded
-    parameters (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``unshard`` and
-    ``wait_for_unshard``). Inside this context they call ``all_gather(original, *args)`` and
-    ``copy_out(original, *args)`` instead."""
-    import functools
+class TorchCall:
+    """One call torch made to a function of its own that fxacct replaced (``replaced``): the
+    arguments bound to the replaced function's signature, by parameter name, whatever this release
+    passes (torch 2.15 added a keyword to FSDP2's copy-out that 2.13 does not have)."""
 
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    def __init__(self, original, signature: "inspect.Signature", args: tuple, kwargs: dict):
+        self.original, self.args, self.kwargs = original, args, kwargs
+        self.arguments = signature.bind(*args, **kwargs).arguments
+        self.parameters = signature.parameters
 
-    gather = _require(group_module, "foreach_all_gather", "torch.distributed.fsdp._fully_shard._fsdp_param_group")
-    copy = _require(group_module, "foreach_all_gather_copy_out",
-                    "torch.distributed.fsdp._fully_shard._fsdp_param_group")
-    group_module.foreach_all_gather = functools.partial(all_gather, gather)
-    group_module.foreach_all_gather_copy_out = functools.partial(copy_out, copy)
+    def get(self, name: str, default=None):
+        return self.arguments.get(name, default)
+
+    def at_defaults_except(self, names) -> bool:
+        """Whether every argument other than ``names`` has the value the replaced function would
+        take without it (its default): only then does a replacement that knows ``names`` alone
+        do what the original would."""
+        return all(name in names or _is_default(value, self.parameters[name].default)
+                   for name, value in self.arguments.items())
+
+    def run(self):
+        """The replaced function, called exactly as torch called it."""
+        return self.original(*self.args, **self.kwargs)
+
+
+def _is_default(value, default) -> bool:
+    if value is default:
+        return True
+    plain = (type(None), bool, int, float, str)
+    return isinstance(value, plain) and isinstance(default, plain) and value == default
+
+
+@contextlib.contextmanager
+def replaced(owner, name: str, replacement, where: str):
+    """Inside this context ``owner.name`` (a function of torch's that torch itself calls) runs
+    ``replacement(TorchCall)`` instead. The replacement never sees torch's arguments positionally,
+    so a release that adds or reorders arguments reaches it by name; the call itself lands in a
+    frame of fxacct's, so an exception there is fxacct's (fxacct.errors)."""
+    original = _require(owner, name, where)
+    signature = inspect.signature(original)
+
+    def called(*args, **kwargs):
+        return replacement(TorchCall(original, signature, args, kwargs))
+
+    setattr(owner, name, called)
     try:
         yield
     finally:
-        group_module.foreach_all_gather, group_module.foreach_all_gather_copy_out = gather, copy
+        setattr(owner, name, original)
+
+
+# FSDP2's parameter names for the arguments fxacct's gather replay reads (fxacct.parallel.fsdp_replay),
+# in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: ``foreach_all_gather(fsdp_params,
+# group, async_op, all_gather_copy_in_stream, all_gather_stream, device, all_gather_comm)`` and
+# ``foreach_all_gather_copy_out(all_gather_result, fsdp_params, group)``; torch 2.15 adds the keyword
+# ``all_gather_output_fn`` to the copy-out (its ``_default_all_gather_output_fn`` does what earlier
+# releases did inline), which FSDPParamGroup.wait_for_unshard passes.
+FSDP_GATHER_ARGS = ("fsdp_params", "group", "async_op", "all_gather_copy_in_stream", "all_gather_stream", "device",
+                    "all_gather_comm")
+FSDP_COPY_OUT_ARGS = ("all_gather_result", "fsdp_params", "group")
+
+
+@contextlib.contextmanager
+def fsdp_gathers_patched(all_gather, copy_out):
+    """FSDP2's parameter groups call ``foreach_all_gather`` to gather a group's shards and
+    ``foreach_all_gather_copy_out`` to copy them into the unsharded parameters
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``unshard`` and
+    ``wait_for_unshard``). Inside this context they call ``all_gather(call)`` and
+    ``copy_out(call)`` instead, with ``call`` a TorchCall: its arguments by the names in
+    FSDP_GATHER_ARGS and FSDP_COPY_OUT_ARGS (``get`` gives None for one this release lacks), whether
+    every other argument is at its default (``at_defaults_except``), and ``run()``, the original."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    where = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+    with replaced(group_module, "foreach_all_gather", all_gather, where), \
+            replaced(group_module, "foreach_all_gather_copy_out", copy_out, where):
+        yield
+
+
+def fsdp_reduce_scatter_copy_ins() -> tuple:
+    """The ops FSDP2's reduce-scatter copies the unsharded gradients into its input buffer with
+    (``foreach_reduce_scatter_copy_in``, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+    ``fsdp.chunk_cat`` up to torch 2.14; torch 2.15 calls ``fsdp.chunk_cat_mixed_dtype`` there (the
+    same schema, gradients of mixed dtypes allowed) and keeps ``fsdp.chunk_cat`` defined, unused.
+    Each one this release defines."""
+    import torch.distributed.fsdp  # noqa: F401  (defines torch.ops.fsdp)
+
+    return tuple(getattr(torch.ops.fsdp, name).default for name in ("chunk_cat", "chunk_cat_mixed_dtype")
+                 if hasattr(torch.ops.fsdp, name))
 
 
 def fsdp_param_shard(fsdp_param):
