@@ -25,11 +25,6 @@ DOCS = ROOT / "docs"
 PROFILE_COMMAND = "pip install torch==2.13.0 -e . && fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16"
 MAX_README_LINES = 250
 
-# Linked from the README's "Torch releases" section; bench/compat.sh's page, written apart. While
-# it is absent the link is not checked; once it exists it is checked like every other.
-WRITTEN_APART = {DOCS / "compat.md"}
-
-
 def _ci_test_command() -> str:
     """The line of .ci/run that installs the test extras and runs pytest."""
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
@@ -74,8 +69,6 @@ def test_relative_links_point_to_files(path):
     missing = []
     for target in _relative_links(path):
         file = (path.parent / target.split("#", 1)[0]).resolve()
-        if file in WRITTEN_APART and not file.exists():
-            continue
         if not file.exists():
             missing.append(target)
         elif ROOT not in file.parents:
