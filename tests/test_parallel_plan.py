@@ -102,6 +102,7 @@ def test_parameters_alone_reject_before_any_trace(monkeypatch):
     assert len(result.candidates) == 4  # one row per mesh: no reason depends on the micro-batch
 
 
+@pytest.mark.slow  # traces every layout, then confirms the best
 def test_plan_ranks_fitting_layouts_and_confirms_the_best(monkeypatch):
     """A GPU of 3.5 MiB for the 5-block Llama on 8 GPUs, global batch 16: the best layout's figures are
     those of a full profile of its mesh and micro-batch (the oracle: fxacct.profile)."""

@@ -21,6 +21,7 @@ class Recurrent(nn.Module):
         return self.rnn(x)[0]
 
 
+@pytest.mark.slow  # 8 real RNN steps; test_formulas keeps the RNN cost formulas fast
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
