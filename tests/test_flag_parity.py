@@ -99,7 +99,9 @@ def engine_applied(model: str, mesh: str) -> bool:
     return model == "llama" and mesh == "fsdp=1"
 
 
-CASES = [pytest.param(model, flag, mesh, id=f"{model}-{flag}-{mesh}")
+# the fast tier (pytest -m "not slow") keeps GPT-2's every flag and Llama's default step (its FSDP2 path)
+CASES = [pytest.param(model, flag, mesh, id=f"{model}-{flag}-{mesh}",
+                      marks=[pytest.mark.slow] if model == "llama" and flag != "default" else [])
          for model in MODELS for flag in FLAGS if flag != "input-requires-grad" for mesh in MESHES]
 CASES += [pytest.param("mlp", flag, mesh, id=f"mlp-{flag}-{mesh}") for flag in ("default", "input-requires-grad")
           for mesh in MESHES]

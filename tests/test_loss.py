@@ -168,6 +168,7 @@ def hf_gpt2(tmp_path):
     return path
 
 
+@pytest.mark.slow  # a Hugging Face model
 def test_hf_model_with_labels_returns_its_own_loss(hf_gpt2):
     from transformers import CONFIG_MAPPING, GPT2LMHeadModel
 

@@ -45,6 +45,7 @@ def example_at_batch(draw, names=tuple(SMALL_EXAMPLES), max_batch: int = 3):
 # Parameter bytes follow the width exactly
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real step per drawn stack; test_views_never_add_bytes stays fast
 @settings(max_examples=15)
 @given(d_model=st.integers(1, 48), d_hidden=st.integers(1, 48), n_blocks=st.integers(1, 3),
        batch=st.integers(1, 3))

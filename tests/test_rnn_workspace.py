@@ -53,6 +53,7 @@ def test_lstm_workspace_equals_the_kernels(shape):
     assert storages.real[storages.id_of(fake_ws)] == (torch.uint8, real.untyped_storage().nbytes())
 
 
+@pytest.mark.slow  # real low-precision RNN steps
 @pytest.mark.parametrize("cls,dtype,warned", [
     (nn.LSTM, torch.bfloat16, True), (nn.LSTM, torch.float32, False), (nn.GRU, torch.bfloat16, False),
 ])
