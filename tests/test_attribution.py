@@ -49,6 +49,7 @@ def test_accounting_and_roofline_attribute_every_backward_flop_to_the_same_node(
     assert {k: v for k, v in accounting.items() if v} == {k: v for k, v in roofline.items() if v}
 
 
+@pytest.mark.slow  # real runs; test_accounting_and_roofline_attribute_every_backward_flop_to_the_same_node stays fast
 @pytest.mark.parametrize("name", ["TwoLayer", "MLP", "GPT"])
 def test_runtime_comparison_attributes_like_the_accounting(name):
     result = runtime_run(config(name, batch=2), RuntimeOptions(device="cpu", steps=1, warmup=0))

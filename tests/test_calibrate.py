@@ -62,6 +62,7 @@ def test_conftest_isolates_every_test_from_the_user_cache(cache):
     assert not cache.exists() and calibration.load("cpu") is None
 
 
+@pytest.mark.slow  # runs the CPU microbenchmarks
 def test_calibrate_cpu_measures_and_stores_a_profile(cache):
     # consistency only: no rate is compared with a speed, so a slow or busy machine passes too
     result = invoke("calibrate", "--device", "cpu")

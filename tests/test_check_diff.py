@@ -234,6 +234,7 @@ def test_diff_budgets_the_pipeline_ranks_peak_and_names_differing_steps(tmp_path
     assert "note: the two profiles are of different steps (mesh none -> pp=2; world_size 1 -> 2)" in out, out
 
 
+@pytest.mark.slow  # test_diff_budgets_the_pipeline_ranks_peak_and_names_differing_steps keeps a mesh budget fast
 def test_check_under_a_mesh_budgets_a_ranks_memory_and_the_models_parameters():
     """--mesh: the memory budget is the rank's peak (under pp the largest rank's over the step, not
     stage 0's micro-batch), the params budget the model's (not the rank's shards: the single-device

@@ -138,6 +138,7 @@ def test_cli_reports_both_accounts(tmp_path):
     assert bad.exit_code == 2 and "matches no module" in bad.output
 
 
+@pytest.mark.slow  # two largest-batch searches; test_memory_cli keeps the fit search fast
 def test_gpu_largest_batch_each_way():
     # --gpu runs the recompute under the CUDA kernel rules too (the backward engine drops
     # TorchFunctionModes; fxacct.trace.checkpointing re-enters them)

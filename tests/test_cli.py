@@ -406,6 +406,7 @@ def test_no_arguments_shows_help_not_an_error():
     assert "see 'fxacct --help'" not in result.output, shown(result)
 
 
+@pytest.mark.slow  # a whole process; test_python_dash_m_fxacct_runs_the_cli stays fast
 def test_python_dash_m_runs_the_cli():
     proc = subprocess.run([sys.executable, "-m", "fxacct_cli", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
@@ -634,6 +635,7 @@ def test_a_constructor_reading_tensor_values_is_built_on_the_cpu(tmp_path):
     assert json.loads(result.stdout)["totals"]["params"] == 592
 
 
+@pytest.mark.slow  # a whole process per case; test_python_dash_m_fxacct_runs_the_cli stays fast
 @pytest.mark.parametrize("args, code", [
     ([f"{MODELS}/forward_raises.py:ForwardRaises"], 3),
     # A shape mismatch fails inside a fake-tensor meta kernel; torch logs its own traceback through

@@ -82,6 +82,7 @@ def test_readme_links_into_docs():
         assert page in links, f"README.md should link to {page}"
 
 
+@pytest.mark.slow  # a whole mkdocs build
 def test_mkdocs_build_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install mkdocs mkdocs-material): the site build is not checked")

@@ -155,6 +155,7 @@ def test_short_path_declines_what_it_cannot_answer():
     assert mode._short(aten.view.default, (x, [16]), {}) is not None
 
 
+@pytest.mark.slow  # mesh traces twice; the short path's eager checks stay fast
 def test_mesh_account_equal_without_short_path(monkeypatch):
     """FSDP2 + TP on the llama example: its hooks' views and buffers go the short way; the
     account must be the one torch's own dispatch gives."""

@@ -58,6 +58,7 @@ def _hf_llama(attn):
     return LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow  # Hugging Face models; test_examples_match_flop_counter stays fast
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("factory", [_hf_gpt2, _hf_llama], ids=["GPT2LMHeadModel", "LlamaForCausalLM"])
 def test_hugging_face_models_match_flop_counter(factory, attn):

@@ -21,6 +21,7 @@ from helpers import flop_counter_oracle, meta_input, model_flops, on_meta
 from test_memory_acceptance import activation_split, eager_saved_bytes
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # real Hugging Face models, each checked against an eager run
 
 B, T, V = 2, 16, 128  # batch, sequence, vocabulary
 DECODER = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,

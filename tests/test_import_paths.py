@@ -217,6 +217,7 @@ def test_runtime_builds_the_same_model_for_all_three_forms(llama_json):
         assert shapes(r_args, r_kwargs) == shapes(args, kwargs)
 
 
+@pytest.mark.slow  # real runs; test_runtime_cpu stays fast
 def test_runtime_op_level_peak_equals_the_account_with_cross_entropy(llama_json):
     from fxacct.runtime.run import measure
 

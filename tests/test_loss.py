@@ -84,6 +84,7 @@ def _mse(out, y):
     return F.mse_loss(out.float(), y.float())
 
 
+@pytest.mark.slow  # real steps; test_mse_peak_equals_eager_f_mse_loss stays fast
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_cross_entropy_peak_equals_eager_f_cross_entropy(optimizer):
     p = fxacct.profile(_gpt_config("cross-entropy", optimizer=optimizer))
@@ -167,6 +168,7 @@ def hf_gpt2(tmp_path):
     return path
 
 
+@pytest.mark.slow  # a Hugging Face model
 def test_hf_model_with_labels_returns_its_own_loss(hf_gpt2):
     from transformers import CONFIG_MAPPING, GPT2LMHeadModel
 

@@ -29,7 +29,9 @@ from fxacct.runtime.storage_tracker import measure_inference, measure_training_s
 from helpers import (SMALL_EXAMPLES, config, eager_saved_bytes, floating_loss, meta_input, on_meta, profile_meta,
                      real_model, target)
 
-PROFILE_MODULE = importlib.import_module("fxacct.profile")  # `fxacct.profile` is the function
+pytestmark = pytest.mark.slow  # acceptance against real eager steps and the storage tracker, model by model
+
+PROFILE_MODULE = importlib.import_module("fxacct.api")  # the dispatcher (`fxacct.profile` is its function)
 BF16 = torch.bfloat16
 MODES = {  # mode id -> Config overrides
     "fp32": {},

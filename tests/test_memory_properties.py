@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given, settings
 
@@ -44,6 +45,7 @@ def example_at_batch(draw, names=tuple(SMALL_EXAMPLES), max_batch: int = 3):
 # Parameter bytes follow the width exactly
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real step per drawn stack; test_views_never_add_bytes stays fast
 @settings(max_examples=15)
 @given(d_model=st.integers(1, 48), d_hidden=st.integers(1, 48), n_blocks=st.integers(1, 3),
        batch=st.integers(1, 3))
@@ -62,6 +64,7 @@ def test_mlp_param_bytes_closed_form(d_model, d_hidden, n_blocks, batch):
 # Saved activations are affine in the batch
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # three traces per drawn model; the other properties stay fast
 @settings(max_examples=10)
 @given(example_at_batch(names=tuple(CHEAP) + ("ResNet18",), max_batch=2),
        st.sampled_from(list(PRECISIONS)))
@@ -167,6 +170,7 @@ def _profile_case(case: MemoryCase, **config) -> fxacct.Profile:
                         optim_args=dict(args), **config)
 
 
+@pytest.mark.slow  # 12 drawn models, each also run for real
 @settings(max_examples=12, deadline=None)
 @given(memory_cases())
 def test_drawn_models_match_closed_forms_and_a_real_step(case):

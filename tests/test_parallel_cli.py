@@ -131,6 +131,7 @@ def test_a_function_flag_that_cannot_be_called_as_documented_is_a_usage_error(tm
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # spawns a gloo group
 def test_a_real_mesh_run_failing_in_the_users_file_keeps_the_account_and_exits_3():
     """The model traces on fake tensors and raises on real ones: every rank of the gloo run fails in
     the user's file. The account is written first, then one line naming the rank, the error and

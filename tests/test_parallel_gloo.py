@@ -12,6 +12,8 @@ from fxacct.runtime.gloo_run import run_mesh
 from helpers import target
 from parallel_oracle import predicted_by_op
 
+pytestmark = pytest.mark.slow  # every test spawns a gloo process group and runs real steps (10-30 s each)
+
 LLAMA = ("examples/llama.py:Llama", {}, "examples/llama.py:parallelize")
 GPT = ("examples/gpt2.py:GPT", dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1001, block_size=32), None)
 

@@ -15,6 +15,7 @@ from parallel_oracle import eager_collectives, eager_peak, fxacct_collectives, l
 from fxacct.report import document
 
 pytest.importorskip("transformers.distributed.tensor_parallel")
+pytestmark = pytest.mark.slow  # Hugging Face models under transformers' plans, checked against eager and gloo runs
 
 MODELS = {  # name: (target, dtype); Mixtral's default grouped_mm experts take bf16 only
     "llama": ("tests/models/hf_llama_tp.py:make", None),
@@ -37,7 +38,6 @@ def _eager_args(name, dims, cfg):
     """(model_fn, parallelize, inputs) for the oracle: fxacct's own parallelize (transformers'
     plan on tp, FSDP2 on fsdp), called on a real model."""
     from fxacct.parallel.engine import parallelize
-    from fxacct.load.mesh import parse_mesh
 
     rel, dtype = MODELS[name]
     make, inputs = load(rel), load(rel.rpartition(":")[0] + ":example_inputs")
@@ -46,7 +46,7 @@ def _eager_args(name, dims, cfg):
         return make() if dtype is None else make().to(dtype)
 
     torch.manual_seed(0)
-    return model_fn, lambda m, mesh: parallelize(m, parse_mesh(cfg.mesh), mesh, cfg), inputs(BATCH)
+    return model_fn, lambda m, mesh: parallelize(m, cfg.mesh, mesh, cfg), inputs(BATCH)
 
 
 @pytest.mark.parametrize("dims", MESHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))

@@ -56,6 +56,7 @@ def test_mesh_fsdp_agrees_with_the_shard_arithmetic():
         new.accounting.totals.param_bytes
 
 
+@pytest.mark.slow  # real FSDP2/TP steps; the inference-peak test stays fast
 @pytest.mark.parametrize("dims,par", [
     ({"fsdp": 2}, "examples/llama.py:parallelize"),
     ({"tp": 2}, "examples/llama.py:parallelize"),

@@ -258,6 +258,7 @@ def test_pipeline_report_fits_the_terminal_and_stderr_stays_quiet(columns):
         assert row.split()[0] in ("0", "1") and row.rstrip().endswith("KiB"), row
 
 
+@pytest.mark.slow  # test_stages_partition_the_model keeps pp fast
 def test_fsdp_on_a_cut_stage_wraps_each_of_its_blocks():
     """pp=2,fsdp=2 on a 4-layer Hugging Face Llama cut automatically at model.layers.2: stage 0's
     module (pipeline()'s own, its blocks still named model.layers.0 and .1) gets FSDP2 per block
@@ -273,6 +274,7 @@ def test_fsdp_on_a_cut_stage_wraps_each_of_its_blocks():
     assert count == {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 3}
 
 
+@pytest.mark.slow  # test_stages_partition_the_model keeps pp fast
 def test_own_parallelize_on_automatically_cut_stages(tmp_path):
     """--parallelize with pp=2,fsdp=2 and no --pp-split: the balanced split traces the whole model on
     one device first (it once refused, as if --parallelize had come without --mesh). The function

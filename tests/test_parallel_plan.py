@@ -58,6 +58,7 @@ def test_truncate_keeps_the_first_blocks_of_any_container():
     assert list(model.layers) == ["0", "1"] and model.output is not None
 
 
+@pytest.mark.slow  # a screen and a full trace per mesh; test_plan_cli_table_fits_the_width_and_json stays fast
 @pytest.mark.parametrize("mesh,ckpt", [("fsdp=4", ()), ("fsdp=2,tp=2", ("layers.*",))])
 def test_screen_extrapolates_exactly_to_a_full_trace(mesh, ckpt):
     """The oracle is a full trace of the 6-block model: every integer of one rank's account
@@ -76,6 +77,7 @@ def test_screen_extrapolates_exactly_to_a_full_trace(mesh, ckpt):
     assert a.peak_bytes < full.peak_bytes  # the extrapolation is not the trivial one
 
 
+@pytest.mark.slow  # screens and full traces; test_plan_cli_table_fits_the_width_and_json stays fast
 def test_screen_peak_is_a_lower_bound_where_the_peak_moves():
     """Under autocast with checkpointing, the 10-block peak is reached at a moment that grows faster
     per block than the moment of the 3- and 4-block peaks: the extrapolated peak is below the full
@@ -102,6 +104,7 @@ def test_parameters_alone_reject_before_any_trace(monkeypatch):
     assert len(result.candidates) == 4  # one row per mesh: no reason depends on the micro-batch
 
 
+@pytest.mark.slow  # traces every layout, then confirms the best
 def test_plan_ranks_fitting_layouts_and_confirms_the_best(monkeypatch):
     """A GPU of 3.5 MiB for the 5-block Llama on 8 GPUs, global batch 16: the best layout's figures are
     those of a full profile of its mesh and micro-batch (the oracle: fxacct.profile)."""

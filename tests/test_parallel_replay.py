@@ -55,6 +55,7 @@ def replayed(monkeypatch) -> dict:
     return counts
 
 
+@pytest.mark.slow  # 11 meshes traced twice; test_replayed_gathers_give_the_traced_account stays fast
 @pytest.mark.parametrize("rel,kwargs,mesh,par,trained", CASES)
 def test_mesh_same_account_both_ways(rel, kwargs, mesh, par, trained, replayed):
     a = _profile(rel, kwargs, mesh, par, True)
@@ -122,6 +123,7 @@ def test_replayed_gathers_give_the_traced_account(rel, kwargs, mesh, par, settin
     assert a.parallel.rows == b.parallel.rows
 
 
+@pytest.mark.slow  # a pipeline traced twice
 def test_replayed_gathers_in_a_pipeline(monkeypatch):
     """pp=2 with FSDP2 in each stage: every stage's gathers replay (4 blocks a stage: 8 in its
     training step, 4 in its inference forward, as in GATHER_CASES), and each stage's account and

@@ -158,6 +158,7 @@ def test_mlp_flops_linear_in_batch(stack, b):
     assert model_flops(two.backward) == 2 * model_flops(one.backward)
 
 
+@pytest.mark.slow  # conv stacks traced per example; test_mlp_flops_linear_in_batch stays fast
 @given(conv_stacks(), st.integers(2, 3))  # BatchNorm needs > 1 value per channel: batch ≥ 2
 def test_conv_flops_linear_in_batch(stack, b):
     model = on_meta(stack.build)
@@ -236,6 +237,7 @@ def test_rows_match_closed_forms_mlp(stack, b):
         assert (model_flops(row.forward), model_flops(row.backward)) == (fwd, fwd * (2 if i else 1)), (i, row)
 
 
+@pytest.mark.slow  # conv stacks traced per example; test_rows_match_closed_forms_mlp stays fast
 @given(conv_stacks(), st.integers(2, 3), st.booleans())
 def test_rows_match_closed_forms_conv(stack, b, input_grad):
     model = on_meta(stack.build)

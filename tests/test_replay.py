@@ -32,6 +32,7 @@ def _tiny_llama(layers=4):
         return Llama(vocab=64, d=32, L=layers, h=4, kvh=2, ff=48, T=8)
 
 
+@pytest.mark.slow  # the GPT-2 replay tests stay fast
 @pytest.mark.parametrize("config", [
     {}, {"optimizer": "sgd"}, {"amp": torch.bfloat16}, {"gpu": "h100", "find_max_batch": False},
     {"gpu": "h100", "amp": torch.bfloat16, "find_max_batch": False}, {"input_requires_grad": True},
@@ -229,6 +230,7 @@ def test_hugging_face_llama_blocks_form_one_run():
     assert [[fqn for fqn, _ in run] for run in find_runs(model)] == [[f"model.layers.{i}" for i in range(4)]]
 
 
+@pytest.mark.slow  # 17 Hugging Face models traced twice
 @pytest.mark.parametrize("config", [{}, {"optimizer": "sgd"}, {"amp": torch.bfloat16}])
 @pytest.mark.parametrize("make", [
     pytest.param(lambda: _hf("Llama"), id="llama"),

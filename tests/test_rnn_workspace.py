@@ -21,6 +21,7 @@ class Recurrent(nn.Module):
         return self.rnn(x)[0]
 
 
+@pytest.mark.slow  # 8 real RNN steps; test_formulas keeps the RNN cost formulas fast
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
@@ -52,6 +53,7 @@ def test_lstm_workspace_equals_the_kernels(shape):
     assert storages.real[storages.id_of(fake_ws)] == (torch.uint8, real.untyped_storage().nbytes())
 
 
+@pytest.mark.slow  # real low-precision RNN steps
 @pytest.mark.parametrize("cls,dtype,warned", [
     (nn.LSTM, torch.bfloat16, True), (nn.LSTM, torch.float32, False), (nn.GRU, torch.bfloat16, False),
 ])

@@ -186,6 +186,7 @@ def test_a_model_too_big_for_free_memory_is_refused():
     assert result.stderr.count("\n") == 1
 
 
+@pytest.mark.slow  # a whole process; test_gpt2_training_step_with_a_calibrated_cpu_and_a_trace stays fast
 def test_a_runtime_run_writes_only_fxacct_lines_to_stderr(tmp_path):
     # acceptance (issue 10, item 5): a real process, as a user runs it; kineto's "USDT: ...
     # profiler_start" lines are silenced at their source (fxacct.trace.torch_private.quiet_kineto)

@@ -21,6 +21,7 @@ from fxacct.parallel.collectives import alias_waits, mark
 from fxacct.parallel.engine import parallelize
 from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
 from fxacct.parallel.fsdp_storage import StorageResizes, unsave_resized, with_resizes
+from fxacct.parallel.plans import retie, tied_aliases
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.fake_mode import FakeTensorMode
@@ -65,10 +66,14 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
         model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
     with tp.shared_mesh_concatenation():
         parallelize(model, spec, mesh, config)
+    aliases = tied_aliases(model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
+            # to_empty from meta gives each module a new Parameter (the types differ, so no .data
+            # swap), which unties a plain module's tied weights (FSDP2's own _apply keeps them): tie again
             model.to_empty(device="cpu")
+            retie(model, {a: n for a, n in aliases.items() if model.get_parameter(a) is not model.get_parameter(n)})
             fake = own_tensors(model)
     except Exception as e:
         raise classify(e, "materializing the parallelized model") from e
