@@ -123,7 +123,10 @@ def tp_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:
     """(root plan, per-block plan) in torchtitan's form."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
     )
 
     sp = sequence_parallel

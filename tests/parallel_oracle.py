@@ -8,12 +8,12 @@ from the real tensors."""
 from __future__ import annotations
 
 import contextlib
-
 import importlib.util
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+from helpers import ROOT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -21,7 +21,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxacct.runtime.storage_tracker import default_loss
-from helpers import ROOT
 
 NAMES = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",

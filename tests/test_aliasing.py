@@ -10,12 +10,11 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
+from helpers import config, meta_input, on_meta, profile_meta
 
 import fxacct
 import fxacct.trace.capture
 from fxacct.trace.aliasing import KINDS
-from helpers import config, meta_input, on_meta, profile_meta
-
 
 # meta["val"] holds what the capture kept of each fake output: a TensorMeta whose `storage` is
 # the FakeTensor's storage identity (untyped_storage()._cdata, made unique over the capture), or

@@ -14,13 +14,13 @@ import operator
 
 import pytest
 import torch
+from helpers import SMALL_EXAMPLES, config
 
 import fxacct
 from fxacct.devices import DEVICES
 from fxacct.predict.roofline import from_gpu, predict_profile
 from fxacct.runtime import RuntimeOptions
 from fxacct.runtime import run as runtime_run
-from helpers import SMALL_EXAMPLES, config
 
 H100 = from_gpu(DEVICES["h100"])
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import ROOT
 
 import fxacct
 from fxacct.predict import calibration
+from fxacct.predict.roofline import for_config, for_local, from_calibration, predict_profile
 from fxacct.tools import calibrate
 from fxacct.tools import calibrate_overhead as overhead
-from fxacct.predict.roofline import for_config, for_local, from_calibration, predict_profile
 from fxacct_cli.main import cli
-from helpers import ROOT
 
 TWO_LAYER = str(ROOT / "examples/two_layer.py") + ":TwoLayer"
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.modules.module as module_globals
+from helpers import config, flop_counter_oracle, meta_input, model_flops, on_meta, profile_meta, target
 
 import fxacct
 from examples.resnet import ResNet18
-from helpers import config, flop_counter_oracle, meta_input, model_flops, on_meta, profile_meta, target
 
 # every global hook registry of torch.nn.Module (forward, pre, backward, always-called, with-kwargs...)
 GLOBAL_HOOK_DICTS = [name for name in dir(module_globals)

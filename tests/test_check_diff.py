@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import target
 
 from fxacct_cli.main import cli
-from helpers import target
 
 MLP = [target("examples/mlp.py:MLP"), "-k", "d_model=64", "-k", "d_hidden=128", "-k", "n_blocks=2"]
 # per block: ln 2·64 = 128, fc1 64·128 + 128 = 8,320, fc2 128·64 + 64 = 8,256 → 16,704;

@@ -5,6 +5,7 @@ meta for what the backward re-runs."""
 
 import pytest
 import torch
+from helpers import SMALL_EXAMPLES, config, eager_saved_bytes, floating_loss, load, real_model
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
@@ -12,7 +13,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.runtime.storage_tracker import measure_training_step
-from helpers import SMALL_EXAMPLES, config, eager_saved_bytes, floating_loss, load, real_model
 
 GPT = SMALL_EXAMPLES["GPT"]  # n_layer=2, n_head=4, n_embd=64, vocab 100, block_size 32
 B = 2
@@ -110,9 +110,9 @@ def test_cli_reports_both_accounts(tmp_path):
     import json
 
     from click.testing import CliRunner
+    from helpers import target
 
     from fxacct_cli.main import cli as main
-    from helpers import target
 
     rel, kwargs = GPT
     args = ["profile", target(rel), "--batch", str(B), "--checkpoint", "h.*"]

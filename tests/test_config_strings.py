@@ -4,10 +4,10 @@ of the wrong kind is a one-line UsageError naming the field (never an AttributeE
 
 import pytest
 import torch
+from helpers import target
 
 import fxacct
 from fxacct.errors import UsageError
-from helpers import target
 
 TWO_LAYER = target("examples/two_layer.py:TwoLayer")  # w1 3×3, w2 3×2: 15 parameters
 

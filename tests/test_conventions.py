@@ -3,7 +3,6 @@ core examples do not use (embedding bags), checked by hand."""
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fxacct

@@ -9,12 +9,12 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers import assert_same_account, target
 from hypothesis import given
 
 import fxacct
 from fxacct.trace import fake_mode
 from fxacct.trace import torch_private as tp
-from helpers import assert_same_account, target
 
 aten = torch.ops.aten
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
+from helpers import on_meta
 
 from examples.gpt2 import GPT
 from examples.llama import Llama
 from fxacct.predict.devices import get_device
 from fxacct_cli.main import cli
-from helpers import on_meta
 
 GPT_KWARGS = dict(n_layer=2, n_embd=64, n_head=4, block_size=64, vocab_size=1000)
 GPT_ARGS = ("examples/gpt2.py:GPT", *(a for k, v in GPT_KWARGS.items() for a in ("-k", f"{k}={v}")), "--batch", "2")

@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from helpers import SMALL_EXAMPLES, config, flop_counter_oracle, load, meta_input, model_flops, on_meta, target
 
 import fxacct
-from helpers import SMALL_EXAMPLES, config, flop_counter_oracle, load, meta_input, model_flops, on_meta, target
 
 
 @pytest.mark.parametrize("name", list(SMALL_EXAMPLES))

@@ -14,8 +14,8 @@ A last test checks that every registry key is hit by at least one case here.
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._decomp import core_aten_decompositions, decomposition_table
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
@@ -748,6 +748,7 @@ def test_smooth_l1_and_huber_losses():
 
 def test_unknown_op_is_reported_not_zero():
     import torch.fx as fx
+
     from fxacct.account.annotate import node_cost
     from fxacct.trace.graph_builder import INPUT, OP, NodeTrace
 

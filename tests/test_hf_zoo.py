@@ -14,11 +14,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import flop_counter_oracle, meta_input, model_flops, on_meta
+from test_memory_acceptance import activation_split, eager_saved_bytes
 
 import fxacct
 from fxacct.runtime.storage_tracker import measure_inference, measure_training_step
-from helpers import flop_counter_oracle, meta_input, model_flops, on_meta
-from test_memory_acceptance import activation_split, eager_saved_bytes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # real Hugging Face models, each checked against an eager run

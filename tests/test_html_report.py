@@ -15,15 +15,15 @@ import importlib.util
 import json
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
+from helpers import ROOT, SMALL_EXAMPLES, target
 
 from fxacct.report.html import _script_json
 from fxacct_cli.main import cli
-from helpers import ROOT, SMALL_EXAMPLES, target
 
 CHROMIUM = os.environ.get("FXACCT_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from html.parser import HTMLParser
 import sys
+from html.parser import HTMLParser
 
 from helpers import ROOT, target
 

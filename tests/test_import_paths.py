@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
+from helpers import flop_counter_oracle, meta_input, on_meta, target
+from test_cli import assert_one_line_error, invoke, profile_json
 
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.load.source import load_model
-from helpers import flop_counter_oracle, meta_input, on_meta, target
-from test_cli import assert_one_line_error, invoke, profile_json
 
 TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -128,7 +128,7 @@ def test_hf_vision_encoder_decoder_reads_its_two_configs(tmp_path):
     token ids its decoder's (vocab 64, n_positions 32); it once got 224 × 224 images and no ids.
     A model that still fails on inputs fxacct chose says which it fed and the flag for others."""
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, ViTConfig, VisionEncoderDecoderConfig
+    from transformers import GPT2Config, VisionEncoderDecoderConfig, ViTConfig
 
     enc = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                     intermediate_size=64)

@@ -1,11 +1,11 @@
 """examples/lora.py: GPT-2 with frozen base weights and LoRA adapters on c_attn / c_proj."""
 
 import torch
+from helpers import target
 
 import fxacct
 from examples.gpt2 import GPT
 from examples.lora import LoRAGPT, LoRALinear
-from helpers import target
 
 TINY = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=100, block_size=32, r=4, alpha=8)
 # Per block, r=4, n_embd=64: c_attn A 4×64 + B 192×4 = 256 + 768 = 1,024;

@@ -21,13 +21,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import flop_counter_oracle, model_flops, target
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.load import model_spec as loading
 from fxacct.runtime.storage_tracker import StorageTracker, measure_training_step
-from helpers import flop_counter_oracle, model_flops, target
 
 # A GPT-2 (examples/gpt2.py) whose vocabulary dominates: the logits' fp32 log-softmax and its
 # gradient, 4·64·2048·4 B = 2 MiB each, are where the training step peaks.
@@ -294,6 +294,7 @@ def _eager_ce_ops(logits, y, flatten: bool) -> Counter:
 
 def _cli_json(*args) -> dict:
     from click.testing import CliRunner
+
     from fxacct_cli.main import cli
 
     r = CliRunner().invoke(cli, ["profile", *args, "--format", "json"], catch_exceptions=False)
@@ -325,6 +326,7 @@ def test_cross_entropy_on_language_model_logits_takes_the_vocabulary():
 
 def test_help_says_why_sum_is_the_default_and_when_to_give_cross_entropy():
     from click.testing import CliRunner
+
     from fxacct_cli.main import cli
 
     text = " ".join(CliRunner().invoke(cli, ["profile", "--help"], terminal_width=200).output.split())

@@ -8,9 +8,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from helpers import target
 
 from fxacct_cli.main import cli
-from helpers import target
 
 markdown_it = pytest.importorskip("markdown_it")
 

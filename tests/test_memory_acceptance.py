@@ -20,14 +20,23 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import (
+    SMALL_EXAMPLES,
+    config,
+    eager_saved_bytes,
+    floating_loss,
+    meta_input,
+    on_meta,
+    profile_meta,
+    real_model,
+    target,
+)
 
 import fxacct
 from fxacct.memory.account import DtypeMemory
-from fxacct.trace.optim_step import OPTIMIZERS
 from fxacct.report import render_text
 from fxacct.runtime.storage_tracker import measure_inference, measure_training_step
-from helpers import (SMALL_EXAMPLES, config, eager_saved_bytes, floating_loss, meta_input, on_meta, profile_meta,
-                     real_model, target)
+from fxacct.trace.optim_step import OPTIMIZERS
 
 pytestmark = pytest.mark.slow  # acceptance against real eager steps and the storage tracker, model by model
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from helpers import target
 
 from fxacct_cli.main import cli
-from helpers import target
 
 TWO_LAYER = target("examples/two_layer.py:TwoLayer")
 SMALL_GPT = [target("examples/gpt2.py:GPT"), "-k", "n_layer=2", "-k", "n_head=4", "-k", "n_embd=64",

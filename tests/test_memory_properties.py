@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers import SMALL_EXAMPLES, config, eager_saved_bytes, meta_input, on_meta, profile_meta, target
 from hypothesis import given, settings
+from strategies import ACTIVATIONS, MLPStack
 
 import fxacct
 from fxacct.runtime.storage_tracker import measure_inference, measure_training_step
-from helpers import SMALL_EXAMPLES, config, eager_saved_bytes, meta_input, on_meta, profile_meta, target
-from strategies import ACTIVATIONS, MLPStack
 
 PRECISIONS = {"fp32": {}, "bf16": {"dtype": torch.bfloat16}, "amp-bf16": {"amp": torch.bfloat16}}
 # ResNet18 ends at 1x1 spatial: BatchNorm in training needs batch >= 2 there
@@ -28,7 +28,7 @@ MIN_BATCH = {"ResNet18": 2}
 CHEAP = ["TwoLayer", "DeepLinearModel", "MLP", "GPT", "TransformerLM"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def profiled(name: str, batch: int, precision: str = "fp32", optimizer: str = "adamw",
              shard: str = "none", world_size: int = 1) -> fxacct.Profile:
     return fxacct.profile(config(name, batch=batch, optimizer=optimizer, shard=shard, world_size=world_size,

@@ -5,9 +5,9 @@ forward's own baddbmm/bmm path), and the totals are what FlopCounterMode counts.
 import pytest
 import torch
 import torch.nn as nn
+from helpers import flop_counter_oracle, model_flops
 
 import fxacct
-from helpers import flop_counter_oracle, model_flops
 
 B, T, E, H = 2, 16, 32, 4
 D = E // H

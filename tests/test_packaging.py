@@ -1,7 +1,8 @@
 """The wheel must carry every package of the source tree (a non-editable install imports from it)."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from helpers import ROOT
 
 from fxacct_cli.main import cli
-from helpers import ROOT
 
 LLAMA = str(ROOT / "examples/llama.py") + ":Llama"
 PAR = str(ROOT / "examples/llama.py") + ":parallelize"

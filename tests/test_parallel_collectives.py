@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fxacct
 from helpers import target
 from parallel_oracle import eager_collectives, fxacct_collectives, load
+
+import fxacct
 from fxacct.report import document
 
 LLAMA = "examples/llama.py:Llama"
@@ -22,8 +22,9 @@ BATCH = 2
 
 def _fsdp_only(model, mesh):
     """FSDP2 per repeated block and at the root: what fxacct applies itself for --mesh fsdp=N."""
-    from fxacct.parallel.engine import repeated_blocks
     from torch.distributed.fsdp import fully_shard
+
+    from fxacct.parallel.engine import repeated_blocks
 
     for block in repeated_blocks(model):
         fully_shard(block, mesh=mesh["fsdp"])
@@ -126,8 +127,8 @@ def test_hugging_face_plan_collectives_equal_the_engines():
     and _tp_plan) on tp and FSDP2 on fsdp; the same parallelization run eagerly issues the same
     collectives."""
     pytest.importorskip("transformers")
-    from fxacct.parallel.engine import parallelize
     from fxacct.load.mesh import parse_mesh
+    from fxacct.parallel.engine import parallelize
 
     rel = "tests/models/hf_llama_tp.py:make"
     cfg = fxacct.Config(target=target(rel), batch=BATCH, mesh="fsdp=2,tp=2")
@@ -168,8 +169,8 @@ def test_gloo_reduce_scatter_note_only_where_a_rank_measured_over():
     from types import SimpleNamespace
 
     from fxacct.parallel.collectives import CollectiveRow
-    from fxacct.runtime.gloo_run import RankMeasured
     from fxacct.report.collectives import GLOO_REDUCE_SCATTER, render_ranks
+    from fxacct.runtime.gloo_run import RankMeasured
 
     rows = (CollectiveRow("reduce_scatter", "fsdp", "backward", "layers.0", 3, 300, 150),)
     parallel = SimpleNamespace(rows=rows, pipeline=None, mesh="fsdp=2")

@@ -6,11 +6,11 @@ within ±2% of the predicted per-rank peak (per stage under pp=P)."""
 from __future__ import annotations
 
 import pytest
+from helpers import target
+from parallel_oracle import predicted_by_op
 
 import fxacct
 from fxacct.runtime.gloo_run import run_mesh
-from helpers import target
-from parallel_oracle import predicted_by_op
 
 pytestmark = pytest.mark.slow  # every test spawns a gloo process group and runs real steps (10-30 s each)
 

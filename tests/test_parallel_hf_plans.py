@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fxacct
 from helpers import target
 from parallel_oracle import eager_collectives, eager_peak, fxacct_collectives, load, predicted_by_op
+
+import fxacct
 from fxacct.report import document
 
 pytest.importorskip("transformers.distributed.tensor_parallel")

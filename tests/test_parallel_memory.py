@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fxacct
 from helpers import target
 from parallel_oracle import eager_peak, load
+
+import fxacct
 
 LLAMA = "examples/llama.py:Llama"
 GPT = "examples/gpt2.py:GPT"
@@ -78,8 +78,8 @@ def test_rank_inference_peak_matches_the_storage_tracker(dims, par):
     gathered parameters and all-gather buffers exist before it starts, and must hold memory only
     while gathered (fxacct.parallel.fsdp_storage.with_resizes), not count as resident buffers.
     Counted as resident, each block's gathered weights would add to the peak (+15% here)."""
-    from fxacct.parallel.engine import parallelize as engine_parallelize
     from fxacct.load.mesh import parse_mesh
+    from fxacct.parallel.engine import parallelize as engine_parallelize
 
     mesh = ",".join(f"{k}={v}" for k, v in dims.items())
     predicted = _profile(LLAMA, mesh, par).memory.peak_inference.bytes
@@ -137,8 +137,8 @@ def test_amp_fsdp_peak_on_a_hugging_face_llama_matches_the_storage_tracker():
     reduce-scatters through an all-reduce of a full copy of its input, then splits out this
     rank's part (aten.split / copy_ after c10d._reduce_scatter_base_ in its trace); NCCL, and the
     engine fxacct traces, reduce into the shard-sized output."""
-    from fxacct.parallel.engine import parallelize as engine_parallelize
     from fxacct.load.mesh import parse_mesh
+    from fxacct.parallel.engine import parallelize as engine_parallelize
 
     rel = "tests/models/hf_llama_tp.py:make"
     config = fxacct.Config(target=target(rel), batch=2, mesh="fsdp=2", amp=torch.bfloat16)

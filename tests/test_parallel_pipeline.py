@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import ROOT, target
+from parallel_oracle import load
 
 import fxacct
 from fxacct.parallel.pipeline_schedule import releases, simulate
 from fxacct.parallel.pipeline_split import balanced_cuts
 from fxacct_cli.main import cli
-from helpers import ROOT, target
-from parallel_oracle import load
 
 LLAMA = "examples/llama.py:Llama"
 SPLIT = "examples/llama.py:pipeline_stage"

@@ -11,17 +11,17 @@ from dataclasses import fields, replace
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import target
 
 import fxacct
-from fxacct.tools.plan_layouts import Layout, enumerate_layouts
-from fxacct.tools.plan import plan
-from fxacct.predict.roofline import predict_profile
-from fxacct.parallel.profile import profile_parallel
-from fxacct.tools.plan_screen import extrapolate, point, truncate, truncated_loader
 from fxacct import devices
 from fxacct.load.source import load_model
+from fxacct.parallel.profile import profile_parallel
+from fxacct.predict.roofline import predict_profile
+from fxacct.tools.plan import plan
+from fxacct.tools.plan_layouts import Layout, enumerate_layouts
+from fxacct.tools.plan_screen import extrapolate, point, truncate, truncated_loader
 from fxacct_cli.main import cli
-from helpers import target
 
 LLAMA = target("examples/llama.py:Llama")
 PARALLELIZE = target("examples/llama.py:parallelize")

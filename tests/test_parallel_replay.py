@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_same_account, target
 
 import fxacct
 from fxacct.parallel import rank_capture
 from fxacct.trace import replay as replay_module
 from fxacct.trace import replay_train
-from helpers import assert_same_account, target
 
 LLAMA = "examples/llama.py:Llama"
 LIST_LLAMA = "tests/models/llama_list.py:ListLlama"

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
+from helpers import target
 
 import fxacct
-from fxacct.parallel.links import LINKS, collective_seconds, within_node
 from fxacct.load.mesh import parse_mesh
+from fxacct.parallel.links import LINKS, collective_seconds, within_node
 from fxacct.parallel.timing import critical_path
-from helpers import target
 
 
 def test_alpha_beta_closed_form():
@@ -55,9 +55,8 @@ def test_step_time_bounds_and_json():
     t = p.parallel.time
     assert t.compute_s <= t.step_s <= t.compute_s + t.comm_s + 1e-12
     assert sum(r.predicted_ms for r in p.parallel.rows) == pytest.approx(1e3 * t.comm_s)
-    from fxacct.report import document
-
     from fxacct.predict.roofline import predict_profile
+    from fxacct.report import document
     from fxacct.report.summary_text import render_summary
 
     # with the roofline's prediction too (as the CLI passes it), the step is still the critical

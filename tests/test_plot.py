@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
+from helpers import SMALL_EXAMPLES, config, real_model
 
 import fxacct
 from fxacct.memory.peak import CATEGORIES
 from fxacct.report.plot import memory_timeline, plot_memory
 from fxacct.runtime.storage_tracker import StorageTracker, _gc_paused
 from fxacct.trace.loss import training_loss
-from helpers import SMALL_EXAMPLES, config, real_model
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,24 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import (
+    SMALL_EXAMPLES,
+    config,
+    eager_saved_bytes,
+    flop_counter_forward_by_module,
+    flop_counter_oracle,
+    load,
+    meta_input,
+    model_flops,
+    on_meta,
+    profile_meta,
+    real_model,
+)
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import bmm_shapes, conv2d_configs, conv_stacks, matmul_shapes, mlp_stacks
 
 import fxacct
-from helpers import (SMALL_EXAMPLES, config, eager_saved_bytes, flop_counter_forward_by_module,
-                     flop_counter_oracle, load, meta_input, model_flops, on_meta, profile_meta, real_model)
-from strategies import bmm_shapes, conv2d_configs, conv_stacks, matmul_shapes, mlp_stacks
 
 
 # ---------------------------------------------------------------- single ops: closed forms

@@ -6,12 +6,12 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from helpers import load
 
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.report import render
 from fxacct_cli.main import cli
-from helpers import load
 
 TWO_LAYER = "examples/two_layer.py:TwoLayer"
 TINY_GPT = ["examples/gpt2.py:GPT", "-k", "n_layer=1", "-k", "n_embd=32", "-k", "n_head=2",

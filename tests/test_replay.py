@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from helpers import assert_same_account
 
 import fxacct
 from fxacct.trace import dispatch_recorder as recorder_module
 from fxacct.trace.replay import find_runs
-from helpers import assert_same_account
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from llama_shapes import Llama  # noqa: E402

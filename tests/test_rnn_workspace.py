@@ -4,10 +4,10 @@ peak, against saved_tensors_hooks and the storage tracker on real eager CPU runs
 import pytest
 import torch
 import torch.nn as nn
+from helpers import eager_saved_bytes
 
 import fxacct
 from fxacct.runtime.storage_tracker import measure_training_step
-from helpers import eager_saved_bytes
 
 T, B, I, H = 16, 8, 32, 64
 

@@ -11,15 +11,26 @@ import pytest
 import torch
 import torch.nn as nn
 from click.testing import CliRunner
+from helpers import ROOT, config, meta_input, on_meta, profile_meta
 
 import fxacct
 from fxacct.costs.registry import Flops
 from fxacct.devices import DEVICES, MiB, get_device
-from fxacct.predict.roofline import (COMPUTE, FREE, INIT, MEMORY, PHASES, DeviceModel, for_config, from_gpu, gpu_key,
-                             op_seconds, predict_profile)
+from fxacct.predict.roofline import (
+    COMPUTE,
+    FREE,
+    INIT,
+    MEMORY,
+    PHASES,
+    DeviceModel,
+    for_config,
+    from_gpu,
+    gpu_key,
+    op_seconds,
+    predict_profile,
+)
 from fxacct.units import GB, GiB
 from fxacct_cli.main import cli
-from helpers import ROOT, config, meta_input, on_meta, profile_meta
 
 TWO_LAYER = str(ROOT / "examples/two_layer.py") + ":TwoLayer"
 # matmul 1e6 FLOP/s, other 1e6 FLOP/s, 1e9 B/s: a tiny model is compute-bound, 1 FLOP = 1 µs

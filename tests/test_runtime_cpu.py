@@ -12,13 +12,12 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from helpers import ROOT
 
 import fxacct
 from fxacct.predict import calibration
-from fxacct.tools import calibrate
 from fxacct.runtime import RuntimeOptions, run
 from fxacct_cli.main import cli
-from helpers import ROOT
 
 MLP = [str(ROOT / "examples/mlp.py") + ":MLP", "-k", "d_model=128", "-k", "d_hidden=256", "-k", "n_blocks=2",
        "--batch", "4"]

@@ -13,14 +13,14 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import ROOT
 
-from fxacct.predict import calibration
-from fxacct.tools import calibrate
 from fxacct.errors import ModelError
+from fxacct.predict import calibration
 from fxacct.predict.roofline import gpu_key
 from fxacct.runtime.setup import check_fits, free_bytes, resolve_device
+from fxacct.tools import calibrate
 from fxacct_cli.main import cli
-from helpers import ROOT
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -4,10 +4,10 @@ Convention: 2 FLOPs per multiply-add (DESIGN.md), so (m, k) @ (k, n) costs 2Â·mÂ
 """
 
 import pytest
+from helpers import target
 
 import fxacct
 from fxacct.costs.matmul import mm_flops
-from helpers import target
 
 
 def _profile(rel: str, **config) -> fxacct.Profile:

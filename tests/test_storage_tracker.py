@@ -10,8 +10,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxacct.runtime.storage_tracker import (StorageTracker, TrackedStep, default_loss, measure_inference,
-                                    measure_training_step)
+from fxacct.runtime.storage_tracker import (
+    StorageTracker,
+    TrackedStep,
+    default_loss,
+    measure_inference,
+    measure_training_step,
+)
 
 
 def test_views_share_a_storage_and_frees_lower_live_bytes():

@@ -11,13 +11,13 @@ import re
 
 import pytest
 from click.testing import CliRunner
+from helpers import target
 
 import fxacct
 from fxacct.report.durations import format_ms
-from fxacct.units import format_count
 from fxacct.report.width import fit_table, shorten_middle
+from fxacct.units import format_count
 from fxacct_cli.main import cli
-from helpers import target
 
 GPT2 = target("examples/gpt2.py:GPT")
 TINY_GPT = [GPT2, "-k", "n_layer=1", "-k", "n_embd=32", "-k", "n_head=2", "-k", "block_size=16",

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import config, meta_input, on_meta, profile_meta, target
 
 import fxacct
 from fxacct.memory.peak import CATEGORIES
 from fxacct.report.plot import memory_timeline
-from helpers import config, meta_input, on_meta, profile_meta, target
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten

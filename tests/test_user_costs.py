@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 from click.testing import CliRunner
+from helpers import flop_counter_oracle, model_flops
 
 import fxacct
 from fxacct.costs import Flops, register
 from fxacct_cli.main import cli
-from helpers import flop_counter_oracle, model_flops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HERE = Path(__file__).resolve().parent

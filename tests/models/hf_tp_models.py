@@ -6,7 +6,14 @@ any dtype), Gemma2's
 embedding tied to the head. Same vocabulary and sequence length for all: one example_inputs."""
 
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB, SEQ = 256, 16
 COMMON = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
