@@ -66,7 +66,9 @@ def test_step_time_bounds_and_json():
     assert prediction.step_ms > 1e3 * t.compute_s
     d = document(p, prediction)
     assert d["totals"]["predicted_step_ms"] == pytest.approx(1e3 * t.step_s)
-    assert f"{1e3 * t.step_s:.2f} ms predicted on" in render_summary(p, prediction)
+    from fxacct.report.durations import format_ms
+
+    assert f"{format_ms(1e3 * t.step_s)} predicted on" in render_summary(p, prediction)
     # a tp group of 2 shares one batch: each GPU's share is half the group's; 4 GPUs make the job
     time_doc = d["mesh"]["time"]
     tokens = 2 * 64  # batch 2 × T = 64 (examples/llama.py's max_seq)

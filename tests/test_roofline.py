@@ -223,8 +223,9 @@ def test_runtime_flags_without_runtime_are_a_usage_error():
 
 def test_the_per_op_overhead_is_ops_times_overhead():
     # closed form: the step with an overhead of h seconds per op is the step without it plus
-    # (number of ops) × h, the ops counted from the graph itself (every call_function node; no
-    # optimizer here, so no state init and no repeat); the report prints it as its own line
+    # (number of ops) × h, the ops counted from the graph itself (every call_function node but the
+    # views, which launch no kernel on a GPU; no optimizer here, so no state init and no repeat);
+    # the report prints it as its own line
     import dataclasses
 
     from fxacct.devices import LAUNCH_S
@@ -233,7 +234,8 @@ def test_the_per_op_overhead_is_ops_times_overhead():
     p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")
     gpu = from_gpu(get_device("h100"))
     assert gpu.op_overhead_s == LAUNCH_S == 4e-6  # the table's kernel launch latency (sourced there)
-    ops = sum(1 for n in p.capture.graph.nodes if n.op == "call_function")
+    ops = sum(1 for n in p.capture.graph.nodes if n.op == "call_function" and n.meta["fxacct"].kind != "view")
+    assert any(n.meta["fxacct"].kind == "view" for n in p.capture.graph.nodes if n.op == "call_function")
     h = 1e-3
     bare = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=0.0))
     paid = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=h, overhead_source="test"))
@@ -242,7 +244,7 @@ def test_the_per_op_overhead_is_ops_times_overhead():
     assert paid.step_s == pytest.approx(bare.step_s + ops * h)
     for phase in PHASES:  # each phase pays for its own ops
         n_phase = sum(1 for n in p.capture.graph.nodes
-                      if n.op == "call_function" and n.meta["fxacct"].phase == phase)
+                      if n.op == "call_function" and n.meta["fxacct"].phase == phase and n.meta["fxacct"].kind != "view")
         assert paid.by_phase[phase] == pytest.approx(bare.by_phase[phase] + n_phase * h)
     line = [x for x in predicted_section(paid).splitlines() if "per-op overhead" in x]
     assert line == [f"  per-op overhead: {ops} ops × 1 ms = {ops:.3g} ms "
@@ -325,8 +327,8 @@ def test_the_per_op_overhead_by_phase_is_each_phase_ops_times_its_own():
 
     p = profile_meta(on_meta(nn.Linear, 64, 32, bias=False), (meta_input(8, 64),), optimizer="none")
     gpu = from_gpu(get_device("h100"))
-    count = {ph: sum(1 for n in p.capture.graph.nodes if n.op == "call_function" and n.meta["fxacct"].phase == ph)
-             for ph in PHASES}
+    count = {ph: sum(1 for n in p.capture.graph.nodes if n.op == "call_function" and n.meta["fxacct"].phase == ph
+                     and n.meta["fxacct"].kind != "view") for ph in PHASES}  # a view launches no kernel
     bare = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=0.0))
     paid = predict_profile(p, dataclasses.replace(gpu, op_overhead_s=5.0, overhead_by_phase={
         "forward": 1e-3, "backward": 2e-3}))

@@ -41,7 +41,8 @@ ran at about half their in-cache rate, and the sum brought the step's prediction
   table the kernel launch latency (fxacct.devices.LAUNCH_S, sourced there), on a calibrated
   device what an op of a small model's training step costs beyond this roofline, by the op's phase
   (forward with the loss, backward, optimizer: fxacct.tools.calibrate ``dispatch_s_by_phase``), a
-  view the trivial op's dispatch alone (``view_overhead_s``). A small model's step is mostly this
+  view the trivial op's dispatch alone (``view_overhead_s``); on a GPU of the table a view launches
+  no kernel and costs nothing. A small model's step is mostly this
   (issue 10: a small CNN ran 4.7× and its optimizer 51× slower than the roofline without it).
 - A non-matmul kernel the calibration timed (batch norm, max-pool, layer norm, softmax, GELU and
   their backward, dropout's mask: fxacct.tools.microbench.kernels) takes bytes / its measured rate instead: on
@@ -141,7 +142,10 @@ def from_gpu(device: Device) -> DeviceModel:
 
     return DeviceModel(device.name, dict(device.peak_flops), device.peak_flops["float32"], device.bandwidth,
                        f"datasheet: {device.source}", tf32_convolutions=True, op_overhead_s=device.launch_s,
-                       overhead_source=f"kernel launch, {LAUNCH_SOURCE}")
+                       overhead_source=f"kernel launch, {LAUNCH_SOURCE}",
+                       # a view changes a tensor's metadata on the host and launches no kernel: the
+                       # GPU's stream does not wait for it (the host runs ahead of the stream)
+                       view_overhead_s=0.0)
 
 
 def from_calibration(cal, profiled: bool = False) -> DeviceModel:
