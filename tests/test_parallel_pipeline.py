@@ -337,10 +337,11 @@ def test_a_model_without_repeated_blocks_needs_its_split_named(tmp_path):
 
 
 def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
-    """Under pp the account is stage 0's for one micro-batch: the summary's FLOPs and step time say
-    so (no tokens/s from one micro-batch), its config gives micro-batch × M, and its peak is rank
-    0's over the step (the replay held against gloo in test_parallel_gloo), beside the largest
-    rank's and the one-micro-batch figure it once gave alone."""
+    """Under pp the account is stage 0's for one micro-batch: the summary's FLOPs say so, its config
+    gives micro-batch × M, its peak is rank 0's over the step (the replay held against gloo in
+    test_parallel_gloo), beside the largest rank's and the one-micro-batch figure it once gave
+    alone, and its step time is the whole step's, with the pipeline's tokens: M · B · T = 4 · 2 · 64
+    = 512 tokens a step (it once gave one micro-batch of stage 0, with no throughput)."""
     from fxacct.predict.roofline import predict_profile
     from fxacct.report.summary_text import exact_bytes, render_summary
 
@@ -353,7 +354,11 @@ def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
     assert " per micro-batch of stage 0 = forward" in text and " per step =" not in text
     assert f"training step, rank 0 {exact_bytes(pipe.stages[0].peak_bytes)} (2 micro-batches in flight)" in text
     step = next(line for line in text.splitlines() if "step time" in line)
-    assert "for one micro-batch of stage 0" in step and "tokens/s" not in step, step
+    assert "the whole step: 4 micro-batches through 2 stages" in step, step
+    from fxacct.report.durations import format_ms
+    from fxacct.report.summary_text import _rate
+
+    assert format_ms(1e3 * pipe.step_s) in step and f"{_rate(512 / pipe.step_s)} tokens/s per pipeline" in step
     # what rank 0 sends in a step: 4 micro-batches of its (2, 64, 64) fp32 output, 4 · 32768 B
     # (pp alone: no collective), once reported as 0
     from fxacct.report import document
