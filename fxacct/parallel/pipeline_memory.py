@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from fxacct.memory.peak import INPUTS, lifetimes
 from fxacct.parallel.pipeline_fsdp import Gathered, fsdp_stage
+from fxacct.trace.capture import Capture
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER
 from fxacct.trace.graph_builder import trace_of
 from fxacct.trace.records import tensor_metas
@@ -58,7 +59,7 @@ def _input_grad_storages(capture) -> set:
 
 @dataclass(frozen=True)
 class LocalStage:
-    capture: object  # the stage's one-micro-batch Capture
+    capture: Capture  # the stage's one-micro-batch step
     last: bool  # the pipeline's last stage: computes the loss, keeps its outputs
     grad_recv_bytes: int  # the output gradients it receives per micro-batch (0 on the last stage)
     resizes: tuple = ()  # FSDP2's storage resizes in the trace (fxacct.parallel.fsdp_storage), if any

@@ -146,7 +146,7 @@ class _Session:
 
     options: CaptureOptions
     model: torch.nn.Module
-    mode: object
+    mode: FakeTensorMode
     storages: Storages
     recorder: Recorder
     builder: GraphBuilder
@@ -161,7 +161,7 @@ class _Session:
     state_tensors: list = field(default_factory=list)
     masters: list = field(default_factory=list)
     outputs: list = field(default_factory=list)  # inference: the model's outputs, live to the end
-    loss: object = None
+    loss: torch.Tensor | None = None
     returned_loss: bool = False
     output_storages: frozenset = frozenset()
 
