@@ -7,6 +7,7 @@ failed; 4 an internal error of fxacct (a bug to report). Every error is one line
 
 from __future__ import annotations
 
+import importlib
 import sys
 import traceback
 
@@ -14,7 +15,6 @@ import click
 import cloup
 
 from fxacct.errors import FxacctError, internal_error
-from fxacct.report.files import write_text
 
 
 def _fail(e: FxacctError, debug: bool):
@@ -24,9 +24,48 @@ def _fail(e: FxacctError, debug: bool):
     sys.exit(e.exit_code)
 
 
+# command name -> (its module under fxacct_cli, its one-line help as `fxacct --help` lists it). A
+# command's module (and with it torch) is imported only when that command runs or shows its help;
+# tests/test_help.py holds each line equal to the command's own.
+COMMANDS = {
+    "calibrate": ("calibrate_cmd", "Measure what predictions use on the local device: matmul FLOP/s per dtype by shape "
+                                   "class, convolution FLOP/s by channels, the per-op overhead and memory bandwidth by "
+                                   "footprint (~30 s on 2 CPU cores)."),
+    "check": ("check_cmd", "Profile MODEL (PATH.py:Name, package.module:Name or hf:PATH) and check it against budgets."),
+    "diff": ("diff_cmd", "Compare two `fxacct profile --format json` files of the same schema version; --format "
+                         "markdown gives the verdict and change tables for a pull-request comment."),
+    "estimate": ("estimate_cmd", "Back-of-envelope calculators: train-time, max-params, flops (every constant sourced)."),
+    "plan": ("plan_cmd", "Rank the layouts of --gpus GPUs for MODEL (pp with --pp-split, fsdp, tp, micro-batch, "
+                         "activation checkpointing of the repeated blocks off and on) by predicted throughput, among "
+                         "those that fit, and say why the others were rejected."),
+    "profile": ("profile_cmd", "Profile MODEL on fake tensors: PATH.py:Name or package.module:Name (an nn.Module class "
+                               "or factory), or hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config)."),
+}
+
+
+def short_help(name: str, limit: int) -> str:
+    """A command's line in `fxacct --help`, cut as click cuts its own help (Command.get_short_help_str)."""
+    return click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)
+
+
 class FxacctGroup(cloup.Group):
     """Turns click's usage errors into one line on stderr and exit 2, and fxacct's errors into
-    their own exit codes, for every command."""
+    their own exit codes, for every command; loads each command's module when it is asked for."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name: str):
+        if name in COMMANDS and name not in self.commands:
+            importlib.import_module(f"fxacct_cli.{COMMANDS[name][0]}")  # registers it on `cli`
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter) -> None:
+        """The command list of `fxacct --help`, from COMMANDS: no command module is imported."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)  # as click.Group.format_commands
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short_help(name, limit)) for name in names])
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         debug = "--debug" in (sys.argv[1:] if args is None else list(args))
@@ -82,12 +121,11 @@ def write_output(text: str, path: str | None) -> None:
     if path is None or path == "-":
         click.echo(text, nl=False)
         return
+    from fxacct.report.files import write_text
+
     write_text(path, text)
     click.echo(f"wrote {path}", err=True)
 
-
-# each command module registers its command on `cli` (defined above, so they come last)
-from fxacct_cli import calibrate_cmd, check_cmd, diff_cmd, estimate_cmd, plan_cmd, profile_cmd  # noqa: E402,F401,I001
 
 
 def main() -> None:

@@ -16,8 +16,10 @@ from fxacct_cli.main import HELP_SETTINGS, cli
 def commands(group: click.Group = cli, path: tuple[str, ...] = ()):
     """(command path, command) for every command and group under ``group``, itself included."""
     yield path, group
-    for name, cmd in getattr(group, "commands", {}).items():
-        yield from commands(cmd, (*path, name))
+    if isinstance(group, click.Group):  # the lazy group loads each command as click does
+        ctx = click.Context(group)
+        for name in group.list_commands(ctx):
+            yield from commands(group.get_command(ctx, name), (*path, name))
 
 
 ALL = list(commands())
@@ -92,3 +94,27 @@ def test_mesh_help_lists_every_mesh_dimension():
         mesh = text[text.index("--mesh DIM=N,..."):][:200]
         assert f"outer to inner ({', '.join(DIMS)})" in mesh, mesh
         assert all(d in mesh for d in ("pp", "dp", "fsdp", "tp")), mesh
+
+
+@pytest.mark.parametrize("limit", [45, 80, 300])
+def test_the_command_list_is_each_commands_own_help(limit):
+    """`fxacct --help` lists the commands without importing them (fxacct_cli.main.COMMANDS): each
+    line is what the command's own help gives, at any width."""
+    from fxacct_cli.main import COMMANDS, short_help
+
+    assert sorted(cli.commands) == sorted(COMMANDS) and len(ALL) > 8  # ALL above loaded every command
+    for name, command in cli.commands.items():
+        assert short_help(name, limit) == command.get_short_help_str(limit), name
+
+
+def test_help_and_version_do_not_import_torch():
+    """`fxacct --help` and `--version` answer before torch is imported (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from fxacct_cli.main import cli; "
+            "r = [CliRunner().invoke(cli, [a]) for a in ('--help', '--version')]; "
+            "assert all(x.exit_code == 0 for x in r), [x.output for x in r]; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
