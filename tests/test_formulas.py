@@ -799,6 +799,7 @@ def test_collectives_cost_no_flops():
     # accounted apart (fxacct.parallel.collectives)
     from fxacct.parallel import collectives
 
+    collectives.register_fsdp_copies()  # as a mesh's first prepare does
     ops = list(collectives._OPS) + [torch.ops.fsdp.all_gather_copy_in.default,
                                     torch.ops.fsdp.split_with_sizes_copy.default, torch.ops.fsdp.chunk_cat.default]
     # the reduce-scatter copy-in torch 2.15 runs instead of chunk_cat (same schema, same copy)

@@ -12,10 +12,10 @@ is floored to whole bytes when S is not a multiple of n.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed.fsdp  # noqa: F401  (defines the torch.ops.fsdp copy ops)
 import torch.fx as fx
 
 from fxacct.costs.registry import register_zero
@@ -44,10 +44,15 @@ _OPS = {
     _fn.wait_tensor.default: ("wait", None, 0, None),
 }
 register_zero(*_OPS)  # no arithmetic (a reduction's adds are not model FLOPs); bytes and wire bytes below
-# FSDP2's copies into and out of its all-gather and reduce-scatter buffers (torch/distributed/fsdp/
-# _fully_shard/_fsdp_collectives.py): bytes moved, no FLOPs
-register_zero(torch.ops.fsdp.all_gather_copy_in.default, torch.ops.fsdp.split_with_sizes_copy.default,
-              *tp.fsdp_reduce_scatter_copy_ins(), movement=True)
+
+
+@functools.cache
+def register_fsdp_copies() -> None:
+    """FSDP2's copies into and out of its all-gather and reduce-scatter buffers (torch/distributed/
+    fsdp/_fully_shard/_fsdp_collectives.py): bytes moved, no FLOPs. Registered when a mesh is first
+    prepared (fxacct.parallel.rank_capture.prepare): their ops exist once torch.distributed.fsdp is
+    imported, which a single-device profile has no need of (half a second of import)."""
+    register_zero(*tp.fsdp_copy_ops(), movement=True)
 
 
 @dataclass(frozen=True)

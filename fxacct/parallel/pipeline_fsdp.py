@@ -32,6 +32,7 @@ effect after it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,13 @@ import torch
 from fxacct.trace import torch_private as tp
 from fxacct.trace.records import tensor_metas
 
-CHUNK_CATS = frozenset(str(op).rsplit(".", 1)[0] for op in tp.fsdp_reduce_scatter_copy_ins())
+
+@functools.cache
+def chunk_cats() -> frozenset:
+    """The names of this release's reduce-scatter copy-in ops (read when a stage is replayed)."""
+    return frozenset(str(op).rsplit(".", 1)[0] for op in tp.fsdp_reduce_scatter_copy_ins())
+
+
 REDUCE_SCATTER = "c10d._reduce_scatter_base_"
 COPY_OUT = "fsdp.split_with_sizes_copy"
 COPY_IN = "fsdp.all_gather_copy_in"
@@ -101,7 +108,7 @@ def fsdp_stage(ops: list, births: dict, resizes) -> FsdpStage | None:
                 buffers[sid] = frozenset(outs) & events.keys()
         elif name == COPY_IN:
             copy_ins.append(node)
-        elif name in CHUNK_CATS:
+        elif name in chunk_cats():
             regions.append(_region(ops, i, node, born_at))
     for node in copy_ins:  # the shards cast to the all-gather dtype (MixedPrecisionPolicy) go with their gather
         unit = next((buffers[sid] for sid in _storages(node.args[1]) if sid in buffers), None)

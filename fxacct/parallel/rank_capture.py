@@ -17,7 +17,7 @@ import torch
 
 from fxacct.errors import classify
 from fxacct.memory.peak import lifetimes
-from fxacct.parallel.collectives import alias_waits, mark
+from fxacct.parallel.collectives import alias_waits, mark, register_fsdp_copies
 from fxacct.parallel.engine import parallelize
 from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
 from fxacct.parallel.fsdp_storage import StorageResizes, unsave_resized, with_resizes
@@ -62,6 +62,7 @@ def own_tensors(model: torch.nn.Module) -> FakeModel:
 def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
     from torch.distributed.tensor import DTensor
 
+    register_fsdp_copies()
     if config.dtype is not None:
         model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
     with tp.shared_mesh_concatenation():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import networkx as nx
 import torch.fx as fx
 
 from fxacct.devices import get_device
@@ -40,6 +39,8 @@ class ParallelTime:
 
 
 def critical_path(graph: fx.Graph, op_seconds: dict[str, float], comm_seconds: dict[str, float]) -> float:
+    import networkx as nx  # a tenth of a second to import: only a --mesh with --gpu needs it
+
     g = nx.DiGraph()
     last = {"compute": None, "comm": None}
     buffer_writer: dict[fx.Node, str] = {}

@@ -328,6 +328,15 @@ def fsdp_reduce_scatter_copy_ins() -> tuple:
                  if hasattr(torch.ops.fsdp, name))
 
 
+def fsdp_copy_ops() -> tuple:
+    """Every op FSDP2 copies with around its collectives: ``fsdp.all_gather_copy_in``,
+    ``fsdp.split_with_sizes_copy`` and the reduce-scatter copy-ins of this release."""
+    import torch.distributed.fsdp  # noqa: F401  (defines torch.ops.fsdp)
+
+    return (torch.ops.fsdp.all_gather_copy_in.default, torch.ops.fsdp.split_with_sizes_copy.default,
+            *fsdp_reduce_scatter_copy_ins())
+
+
 def fsdp_param_shard(fsdp_param):
     """An FSDPParam's flat local shard, what its all-gather reads (``_sharded_param_data``), or
     None where the all-gather reads something else: an all-gather extension
