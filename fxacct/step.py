@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -20,6 +20,7 @@ from fxacct.costs.user import load_costs
 from fxacct.load import model_spec
 from fxacct.load.config import Config
 from fxacct.load.hf import is_causal_lm
+from fxacct.load.mesh import MeshSpec
 from fxacct.memory import account as memory_account
 from fxacct.memory import sharding
 from fxacct.memory.peak import PARAMETERS, Lifetimes, Peak, lifetimes, walk
@@ -30,8 +31,16 @@ from fxacct.trace.checkpointing import CheckpointWhatIf
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.units import format_bytes, format_count
 
-if TYPE_CHECKING:  # the layer above fills it in (fxacct.parallel.profile_parallel)
-    from fxacct.parallel.accounts import ParallelAccount
+
+class MeshAccount(Protocol):
+    """What the layer above adds to a Profile under --mesh (fxacct.parallel.accounts.ParallelAccount:
+    the rank's collectives, time and pipeline); the step itself reads only these."""
+
+    @property
+    def mesh(self) -> MeshSpec: ...
+
+    @property
+    def step_peak_bytes(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class Profile:
     memory: memory_account.MemoryAccount
     capture: Capture
     warnings: tuple[str, ...] = ()
-    parallel: ParallelAccount | None = None  # under --mesh
+    parallel: MeshAccount | None = None  # under --mesh
     checkpoint: CheckpointWhatIf | None = None  # under --checkpoint, on one device
     model_class: str | None = None  # the class of the model built (hf: targets: the one transformers chose)
     prediction: Prediction | None = None  # the roofline's step time, where a device model is known
@@ -60,7 +69,7 @@ class Profile:
         report: fxacct.report.render)."""
         t, mem, par = self.accounting.totals, self.memory, self.parallel
         scope = " per rank" if par is not None else ""
-        peak = par.pipeline.peak_bytes if par is not None and par.pipeline is not None else (
+        peak = par.step_peak_bytes if par is not None and par.step_peak_bytes is not None else (
             mem.rank_peak.bytes if mem.rank_peak is not None else None)
         rows = [("FLOPs, forward + backward" + scope, f"{format_count(t.forward.total)} + {format_count(t.backward.total)}"),
                 ("parameters" + scope, f"{t.params:,}"),

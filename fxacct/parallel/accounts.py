@@ -59,6 +59,12 @@ class ParallelAccount:
     resizes: tuple = ()  # FSDP2's storage resizes in the training trace (fxacct.parallel.fsdp_storage)
 
     @property
+    def step_peak_bytes(self) -> int | None:
+        """Under pp the largest rank's peak over the whole step (its micro-batches in flight), else
+        None: the rank's own training peak is the Profile's."""
+        return self.pipeline.peak_bytes if self.pipeline is not None else None
+
+    @property
     def comm_wire_bytes(self) -> int:
         """What this rank sends in a step: its collectives' wire bytes, and under pp its stage's
         sends (activations forward, input gradients back; a send's wire bytes are its bytes)."""
