@@ -18,22 +18,15 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """Imports under ``if TYPE_CHECKING:`` are annotations only: never executed."""
-    return {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for sub in ast.walk(node)}
-
-
 def _imports(path: Path, modules: set[str]):
     """(imported fxacct module, inside a function?) for every import statement of the file."""
-    tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
+    tree = ast.parse(path.read_text())  # every import counts, one under TYPE_CHECKING too
     here = _module(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     inside = {id(sub) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
               for sub in ast.walk(fn)}
     for node in ast.walk(tree):
-        if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
