@@ -28,7 +28,6 @@ import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -48,7 +47,7 @@ from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the ph
     module_tracking,
 )
 from fxacct.trace.fake_mode import FakeTensorMode
-from fxacct.trace.fake_model import FakeModel, fake_like, fake_model, swapped
+from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_like, fake_model, swapped
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
@@ -66,19 +65,6 @@ from fxacct.trace.records import (  # noqa: F401  (re-exported)
 from fxacct.trace.replay import BlockReplay, find_runs
 from fxacct.trace.replay_train import TrainReplay
 from fxacct.trace.targets import CudaRules
-
-
-class PreparedModel(Protocol):
-    """A model whose tensors were made fake before the capture (fxacct.parallel.rank_capture.Prepared:
-    parallelized, then materialized in ``mode``): the capture runs in that mode, takes ``fake`` as
-    the model's tensors, defers to the tensor subclasses in ``defer`` (DTensor) and lets it
-    ``attach`` to the recorder."""
-
-    mode: FakeTensorMode
-    fake: FakeModel
-    defer: tuple
-
-    def attach(self, recorder: Recorder) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from fxacct.trace import torch_private as tp
+from fxacct.trace.dispatch_recorder import Recorder
+from fxacct.trace.fake_mode import FakeTensorMode
 
 
 def fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -69,3 +72,16 @@ def swapped(model: torch.nn.Module, fake: FakeModel, training: bool):
             m.training = flag
         for m, k, original, _ in fake.attributes:
             setattr(m, k, original)
+
+
+class PreparedModel(Protocol):
+    """A model whose tensors were made fake before the capture (fxacct.parallel.rank_capture.Prepared:
+    parallelized, then materialized in ``mode``): the capture runs in that mode, takes ``fake`` as
+    the model's tensors, defers to the tensor subclasses in ``defer`` (DTensor) and lets it
+    ``attach`` to the recorder."""
+
+    mode: FakeTensorMode
+    fake: FakeModel
+    defer: tuple
+
+    def attach(self, recorder: Recorder) -> None: ...

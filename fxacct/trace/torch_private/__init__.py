@@ -1,0 +1,194 @@
+"""Every private PyTorch API fxacct relies on, in one place.
+
+Each name is looked up once at import; if a torch release moves one, fxacct fails here with a
+message naming the API instead of mis-counting later. tests/test_torch_private.py pins the
+behaviour each one must have.
+"""
+
+import torch
+
+from fxacct.errors import FxacctError
+from fxacct.trace.torch_private.required import _require
+
+# The autograd Node currently executing in the backward engine (None outside backward). Its
+# sequence number equals the one its forward op got: this links a backward op to its forward op
+# (the same link AOTAutograd uses, see torch/fx/proxy.py "NOTE [ Sequence Number ]").
+current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
+
+
+def current_autograd_number() -> int | None:
+    """The sequence number of the autograd Node the backward engine is running, or None."""
+    node = current_autograd_node()
+    return node._sequence_nr() if node is not None else None
+
+# The next autograd sequence number on this thread; a forward op that records a grad_fn takes one
+# before it redispatches below autograd, so a dispatch mode sees it already taken.
+next_autograd_number = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
+
+from torch.nn.utils import stateless as _stateless  # noqa: E402
+
+# Swap a module's parameters and buffers for other tensors, restoring them on exit.
+reparametrize_module = _require(_stateless, "_reparametrize_module", "torch.nn.utils.stateless")
+
+from torch._subclasses import fake_tensor as _fake_tensor  # noqa: E402
+
+FakeTensorMode = _require(_fake_tensor, "FakeTensorMode", "torch._subclasses.fake_tensor")
+FakeTensor = _require(_fake_tensor, "FakeTensor", "torch._subclasses.fake_tensor")
+# The context FakeTensorMode runs a meta kernel in, its fake tensors acting as meta ones.
+in_kernel_invocation_manager = _require(
+    _fake_tensor, "in_kernel_invocation_manager", "torch._subclasses.fake_tensor"
+)
+# FakeTensorMode's own op dispatch past its cache: what its cached path runs on a miss or bypass.
+fake_dispatch_uncached = _require(FakeTensorMode, "_dispatch_impl", "FakeTensorMode")
+# Raised when a model's Python code needs a tensor's value (data-dependent control flow).
+DataDependentOutputException = _require(
+    _fake_tensor, "DataDependentOutputException", "torch._subclasses.fake_tensor"
+)
+DynamicOutputShapeException = _require(
+    _fake_tensor, "DynamicOutputShapeException", "torch._subclasses.fake_tensor"
+)
+UnsupportedOperatorException = _require(
+    _fake_tensor, "UnsupportedOperatorException", "torch._subclasses.fake_tensor"
+)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for the storage behind t: equal for a tensor and all its views."""
+    return t.untyped_storage()._cdata
+
+
+def fx_append_node(graph, op: str, target, args: tuple, kwargs: dict, name: str):
+    """torch.fx.Graph.create_node without its per-node pytree walk over the arguments (a warning
+    check for raw SymInts, which fake tensors with static shapes never produce): a third of the
+    cost of building a large graph. Falls back to create_node where fx's internals differ."""
+    try:
+        namespace, insert, table = graph._graph_namespace, graph._insert, graph._find_nodes_lookup_table
+    except AttributeError:
+        return graph.create_node(op, target, args, kwargs, name=name)
+    name = namespace.create_name(name, None)
+    node = torch.fx.Node(graph, name, op, target, args, kwargs or {}, None)
+    namespace.associate_name_with_obj(name, node)
+    insert(node)
+    table.insert(node)
+    graph._len += 1
+    return node
+
+
+from torch.utils import _pytree  # noqa: E402
+
+# Flattening nested Python containers (tuples, lists, dicts, namedtuples, HF ModelOutputs) the way
+# torch does: model inputs and outputs.
+tree_leaves = _pytree.tree_leaves
+tree_map = _pytree.tree_map
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+
+# The logger FakeTensorMode writes a kernel's traceback to before re-raising it.
+FAKE_TENSOR_LOGGER = _fake_tensor.__name__
+
+from torch.utils import _python_dispatch  # noqa: E402
+
+# The dispatch-mode base class (what FlopCounterMode builds on) and its tensor-subclass test.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
+
+
+def kineto_events(prof):
+    """The raw kineto events of a finished torch.profiler.profile (memory events included), or
+    None where this torch keeps them elsewhere."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    return results.events() if results is not None else None
+
+
+def schema_arguments(op) -> tuple[tuple[str, bool], ...]:
+    """(name, kwarg_only) of each argument in an OpOverload's schema, in order (fxacct.costs reads
+    arguments by name: positions differ between overloads and kernels)."""
+    return tuple((a.name, a.kwarg_only) for a in op._schema.arguments)
+
+
+def returns_nothing(op) -> bool:
+    """Whether an OpOverload's schema returns nothing (``-> ()``: an op that only writes into its
+    ``out`` arguments, as FSDP2's copies do)."""
+    return not op._schema.returns
+
+
+# Run real tensors past every active dispatch mode (fake tensors, the recorder): the small known
+# values of fxacct.trace.known_values are computed for real beside the traced op.
+disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "torch.utils._python_dispatch")
+
+
+# kineto (torch.profiler's backend) logs through its own logger, not Python's: at its default level it
+# writes "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" and "profiler_stop" lines to
+# stderr around every profile. It reads KINETO_LOG_LEVEL once, when the first profile in the process
+# initialises it (libkineto init.cpp), and prints messages whose level is at least that one; its
+# levels (ILoggerObserver.h) are VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5, so 6 prints
+# none. Verified on torch 2.13: set after `import torch` and before the first profile, no line.
+KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"
+
+
+def quiet_kineto() -> None:
+    """Silence kineto's log lines for this process, unless the user set KINETO_LOG_LEVEL. Call before
+    the first torch.profiler.profile starts (kineto reads the variable once, at its initialisation)."""
+    import os
+
+    os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_SILENT)
+
+def local(t):
+    """A DTensor's shard on this rank (its ``_local_tensor``); any other tensor itself."""
+    return getattr(t, "_local_tensor", t) if t is not None else None
+
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+from torch import overrides as _overrides  # noqa: E402
+
+# The TorchFunctionModes active on this thread, outermost first (the backward engine runs
+# activation checkpointing's recompute without them: fxacct.trace.checkpointing re-enters them).
+function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "torch.overrides")
+
+
+def no_python_dispatch():
+    """Ops run their kernels directly, below every TorchDispatchMode and tensor subclass."""
+    return torch._C._DisableTorchDispatch()
+
+
+from torch.utils import checkpoint as _checkpoint  # noqa: E402
+
+
+def _checkpoint_recompute_codes() -> frozenset:
+    """The code objects activation checkpointing recomputes a forward in (torch/utils/checkpoint.py):
+    the non-reentrant variant's ``recompute_fn``, a closure of ``_checkpoint_without_reentrant_generator``
+    called from the unpack hook of a saved tensor. (The reentrant variant refuses torch.autograd.grad,
+    which a capture calls, so it never runs here.)"""
+    import types
+
+    generator = _require(_checkpoint, "_checkpoint_without_reentrant_generator", "torch.utils.checkpoint")
+    codes = {c for c in generator.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "recompute_fn"}
+    if not codes:
+        raise FxacctError(f"this torch ({torch.__version__}) has no recompute_fn in "
+                          "torch.utils.checkpoint._checkpoint_without_reentrant_generator, which fxacct needs")
+    return frozenset(codes)
+
+
+_RECOMPUTE_CODES = _checkpoint_recompute_codes()
+
+
+def in_checkpoint_recompute() -> bool:
+    """Whether torch.utils.checkpoint is recomputing a forward on this thread's Python stack now
+    (a custom autograd.Function's backward that re-runs forward ops is not)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _RECOMPUTE_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# torch.distributed's private APIs (FSDP2, DTensor, pipelining, the fake process group)
+from fxacct.trace.torch_private.distributed import (  # noqa: E402,F401,I001  (re-exported)
+    FSDP_COPY_OUT_ARGS, FSDP_GATHER_ARGS, TorchCall, comm_debug_collectives, composable_state_keys, dtensor_meta_unrecorded, fake_store, fsdp_copy_ops, fsdp_gathers_patched, fsdp_param_shard, fsdp_reduce_scatter_copy_ins, fsdp_storage_resizes, pipeline_order, reduce_op_type, replaced, shared_mesh_concatenation,
+)
