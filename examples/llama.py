@@ -122,12 +122,7 @@ class Llama(nn.Module):
 def tp_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:
     """(root plan, per-block plan) in torchtitan's form."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     sp = sequence_parallel
     root = {

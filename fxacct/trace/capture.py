@@ -52,16 +52,7 @@ from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
 from fxacct.trace.optim_step import step_once
-from fxacct.trace.records import (  # noqa: F401  (re-exported)
-    TAG,
-    Ref,
-    Slot,
-    StateTensor,
-    Storages,
-    TensorMeta,
-    itemsize,
-    tensor_metas,
-)
+from fxacct.trace.records import TAG, Ref, Slot, StateTensor, Storages, TensorMeta, itemsize, tensor_metas  # noqa: F401  (re-exported)
 from fxacct.trace.replay import BlockReplay, find_runs
 from fxacct.trace.replay_train import TrainReplay
 from fxacct.trace.targets import CudaRules

@@ -40,15 +40,7 @@ import torch
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
 from fxacct.trace.known_values import VALUE, known
-from fxacct.trace.records import (
-    TAG,
-    DerivedFromRecord,
-    OpRecord,
-    Ref,
-    Slot,
-    TensorMeta,
-    TookSequenceNumbers,
-)
+from fxacct.trace.records import TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers
 from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
 from fxacct.trace.replay_template import (
     Template,
