@@ -64,7 +64,10 @@ def one_example(name: str, steps: int, warmup: int) -> dict:
 
 
 def one_round(names, steps: int, warmup: int) -> tuple[dict, object]:
-    cal = calibrate.calibrate("cpu")
+    try:
+        cal = calibrate.calibrate("cpu")
+    except fxacct.UsageError as e:  # a refused calibration: this machine is busy, nothing to compare
+        sys.exit(f"{e}")
     calibration.save(cal)
     return {name: one_example(name, steps, warmup) for name in names}, cal
 

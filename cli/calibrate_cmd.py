@@ -17,11 +17,12 @@ def calibrate_command(device, debug):
     """Measure what predictions use on the local device: matmul FLOP/s per dtype by shape class,
     convolution FLOP/s by channels, the per-op overhead and memory bandwidth by footprint (~30 s
     on 2 CPU cores). Each figure is repeated until stable (its spread is printed); implausible
-    figures are re-measured, then rejected with a warning. Stored in the user cache dir
+    figures are re-measured, and a figure that stays unstable or implausible refuses the whole
+    calibration (exit 2; nothing stored: calibrate again on an idle machine). Stored in the user cache dir
     ($FXACCT_CACHE_DIR, else $XDG_CACHE_HOME/fxacct, else ~/.cache/fxacct).
 
     \b
-    Exit codes: 0 success; 2 usage error (e.g. --device cuda without CUDA); 4 an internal error
+    Exit codes: 0 success; 2 usage error (e.g. --device cuda without CUDA) or a refused calibration; 4 an internal error
     of fxacct.
     """
     from fxacct.predict import calibration

@@ -16,14 +16,14 @@ from fxacct.tools import microbench
 # The small step on every thread against one thread: measured on the 2-core CI machine, idle
 # 1.0-1.3×; with two busy processes on its cores 116-130× (OpenMP's threads wait at each parallel
 # region for a core other work holds, while one thread is merely time-sliced). Above 3× the
-# machine is contended and the one-thread step is what the calibration keeps.
+# machine is contended and the calibration is refused (fxacct.tools.calibrate).
 CONTENDED = 3.0
 
 
 def small_steps(kind: str, budget_s: float) -> tuple[microbench.TinyTiming, microbench.TinyTiming, str | None]:
-    """(the small step, the same under torch.profiler, a warning or None). On a CPU running more
+    """(the small step, the same under torch.profiler, a problem or None). On a CPU running more
     than one thread the step is also timed on one thread: where other work holds the cores (a
-    contended machine: CONTENDED), the one-thread timings are kept and the warning says so."""
+    contended machine: CONTENDED), the problem says so."""
     tiny = microbench.dispatch(kind, budget_s)  # a median over ~100 steps: the steadiest figure
     profiled = microbench.dispatch(kind, budget_s / 3, profiled=True)
     threads = torch.get_num_threads()
@@ -31,20 +31,15 @@ def small_steps(kind: str, budget_s: float) -> tuple[microbench.TinyTiming, micr
         return tiny, profiled, None
     with _one_thread():
         alone = microbench.dispatch(kind, budget_s / 3)
-    note = contended(tiny.step.seconds, alone.step.seconds, threads)
-    if note is None:
-        return tiny, profiled, None
-    with _one_thread():
-        return microbench.dispatch(kind, budget_s), microbench.dispatch(kind, budget_s / 3, profiled=True), note
+    return tiny, profiled, contended(tiny.step.seconds, alone.step.seconds, threads)
 
 
 def contended(step_s: float, one_thread_s: float, threads: int) -> str | None:
-    """The warning for a small step that took over CONTENDED × its one-thread time, else None."""
+    """The problem of a small step that took over CONTENDED × its one-thread time, else None."""
     if step_s <= CONTENDED * one_thread_s:
         return None
     return (f"per-op overhead: the small training step took {step_s * 1e3:.3g} ms on {threads} threads and "
-            f"{one_thread_s * 1e3:.3g} ms on one: other work holds this CPU's cores and the threads wait for "
-            "them; the one-thread figures are stored. Calibrate again on an idle machine")
+            f"{one_thread_s * 1e3:.3g} ms on one: other work holds this CPU's cores")
 
 
 @contextlib.contextmanager

@@ -23,7 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 from fxacct.trace import torch_private as tp
 
 STABLE_REL = 0.05  # two rounds within 5% of each other: stable
-MAX_ROUNDS = 4
+# rounds before a figure is given up as unsettled (which refuses the calibration: fxacct.tools.calibrate):
+# on a lightly disturbed machine more rounds find two that agree; a busy one stays unsettled
+MAX_ROUNDS = 8
 MAX_REPS = 200
 TINY_LAYERS = 8  # Linear + ReLU pairs of the small model whose training step times the per-op overhead
 # its width and batch: (256, 64) float32 activations, 64 KiB, the size a small model's ops work on (the
@@ -286,11 +288,12 @@ def _kernel_cases(kind: str, side: int = 32) -> dict:
     }
 
 
-def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float]:
-    """({str(aten op): bytes/s}, {str(aten op): seconds per call}, largest spread): the rate at
-    which each kernel of _kernel_cases moves the bytes the roofline counts for it (its arithmetic
-    included) and its fixed cost per call, fit (fit_latency) through its times at KERNEL_SIDES when
-    both were stable (a fit through noise is noise; else the larger case's rate and no latency)."""
+def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float, list]:
+    """({str(aten op): bytes/s}, {str(aten op): seconds per call}, largest spread, [str(aten op) whose
+    points were not stable]): the rate at which each kernel of _kernel_cases moves the bytes the
+    roofline counts for it (its arithmetic included) and its fixed cost per call, fit (fit_latency)
+    through its times at KERNEL_SIDES when both were stable (a fit through noise is noise; else the
+    larger case's rate and no latency, and the op is listed)."""
     timer = timer or Timer(kind)
     points, spreads = {}, []
     for side in KERNEL_SIDES:
@@ -301,17 +304,19 @@ def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float]:
             spreads.append(t.spread)
     fits = {op: fit_latency(*[(w, s) for w, s, _ in sorted(p)]) if all(ok for *_, ok in p)
             else (max(p)[0] / max(p)[1], 0.0) for op, p in points.items()}  # unstable points: no fit
-    return {op: r for op, (r, _) in fits.items()}, {op: lat for op, (_, lat) in fits.items()}, max(spreads)
+    unfit = [op for op, p in points.items() if not all(ok for *_, ok in p)]
+    return {op: r for op, (r, _) in fits.items()}, {op: lat for op, (_, lat) in fits.items()}, max(spreads), unfit
 
 
-def attention(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
-    """({str(aten op): seconds per call}, largest spread): the fixed cost per call of the CPU's fused
+def attention(kind: str, budget_s: float, timer=None) -> tuple[dict, float, list]:
+    """({str(aten op): seconds per call}, largest spread, [str(aten op) whose points were not stable]):
+    the fixed cost per call of the CPU's fused
     attention kernel, forward and backward (causal, no dropout), fit (fit_latency) through query
     lengths ATTENTION_LENGTHS at 8 × 4 heads × 16 dims, work ∝ T²: measured here ~30 µs forward and
     ~45 µs backward, most of a small model's attention time, which its FLOPs do not show. {} on CUDA
     (its kernels are other ops, and their fixed cost is the launch latency)."""
     if kind != "cpu":
-        return {}, 0.0
+        return {}, 0.0, []
     timer = timer or Timer(kind)
     aten = torch.ops.aten
     fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu.default, \
@@ -327,8 +332,9 @@ def attention(kind: str, budget_s: float, timer=None) -> tuple[dict, float]:
             t = stable(timer, call, budget_s)
             points[str(op)].append((work, t.seconds, t.stable))
             spreads.append(t.spread)
+    unfit = [op for op, p in points.items() if not all(ok for *_, ok in p)]
     return {op: fit_latency(*[(w, s) for w, s, _ in p])[1] for op, p in points.items()
-            if all(ok for *_, ok in p)}, max(spreads)
+            if op not in unfit}, max(spreads), unfit
 
 
 def bandwidth(kind: str, nbytes: int, budget_s: float, timer=None) -> tuple[float, Timing]:
