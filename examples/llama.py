@@ -98,8 +98,12 @@ class Llama(nn.Module):
     """``forward(tokens: (B, T) long) -> logits (B, T, vocab)``. The defaults are a small model."""
 
     def __init__(self, vocab_size: int = 512, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 n_kv_heads: int = 2, hidden: int = 128, max_seq: int = 64, eps: float = 1e-5):
+                 n_kv_heads: int = 2, hidden: int = 128, max_seq: int = 64, eps: float = 1e-5,
+                 float_logits: bool = False):
         super().__init__()
+        # float_logits: the logits cast to float32, as torchtitan's Transformer.forward does
+        # (torchtitan/models/llama/model.py, 2024-12: ``self.output(h).float()``) before its loss
+        self.float_logits = float_logits
         self.n_heads, self.n_kv_heads, self.max_seq, self.vocab_size = n_heads, n_kv_heads, max_seq, vocab_size
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleDict(
@@ -113,7 +117,10 @@ class Llama(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        return logits.float() if self.float_logits else logits
 
     def example_inputs(self, batch: int):
         return (torch.randint(0, self.vocab_size, (batch, self.max_seq)),)
@@ -144,21 +151,28 @@ def tp_plan(sequence_parallel: bool = False) -> tuple[dict, dict]:
     return root, block
 
 
+def _tensor_parallel(model: Llama, mesh, sequence_parallel: bool) -> None:
+    """tp_plan on the mesh's ``tp`` dimension, when it has one of size > 1."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+        return
+    tp = mesh["tp"].size()
+    if model.n_heads % tp or model.n_kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide n_heads={model.n_heads} and n_kv_heads={model.n_kv_heads}")
+    root, block = tp_plan(sequence_parallel)
+    parallelize_module(model, mesh["tp"], {k: v for k, v in root.items() if getattr(model, k) is not None})
+    for layer in model.layers.values():
+        parallelize_module(layer, mesh["tp"], block)
+
+
 def parallelize(model: Llama, mesh, sequence_parallel: bool = False, reshard_after_forward: bool = True):
     """Tensor parallel on the mesh's ``tp`` dimension (if any), then FSDP2 on ``fsdp`` (and ``dp``
     as replicate-shard, HSDP) per block and at the root, as torchtitan does."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
 
     names = mesh.mesh_dim_names or ()
-    if "tp" in names and mesh["tp"].size() > 1:
-        tp = mesh["tp"].size()
-        if model.n_heads % tp or model.n_kv_heads % tp:
-            raise ValueError(f"tp={tp} does not divide n_heads={model.n_heads} and n_kv_heads={model.n_kv_heads}")
-        root, block = tp_plan(sequence_parallel)
-        parallelize_module(model, mesh["tp"], {k: v for k, v in root.items() if getattr(model, k) is not None})
-        for layer in model.layers.values():
-            parallelize_module(layer, mesh["tp"], block)
+    _tensor_parallel(model, mesh, sequence_parallel)
     dims = tuple(d for d in ("dp", "fsdp") if d in names)
     if dims:
         fsdp_mesh = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
@@ -166,6 +180,55 @@ def parallelize(model: Llama, mesh, sequence_parallel: bool = False, reshard_aft
             fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=False)
     return model
+
+
+def parallelize_torchtitan(model: Llama, mesh):
+    """FSDP2 as torchtitan's ``apply_fsdp`` applies it (torchtitan/parallelisms/parallelize_llama.py,
+    2024-12, the version of its published H100 runs): ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)`` (its training.mixed_precision_param / _reduce defaults), each block
+    resharded after forward but the last (FSDP would prefetch it again at once), the root
+    resharded; tensor parallel first on a ``tp`` dimension, as ``parallelize``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    names = mesh.mesh_dim_names or ()
+    _tensor_parallel(model, mesh, sequence_parallel=True)
+    dims = tuple(d for d in ("dp", "fsdp") if d in names)
+    if dims:
+        fsdp_mesh = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        last = len(model.layers) - 1
+        for i, layer in enumerate(model.layers.values()):
+            fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=i < last)
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=True)
+    return model
+
+
+def torchtitan_sac():
+    """torchtitan's per-op selective activation checkpointing policy (``selective_ac_option = "op"``,
+    torchtitan/parallelisms/parallelize_llama.py, 2024-12): save the outputs of attention, of
+    reduce-scatters, of ``max`` and of every other matmul of a block call (odd-numbered ones,
+    counted apart in the forward and the recompute); recompute the rest. A factory: fxacct calls it
+    once per checkpointed block call, as torchtitan's ``selective_checkpointing_context_fn`` does.
+
+        fxacct profile examples/llama.py:Llama --checkpoint 'layers.*' \\
+            --checkpoint-policy examples/llama.py:torchtitan_sac
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default, aten.max.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == aten.mm.default:
+            counts[mode] += 1
+        keep = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def split_points(model: Llama, stages: int) -> list[str]:

@@ -174,3 +174,36 @@ def test_real_runs_checkpoint_the_same_modules():
     saved, _ = eager_saved_bytes(model, args, kw)
     hand, _ = eager_saved_bytes(wrap_blocks_by_hand(real_model(GPT[0], GPT[1], B)[0]), args, kw)
     assert saved == hand
+
+
+LLAMA = ("examples/llama.py:Llama", {})  # dim 64, 4 heads, 2 kv heads (kv dim 32), hidden 128, T 64, 2 blocks
+SAC = "examples/llama.py:torchtitan_sac"
+
+
+def test_a_policy_factory_gives_each_block_call_its_own_policy():
+    # torchtitan's per-op SAC saves every other matmul of a block call, its count starting afresh in
+    # each block: of a block's 7 mms (wq, wk, wv, wo, w1, w3, w2) the odd-numbered are saved and wk,
+    # wo, w3 recomputed (each needed by the backward: k by the recomputed attention, wo's output
+    # by ffn_norm's input, w3's by w2's input). B=2, T=64: 128 tokens; wk 2·128·64·32 = 524,288,
+    # wo 2·128·64·64 = 1,048,576, w3 2·128·64·128 = 2,097,152: 3,670,016 per block, 7,340,032 for
+    # two. One counter across the blocks would recompute wq, wv and w1 in the second block instead.
+    p = fxacct.profile(fxacct.Config(target=LLAMA[0], batch=B, checkpoint=("layers.*",), checkpoint_policy=SAC))
+    products = sum(n.meta["fxacct"].flops.matmul for n in p.capture.graph.nodes
+                   if n.meta.get("fxacct") is not None and n.meta["fxacct"].recompute)
+    assert products == 2 * (524_288 + 1_048_576 + 2_097_152)
+
+
+def test_torchtitan_sac_peak_matches_the_storage_tracker():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from examples.llama import torchtitan_sac
+
+    p = fxacct.profile(fxacct.Config(target=LLAMA[0], batch=B, checkpoint=("layers.*",), checkpoint_policy=SAC))
+    model, args, kw = real_model(LLAMA[0], LLAMA[1], B)
+    for block in model.layers.values():
+        block.forward = (lambda f: lambda *a: checkpoint(
+            f, *a, use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(torchtitan_sac())))(block.forward)
+    step = measure_training_step(model, args, torch.optim.AdamW, kwargs=kw)
+    assert step.adopted_bytes == 0
+    assert abs(p.checkpoint.checkpointed.peak_train_bytes / step.peak_bytes - 1) <= 0.01

@@ -7,13 +7,16 @@ dots, only the outermost match of a subtree is wrapped ('h.*' wraps h.0, h.1, ..
 A pattern that matches no module is a usage error. Policies (selective checkpointing through
 torch.utils.checkpoint.create_selective_checkpoint_contexts): "save-matmuls" keeps the outputs
 of matrix products and recomputes the rest; "PATH.py:fn" is a user's policy function
-``fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``."""
+``fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``, or a factory ``fn() -> policy`` called for
+each checkpointed call, as torchtitan's per-op selective checkpointing makes a fresh policy (with
+its own matmul counter) for every call of a block (``selective_checkpointing_context_fn``)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
+import inspect
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -70,9 +73,26 @@ def policy_function(spec: str | None):
     return fn
 
 
+def is_factory(fn) -> bool:
+    """A policy factory takes no argument (a policy takes ctx and the op)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: a policy
+        return False
+    return not any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                   for p in params)
+
+
+def _context_fn(policy):
+    if policy is None:
+        return ckpt.noop_context_fn
+    if is_factory(policy):
+        return lambda: ckpt.create_selective_checkpoint_contexts(policy())
+    return functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
+
+
 def _wrapped(forward, policy):
-    context_fn = (functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
-                  if policy is not None else ckpt.noop_context_fn)
+    context_fn = _context_fn(policy)
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
