@@ -41,11 +41,13 @@ def rope_tables(head_dim: int, max_seq: int, theta: float = 10000.0) -> torch.Te
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim); the rotate-half form of RoPE."""
+    """x: (B, heads, T, head_dim); the rotate-half form of RoPE, computed in the tables' float32 and
+    cast back to x's dtype, as torchtitan's ``apply_rotary_emb`` does (``.type_as(xq)``): under
+    bfloat16 parameters (FSDP2's MixedPrecisionPolicy) attention then runs in bfloat16."""
     t = x.shape[-2]
     cos, sin = rope[0, :t], rope[1, :t]
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
 
 
 class Attention(nn.Module):
