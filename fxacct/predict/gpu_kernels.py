@@ -211,7 +211,7 @@ def attention_dims(node: fx.Node) -> tuple[int, int, int, int, bool, bool] | Non
     q, k = _shape(args[0]), _shape(args[1]) if len(args) > 1 else None
     if not q or not k or len(q) != 4 or len(k) != 4:
         return None
-    if "_flash_attention_" in target or "_efficient_attention_" in target:  # (B, T, H, d) layouts
+    if target.startswith(("aten._flash_attention_", "aten._efficient_attention_")):  # (B, T, H, d) layouts
         b_h, tq, tk = q[0] * q[2], q[1], k[1]
     else:  # (B, H, T, d)
         b_h, tq, tk = q[0] * q[1], q[2], k[2]
@@ -221,7 +221,8 @@ def attention_dims(node: fx.Node) -> tuple[int, int, int, int, bool, bool] | Non
     return b_h, tq, tk, q[3], causal, backward
 
 
-def _attention_seconds(node, flops, dtype, device) -> tuple[float, str] | None:
+def _attention_seconds(node, flops, dtype, device) -> tuple[float, str, float] | None:
+    """(seconds, kernel, the FLOPs the kernel executes: the papers' count, causal halved)."""
     dims = attention_dims(node)
     if dims is None:
         return None
@@ -229,10 +230,11 @@ def _attention_seconds(node, flops, dtype, device) -> tuple[float, str] | None:
     backend = attention_backend(device, dtype, d)
     direction = "backward" if backward else "forward"
     if backend == "efficient":  # no published measurement: the matmul model's full-wave rate
-        return flops.attention / matmul_rate(device, matmul_key(dtype)), f"attention efficient {direction}"
+        rate = matmul_rate(device, matmul_key(dtype))
+        return flops.attention / rate, f"attention efficient {direction}", flops.attention
     work = 4 * b_h * tq * tk * d * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)  # papers' FLOPs
     rate = attention_rate(device, backend, direction, causal, d, tk)
-    return work / rate, f"attention {backend} {direction}"
+    return work / rate, f"attention {backend} {direction}", work
 
 
 def op_time(node: fx.Node, flops, nbytes: int, dtype: torch.dtype | None, device: Device) -> KernelTime:
@@ -245,6 +247,7 @@ def op_time(node: fx.Node, flops, nbytes: int, dtype: torch.dtype | None, device
         timed = _attention_seconds(node, flops, dtype, device)
         if timed is not None:
             compute, kernel = other + timed[0] + flops.matmul / matmul_rate(device, matmul_key(dtype)), timed[1]
+            tensor_flops = timed[2] + flops.matmul  # the share of peak in the kernel's own FLOPs
         else:
             compute += tensor_flops / matmul_rate(device, matmul_key(dtype))
     elif flops.matmul:
