@@ -32,14 +32,18 @@ def _no_launch(device):
     return dataclasses.replace(from_gpu(device), op_overhead_s=0.0)
 
 
-def _forward_mm_seconds(m: int, k: int, n: int, gpu: str = "h100") -> float:
-    # y = x @ Wᵀ in bf16, no optimizer: the forward aten.mm's time without its launch
+def _forward_mm(m: int, k: int, n: int, gpu: str = "h100"):
+    # y = x @ Wᵀ in bf16, no optimizer: the forward aten.mm (its time without the launch)
     p = profile_meta(on_meta(nn.Linear, k, n, bias=False, dtype=torch.bfloat16),
                      (meta_input(m, k, dtype=torch.bfloat16),), optimizer="none")
     pr = predict_profile(p, _no_launch(get_device(gpu)))
     fwd = [o for o in pr.ops if o.op == "aten.mm.default" and o.phase == "forward"]
     assert len(fwd) == 1 and fwd[0].bound == COMPUTE, fwd
-    return fwd[0].seconds
+    return fwd[0]
+
+
+def _forward_mm_seconds(m: int, k: int, n: int, gpu: str = "h100") -> float:
+    return _forward_mm(m, k, n, gpu).seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,8 +59,11 @@ def test_one_tile_more_than_the_sms_takes_two_waves():
     q = gemm_quantization(1, 1792, 2432, 4096, 132)
     assert (q.tile, q.tiles, q.split, q.waves) == ((256, 128), 133, 1, 2)
     assert q.executed_flops == 70_866_960_384
-    t = _forward_mm_seconds(1792, 4096, 2432)
-    assert t == pytest.approx(70_866_960_384 / BF16_RATE) == pytest.approx(89.151e-6, rel=1e-4)
+    mm = _forward_mm(1792, 4096, 2432)
+    assert mm.seconds == pytest.approx(70_866_960_384 / BF16_RATE) == pytest.approx(89.151e-6, rel=1e-4)
+    # the share of the bf16 peak it achieves: 35,701,915,648 FLOPs / 89.151 µs / 989.5e12 = 40.47%
+    assert mm.peak_fraction == pytest.approx(35_701_915_648 / 70_866_960_384 * 794.5 / 989)
+    assert mm.kernel == "gemm 256x128, 2 waves"
     # one tile fewer (n = 2304: 7·18 = 126 < 132 tiles of 256×128, so 128×128: 14·18 = 252 tiles,
     # 2 waves of 264 slots): 2 · 132 · 2·128·128·4096 = 35,433,480,192 FLOPs = 44.576 µs, half
     assert _forward_mm_seconds(1792, 4096, 2304) == pytest.approx(35_433_480_192 / BF16_RATE)

@@ -102,7 +102,8 @@ class KernelTime:
     seconds: float  # the op's time on the GPU, without the launch cost
     bound: str  # "compute" or "memory"
     kernel: str  # what ran: "gemm 128x128, 3 waves", "attention cudnn forward", "memory", "pointwise"
-    peak_fraction: float | None  # the share of the datasheet peak (FLOP/s or bytes/s) it achieves
+    peak_fraction: float | None  # share of the datasheet peak it achieves: FLOP/s for a GEMM or
+    #                              attention kernel (its own FLOPs), else bytes/s of a memory-bound op
 
 
 def _shape(node) -> tuple[int, ...] | None:
@@ -269,12 +270,12 @@ def op_time(node: fx.Node, flops, nbytes: int, dtype: torch.dtype | None, device
     bound = "compute" if compute >= memory else "memory"
     if not seconds:
         return KernelTime(0.0, bound, kernel, None)
-    if bound == "memory":
-        return KernelTime(seconds, bound, kernel, nbytes / seconds / device.bandwidth)
-    if tensor_flops:
+    if tensor_flops:  # a GEMM or attention kernel: FLOP/s over the dtype's peak, whatever bounds it
         peak = device.peak_flops.get(matmul_key(dtype, "convolution" in str(node.target)),
                                      device.peak_flops["float32"])
         return KernelTime(seconds, bound, kernel, tensor_flops / seconds / peak)
+    if bound == "memory":
+        return KernelTime(seconds, bound, kernel, nbytes / seconds / device.bandwidth)
     return KernelTime(seconds, bound, kernel, flops.other / seconds / device.peak_flops["float32"])
 
 
