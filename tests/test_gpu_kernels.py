@@ -96,6 +96,21 @@ def test_the_sm_count_of_the_sku_sets_the_waves():
     assert _forward_mm_seconds(1792, 4096, 2432, "a100") == pytest.approx(57_982_058_496 / 271.2e12)
 
 
+def test_a_convolution_is_its_implicit_gemm():
+    # Conv2d(64 → 128, 3×3, padding 1, no bias) on (8, 64, 56, 56) bf16, H100: the implicit GEMM has
+    # m = 8·56·56 = 25,088, n = 128, k = 64·9 = 576. 256×128 tiles: 98 < 132 SMs; 128×128: 196 ≥ 132,
+    # so 128×128 in ⌈196/132⌉ = 2 waves: 2 · 132 · 2·128·128·576 = 4,982,833,152 FLOPs at 794.90
+    # TFLOP/s = 6.2685 µs (the product is 2·25,088·128·576 = 3,699,376,128 FLOPs). Memory: input
+    # 3,211,264 + weight 147,456 + output 6,422,528 B = 3.23 µs at 3.0272e12 B/s: compute-bound.
+    model = on_meta(nn.Conv2d, 64, 128, 3, padding=1, bias=False, dtype=torch.bfloat16)
+    p = profile_meta(model, (meta_input(8, 64, 56, 56, dtype=torch.bfloat16),), optimizer="none")
+    pr = predict_profile(p, _no_launch(H100))
+    (conv,) = [o for o in pr.ops if o.op == "aten.convolution.default"]
+    assert conv.flops == 3_699_376_128 and conv.bound == COMPUTE
+    assert conv.kernel == "gemm 128x128, 2 waves"
+    assert conv.seconds == pytest.approx(4_982_833_152 / BF16_RATE)
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention: backend by arch, published rates interpolated
 # ---------------------------------------------------------------------------------------------

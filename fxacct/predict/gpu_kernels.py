@@ -125,8 +125,8 @@ def gemm_dims(node: fx.Node) -> tuple[int, int, int, int] | None:
         backward = "backward" in target
         out, inp, weight = ((_shape(node.args[0]), _shape(node.args[1]), _shape(node.args[2])) if backward
                             else (_shape(node), _shape(node.args[0]), _shape(node.args[1])))
-        groups = int(node.args[9] if backward else node.args[8])
-        if not out or not inp or not weight:
+        groups = int(argument(node.target, node.args, node.kwargs, "groups", 1))
+        if not out or not inp or not weight or len(out) < 3:
             return None
         return groups, out[0] * math.prod(out[2:]), out[1] // groups, inp[1] // groups * math.prod(weight[2:])
     return None
