@@ -144,13 +144,14 @@ def test_attention_rate_on_other_skus():
     assert attention_rate(get_device("h200"), "cudnn", "forward", False, 128, 4096) == pytest.approx(609e12)
     assert attention_rate(get_device("b200"), "cudnn", "forward", False, 128, 4096) == pytest.approx(
         609e12 * 2.25e15 / 989.5e12)
-    # A100, flash (FA2): the H100 FA2 curve's shape, its best point 370 = 73% of 312e12 forward
-    # (FlashAttention-2 paper); at 1k, 350 / 370 · 0.73 · 312e12 = 215.45 TFLOP/s
-    assert attention_rate(get_device("a100"), "flash", "forward", False, 128, 1024) == pytest.approx(
-        350 / 370 * 0.73 * 312e12)
-    # backward at its own share: 63%, curve best 322 (16k)
-    assert attention_rate(get_device("a100"), "flash", "backward", False, 128, 16384) == pytest.approx(
-        0.63 * 312e12)
+    # A100, flash: the FlashAttention-2 paper's A100 bars (Fig. 5, FA-2, head dim 128, no mask: 157
+    # TFLOP/s at 1k; Fig. 6, backward: 196 at 16k); L40S: the same × 362.05 / 312 (DERIVED)
+    assert attention_rate(get_device("a100"), "flash", "forward", False, 128, 1024) == pytest.approx(157e12)
+    assert attention_rate(get_device("a100"), "flash", "backward", False, 128, 16384) == pytest.approx(196e12)
+    assert attention_rate(get_device("l40s"), "flash", "forward", False, 128, 1024) == pytest.approx(
+        157e12 * 362.05 / 312)
+    # the A100 backward has causal curves of its own: causal hdim 64 at 2k is 149 (Fig. 6c)
+    assert attention_rate(get_device("a100"), "flash", "backward", True, 64, 2048) == pytest.approx(149e12)
 
 
 class CausalAttention(nn.Module):
@@ -181,12 +182,14 @@ def test_sdpa_in_a_step_runs_at_the_published_rate():
     assert fwd[0].seconds == pytest.approx(8_589_934_592 / 518e12)
     assert bwd[0].seconds == pytest.approx(21_474_836_480 / 499e12)
     assert fwd[0].peak_fraction == pytest.approx(518 / 989.5)  # the kernel's FLOPs over the bf16 peak
-    # on an A100 the same step runs flash: 319 / 370 · 0.73 · 312e12 (H100 FA2 causal hdim 128 at 4k
-    # is 319, that curve's best 335): 8,589,934,592 / (319 / 335 · 0.73 · 312e12) = 39.61 µs
+    # on an A100 the same step runs flash at the FlashAttention-2 paper's A100 bars: forward causal
+    # hdim 128 at 4k 148 TFLOP/s (Fig. 5d) = 58.04 µs; backward causal 165 (Fig. 6d) = 130.15 µs
     pr = predict_profile(p, _no_launch(get_device("a100")))
     (fwd,) = [o for o in pr.ops if "attention" in o.op and "backward" not in o.op]
+    (bwd,) = [o for o in pr.ops if "attention" in o.op and "backward" in o.op]
     assert fwd.kernel == "attention flash forward"
-    assert fwd.seconds == pytest.approx(8_589_934_592 / (319 / 335 * 0.73 * 312e12))
+    assert fwd.seconds == pytest.approx(8_589_934_592 / 148e12)
+    assert bwd.seconds == pytest.approx(21_474_836_480 / 165e12)
 
 
 # ---------------------------------------------------------------------------------------------

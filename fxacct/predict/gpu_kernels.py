@@ -27,8 +27,9 @@ max(t, bytes / achievable bandwidth).
 
 Attention (any traced SDPA kernel: the CPU trace's flash kernel stands for what the GPU runs): the
 backend torch's SDPA picks on the target (ATTENTION_SOURCE) at its measured rate, by head dim and
-key length, from the FlashAttention-3 paper's H100 figures (H100_ATTENTION), linear in log2 of the
-length between published points and clamped at the ends; the time is the papers' FLOPs (forward
+key length, from the FlashAttention-3 paper's H100 figures (H100_ATTENTION) or the FlashAttention-2
+paper's A100 ones (A100_ATTENTION), linear in log2 of the length between published points and
+clamped at the ends; the time is the papers' FLOPs (forward
 4·T_q·T_k·d per batch·head, halved when causal; backward 2.5× the forward) over that rate. Other SKUs:
 ARCH_ATTENTION. The backward at its own published rate.
 
@@ -60,7 +61,8 @@ GEMM_OPS = {"aten.mm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.bmm.d
 # CUDA <= 12.9 wheels ship an older one: there H100/B200 run flash). Flash and cuDNN need fp16/bf16
 # and one head dim <= 256 for q, k and v (check_head_dim_size_flash; kCuDNNFrontendSupportsD256).
 CUDNN_FIRST_ARCHS = ("sm90", "sm100")
-ATTENTION_SOURCE = "torch SDPA priority (sdp_utils.cpp priority_order); FlashAttention-3 paper Figs. 5-6 (H100)"
+ATTENTION_SOURCE = ("torch SDPA priority (sdp_utils.cpp priority_order); FlashAttention-3 paper Figs. 5-6 (H100), "
+                    "FlashAttention-2 paper Figs. 5-6 (A100)")
 
 # FlashAttention-3 paper (J. Shah et al., arXiv:2407.08608, 2024), H100 80GB SXM5, BF16, batch ×
 # length = 16k tokens, hidden 2048: Figure 5 (forward, head dim 64 / 128 / 256, with and without the
@@ -87,14 +89,28 @@ H100_ATTENTION = {  # (backend, direction, causal, head dim) -> TFLOP/s at ATTEN
     ("cudnn", "backward", False, 128): (305, 408, 465, 499, 518, 516),
 }
 H100_SXM_BF16 = 989.5e12  # the peak of the GPU the curves were measured on (H100 datasheet, SXM)
-# Ampere and Ada (sm80, sm89) run flash (FA2) with mma.sync, which reaches a larger share of its peak
-# than FA2 does on H100: FlashAttention-2 paper (T. Dao, arXiv:2307.08691, 2023), A100 80GB SXM4: the
-# forward "up to 73%", the backward "up to 63%" of the theoretical maximum. There the H100 FA2 curve
-# gives the shape (each point over the curve's best) and this share of the SKU's own bf16 peak the
-# best point: DERIVED, the paper's per-length A100 bars not being transcribed here.
-FA2_AMPERE_SHARE = {"forward": 0.73, "backward": 0.63}
-ARCH_ATTENTION = ("sm90, sm100: the H100 curve x the SKU's bf16 peak / 989.5e12 (clock and SM count, DERIVED); "
-                  "sm80, sm89: FA2 curve shape x 73% (forward) / 63% (backward) of the bf16 peak (FA2 paper)")
+# FlashAttention-2 paper (T. Dao, arXiv:2307.08691, 2023), A100 80GB SXM4, BF16/FP16, the same set-up
+# (16k tokens, hidden 2048): Figure 5 (forward) and Figure 6 (backward), with and without the causal
+# mask, head dim 64 and 128, the FlashAttention-2 bars, TFLOP/s at ATTENTION_SEQ.
+A100_ATTENTION = {
+    ("flash", "forward", False, 64): (128, 149, 193, 192, 192, 192),
+    ("flash", "forward", False, 128): (122, 157, 200, 224, 222, 225),
+    ("flash", "forward", True, 64): (115, 131, 167, 177, 181, 185),
+    ("flash", "forward", True, 128): (108, 126, 133, 148, 148, 148),
+    ("flash", "backward", False, 64): (120, 152, 163, 169, 170, 170),
+    ("flash", "backward", False, 128): (114, 175, 187, 193, 196, 196),
+    ("flash", "backward", True, 64): (81, 111, 149, 160, 166, 166),
+    ("flash", "backward", True, 128): (90, 122, 145, 165, 175, 186),
+}
+A100_BF16 = 312e12  # A100 datasheet, dense
+# Which measurements a SKU takes, scaled by its bf16 peak over the measured GPU's (its clocks and SM
+# count, as the datasheet peak scales them): exact for the measured SKUs and the H200 (the H100's
+# SMs and clocks), DERIVED for the others (B200: no Blackwell figures in the papers; L40S: Ada runs
+# the Ampere flash kernels).
+ARCH_MEASUREMENTS = {"sm90": (H100_ATTENTION, H100_SXM_BF16), "sm100": (H100_ATTENTION, H100_SXM_BF16),
+                     "sm80": (A100_ATTENTION, A100_BF16), "sm89": (A100_ATTENTION, A100_BF16)}
+ARCH_ATTENTION = ("sm90, sm100: FlashAttention-3 paper's H100 figures; sm80, sm89: FlashAttention-2 paper's "
+                  "A100 figures; each x the SKU's bf16 peak / the measured GPU's")
 
 
 @dataclass(frozen=True)
@@ -185,23 +201,22 @@ def attention_backend(device: Device, dtype: torch.dtype | None, head_dim: int) 
     return "cudnn" if device.arch in CUDNN_FIRST_ARCHS else "flash"
 
 
-def published_curve(backend: str, direction: str, causal: bool, head_dim: int) -> tuple[tuple, tuple[int, ...]]:
-    """(the H100_ATTENTION key used, TFLOP/s at ATTENTION_SEQ): the nearest published curve."""
-    keys = [k for k in H100_ATTENTION if k[:2] == (backend, direction)]
+def published_curve(backend: str, direction: str, causal: bool, head_dim: int,
+                    table: dict = H100_ATTENTION) -> tuple[tuple, tuple[int, ...]]:
+    """(the key used, TFLOP/s at ATTENTION_SEQ): the nearest published curve of ``table``; a
+    backend the table lacks (cuDNN on Ampere) takes its flash curve."""
+    keys = [k for k in table if k[:2] == (backend, direction)] or [k for k in table if k[:2] == ("flash", direction)]
     same = [k for k in keys if k[2] == causal] or keys
     key = min(same, key=lambda k: (abs(math.log2(k[3] / head_dim)), k[3]))
-    return key, H100_ATTENTION[key]
+    return key, table[key]
 
 
 def attention_rate(device: Device, backend: str, direction: str, causal: bool, head_dim: int,
                    seq: int) -> float:
     """FLOP/s (papers' convention) of an attention kernel on ``device`` at key length ``seq``."""
-    _, curve = published_curve(backend, direction, causal, head_dim)
-    tflops = _interpolate(tuple(zip(ATTENTION_SEQ, curve)), seq)
-    bf16 = device.peak_flops["bfloat16"]
-    if device.arch in CUDNN_FIRST_ARCHS:
-        return tflops * 1e12 * bf16 / H100_SXM_BF16
-    return tflops / max(curve) * FA2_AMPERE_SHARE[direction] * bf16
+    table, measured_peak = ARCH_MEASUREMENTS.get(device.arch, (H100_ATTENTION, H100_SXM_BF16))
+    _, curve = published_curve(backend, direction, causal, head_dim, table)
+    return _interpolate(tuple(zip(ATTENTION_SEQ, curve)), seq) * 1e12 * device.peak_flops["bfloat16"] / measured_peak
 
 
 def attention_dims(node: fx.Node) -> tuple[int, int, int, int, bool, bool] | None:
@@ -313,4 +328,4 @@ def kernel_totals(ops) -> tuple[KernelTotals, ...]:
 
 __all__ = ["KernelTime", "KernelTotals", "op_time", "gemm_dims", "gemm_quantization", "attention_backend",
            "attention_rate", "attention_dims", "published_curve", "Quantized", "matmul_rate", "kernel_totals", "TILES",
-           "H100_ATTENTION", "ATTENTION_SEQ", "FA2_AMPERE_SHARE", "H100_SXM_BF16", "CUDNN_FIRST_ARCHS"]
+           "H100_ATTENTION", "A100_ATTENTION", "ATTENTION_SEQ", "H100_SXM_BF16", "CUDNN_FIRST_ARCHS"]
