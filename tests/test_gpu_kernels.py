@@ -192,6 +192,30 @@ def test_sdpa_in_a_step_runs_at_the_published_rate():
     assert bwd.seconds == pytest.approx(21_474_836_480 / 165e12)
 
 
+def test_a_masked_attention_runs_the_efficient_kernel_at_the_matmul_rate():
+    # with a mask the trace's CUDA rules run the memory-efficient kernel (fxacct.trace.targets), which
+    # has no published curve: its FLOPs (fxacct's count, 4·B·H·T²·d = 4·2·1024²·64 = 536,870,912
+    # forward) at the bf16 full-wave GEMM rate 794.90 TFLOP/s = 0.6754 µs (memory: q, k, v, out and
+    # the expanded bias, 256 KiB each and 4 MiB, above it: 1.73 µs)
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))  # so that a backward exists
+
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q * self.scale, k, v, attn_mask=mask)
+
+    args = tuple(meta_input(1, 2, 1024, 64, dtype=torch.bfloat16) for _ in range(3))
+    p = profile_meta(on_meta(Masked), args + (meta_input(1024, 1024, dtype=torch.bool),), optimizer="none",
+                     gpu="h100", find_max_batch=False)
+    pr = predict_profile(p, _no_launch(H100))
+    (fwd,) = [o for o in pr.ops if "attention" in o.op and "backward" not in o.op]
+    assert fwd.op == "aten._scaled_dot_product_efficient_attention.default"
+    assert fwd.kernel == "attention efficient forward"
+    assert fwd.flops == 536_870_912 and fwd.bound == MEMORY  # the 4 MiB bias makes it memory-bound
+    assert fwd.seconds == pytest.approx(fwd.bytes / H100_BW)
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory-bound ops
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ GEMM_OPS = {"aten.mm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.bmm.d
 # (compute capability 9.x or 10.x and a cuDNN runtime newer than 9.15.0), else flash, efficient, math,
 # cuDNN. We assume the cuDNN that torch 2.13's CUDA 13 wheels ship qualifies (the source notes that
 # CUDA <= 12.9 wheels ship an older one: there H100/B200 run flash). Flash and cuDNN need fp16/bf16
-# and one head dim <= 256 for q, k and v (check_head_dim_size_flash; kCuDNNFrontendSupportsD256).
+# and one head dim <= 256 for q, k and v (check_head_dim_size_flash; kCuDNNFrontendSupportsD256). An
+# attention the trace ran as the efficient kernel (a mask, fp32: fxacct.trace.targets) stays efficient.
 CUDNN_FIRST_ARCHS = ("sm90", "sm100")
 ATTENTION_SOURCE = ("torch SDPA priority (sdp_utils.cpp priority_order); FlashAttention-3 paper Figs. 5-6 (H100), "
                     "FlashAttention-2 paper Figs. 5-6 (A100)")
@@ -243,7 +244,8 @@ def _attention_seconds(node, flops, dtype, device) -> tuple[float, str, float] |
     if dims is None:
         return None
     b_h, tq, tk, d, causal, backward = dims
-    backend = attention_backend(device, dtype, d)
+    # the trace's CUDA rules (fxacct.trace.targets) already chose the efficient kernel for a mask
+    backend = "efficient" if "efficient_attention" in str(node.target) else attention_backend(device, dtype, d)
     direction = "backward" if backward else "forward"
     if backend == "efficient":  # no published measurement: the matmul model's full-wave rate
         rate = matmul_rate(device, matmul_key(dtype))
