@@ -68,7 +68,7 @@ def report(title: str, r, seconds: float) -> None:
     print(f"   device {m.device} ({m.device_name}); {m.steps} timed steps after {m.warmup} warm-up; "
           f"gpu rules: {p.config.gpu}")
     datasheet = predict_profile(p, from_gpu(DEVICES[p.config.gpu])) if p.config.gpu in DEVICES else None
-    rows = [("step time, datasheet roofline", datasheet.step_s if datasheet else None, m.step_s),
+    rows = [("step time, GPU kernel model", datasheet.step_s if datasheet else None, m.step_s),
             ("step time, calibrated roofline", c.predicted.get("step"), m.step_s)]
     if not m.inference:
         rows += [("  forward + loss (calibrated)", c.predicted.get("forward"), m.forward_s),

@@ -76,7 +76,7 @@ OUTPUT = file_option("-o", "--output", help="Write to FILE (atomically) instead 
 DEBUG = click.option("--debug", is_flag=True, help="Show tracebacks.")
 MFU = click.option("--mfu", type=float, default=DEFAULT_MFU, show_default=True,
                    help="Model FLOPs utilization: achieved / peak FLOP/s, in (0, 1].")
-GPU_HELP = "Target GPU (h100, h100-pcie, h200, a100, a100-40gb)"
+GPU_HELP = "Target GPU (h100, h100-96gb, h100-pcie, h200, a100, a100-40gb, b200, l40s)"
 GPU = click.option("--gpu", default=None,
                    help=f"{GPU_HELP}: CUDA kernel rules, capacity, peak FLOP/s (default: this machine's CPU).")
 DTYPE = click.option("--dtype", "dtype", default=None,

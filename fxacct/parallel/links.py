@@ -33,6 +33,14 @@ LINKS = {
     "h100-pcie": Links(300e9, 50e9, "NVLink bridge 600 GB/s bidirectional; InfiniBand NDR 400 Gb/s per GPU"),
     "a100": Links(300e9, 25e9, "NVLink 3 600 GB/s bidirectional per GPU; InfiniBand HDR 200 Gb/s per GPU"),
     "a100-40gb": Links(300e9, 25e9, "NVLink 3 600 GB/s bidirectional per GPU; InfiniBand HDR 200 Gb/s per GPU"),
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md: "fully connected with NVLink" (NVLink 4 of
+    # the H100 SXM5), "400 Gb/s per GPU" RDMA between hosts
+    "h100-96gb": Links(450e9, 50e9, "NVLink 4 900 GB/s bidirectional per GPU; RDMA 400 Gb/s per GPU (torchtitan)"),
+    # HGX B200 datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU; DGX B200: ConnectX-7 400 Gb/s per GPU
+    "b200": Links(900e9, 50e9, "NVLink 5 1.8 TB/s bidirectional per GPU; InfiniBand NDR 400 Gb/s per GPU"),
+    # L40S datasheet: no NVLink, PCIe Gen4 x16 64 GB/s bidirectional; between nodes HDR 200 Gb/s per GPU
+    # ASSUMED (no reference system publishes one)
+    "l40s": Links(32e9, 25e9, "PCIe Gen4 x16 64 GB/s bidirectional; 200 Gb/s per GPU between nodes (assumed)"),
 }
 
 

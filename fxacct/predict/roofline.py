@@ -12,11 +12,11 @@ measured here, the MLP example's skinny matmuls, whose weights stream from DRAM 
 ran at about half their in-cache rate, and the sum brought the step's prediction from 1.35× to
 1.21× of measured (bench/calibrated_cpu.py).
 
-- P_mm on a GPU of the table: the datasheet's tensor-core peak for the op's input dtype
-  (fxacct.devices: bf16, fp16, fp8; fp32 runs at the fp32 rate because
-  torch.backends.cuda.matmul.allow_tf32 is off by default, convolutions at TF32 because
-  torch.backends.cudnn.allow_tf32 is on by default). Tensor-core peaks apply to the matmul and
-  attention classes only; P_other is the non-tensor fp32 rate.
+- A GPU of the table (--gpu): every op takes its achievable time from fxacct.predict.gpu_kernels
+  instead (GEMMs with tile and wave quantization at cuBLAS's measured share of the peak, attention
+  at its backend's published rate, memory-bound ops at a measured share of the bandwidth); the
+  plain roofline below (datasheet peaks: bf16, fp16, fp8 on tensor cores, fp32 matmuls at the fp32
+  rate, convolutions at TF32) remains op_seconds's, for a DeviceModel without ``gpu``.
 - P_mm on a calibrated device (fxacct.predict.calibration; measured by fxacct.tools.calibrate): the rate measured for matmuls whose smallest
   dimension is the op's (log-linear between the calibrated ones), since a skinny matmul runs
   below the square rate; P_other is the measured fp32 square rate (ops of the other class are
@@ -71,7 +71,7 @@ import torch.fx as fx
 from fxacct.account.rollup import inclusive
 from fxacct.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
 from fxacct.load.config import Config
-from fxacct.predict import calibration
+from fxacct.predict import calibration, gpu_kernels
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
@@ -101,6 +101,7 @@ class DeviceModel:
     op_latency: dict = dataclasses.field(default_factory=dict)  # str(aten op) -> fixed s per call (calibrated)
     overhead_by_phase: dict = dataclasses.field(default_factory=dict)  # PHASES key -> s per op (else op_overhead_s)
     view_overhead_s: float | None = None  # s per view op (dispatch alone); None: a view pays as any op
+    gpu: Device | None = None  # a --gpu entry: ops take its achievable rates (fxacct.predict.gpu_kernels)
 
     def overhead(self, phase: str) -> float:
         """Seconds of per-op overhead of an op of ``phase`` (the loss's ops are the forward's)."""
@@ -145,7 +146,7 @@ def from_gpu(device: Device) -> DeviceModel:
                        overhead_source=f"kernel launch, {LAUNCH_SOURCE}",
                        # a view changes a tensor's metadata on the host and launches no kernel: the
                        # GPU's stream does not wait for it (the host runs ahead of the stream)
-                       view_overhead_s=0.0)
+                       view_overhead_s=0.0, gpu=device)
 
 
 def from_calibration(cal, profiled: bool = False) -> DeviceModel:
@@ -188,10 +189,10 @@ def gpu_key(name: str) -> str | None:
     if "h200" in n:
         return "h200"
     if "h100" in n:
-        return "h100-pcie" if "pcie" in n else "h100"
+        return "h100-pcie" if "pcie" in n else "h100-96gb" if "96gb" in n else "h100"
     if "a100" in n:
         return "a100-40gb" if "40gb" in n else "a100"
-    return None
+    return next((k for k in ("b200", "l40s") if k in n), None)
 
 
 def for_local(kind: str, gpu: str | None = None, profiled: bool = False) -> DeviceModel | None:
@@ -218,6 +219,8 @@ class OpTime:
     bound: str  # COMPUTE, MEMORY or FREE
     overhead_s: float = 0.0  # the per-op overhead in seconds, times the repeat count
     calls: int = 1  # the repeat count: how many ops pay the overhead
+    kernel: str = ""  # on a --gpu: the kernel model's kind ("gemm 128x128, 2 waves", "memory"...)
+    peak_fraction: float | None = None  # on a --gpu: the share of the datasheet peak it achieves
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,7 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
     """One op's roofline time, attributed to the owner the annotation decided."""
     outputs = tensor_metas(node.meta.get("val"))
     overhead = device.overhead(cost.phase)
+    what, fraction = "", None
     if cost.kind == "view":
         seconds, bound, nbytes = 0.0, FREE, 0
         if device.view_overhead_s is not None:
@@ -324,7 +328,10 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
         nbytes = op_bytes(node, cost.kind == "creation")
         smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
         kernel = device.kernel_rates.get(str(node.target)) if smallest is None else None
-        if kernel:  # a calibrated kernel: its own measured rate, arithmetic included
+        if device.gpu is not None:  # a GPU of the table: kernels at their achievable rates
+            timed = gpu_kernels.op_time(node, cost.flops, nbytes, _dtype(node), device.gpu)
+            seconds, bound, what, fraction = timed.seconds, timed.bound, timed.kernel, timed.peak_fraction
+        elif kernel:  # a calibrated kernel: its own measured rate, arithmetic included
             seconds, bound = nbytes / kernel, MEMORY
         else:
             target = str(node.target)
@@ -334,7 +341,7 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
     owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
     return OpTime(node.name, str(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
                   nbytes * cost.repeat, (seconds + overhead) * cost.repeat, bound, overhead * cost.repeat,
-                  cost.repeat)
+                  cost.repeat, what, fraction)
 
 
 def predict(graph: fx.Graph, device: DeviceModel, state_storages: frozenset = frozenset(),

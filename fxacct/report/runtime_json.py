@@ -4,6 +4,7 @@ bytes and FLOPs as numbers, null where nothing was measured or predicted)."""
 
 from __future__ import annotations
 
+from fxacct.predict.gpu_kernels import kernel_totals
 from fxacct.predict.roofline import PHASES, Prediction
 from fxacct.runtime.compare import achieved_flops_per_s, mfu
 
@@ -25,7 +26,22 @@ def predicted(prediction: Prediction) -> dict:
                   "bandwidth_bytes_per_s": d.bandwidth_bytes_per_s},
         "modules": [{"module": m, "forward_ms": _ms(f), "backward_ms": _ms(b)}
                     for m, (f, b) in prediction.by_module.items()],
+        "kernels": kernels(prediction),
     }
+
+
+def kernels(prediction: Prediction) -> dict | None:
+    """On a --gpu: the kernel model's figures (fxacct.devices) and, per kernel kind, the ops, their
+    time without launches and the time-weighted share of the datasheet peak they achieve (FLOP/s of
+    a GEMM or attention kernel over the dtype's peak; bytes/s of a memory-bound op over the
+    bandwidth); null for a calibrated device."""
+    g = prediction.device.gpu
+    if g is None:
+        return None
+    return {"sm_count": g.sm_count, "arch": g.arch, "matmul_efficiency": dict(g.matmul_efficiency),
+            "bandwidth_share": g.bandwidth_share, "launch_s": g.launch_s, "sources": dict(g.sources),
+            "by_kind": [{"kind": r.kind, "ops": r.ops, "ms": _ms(r.seconds), "peak_fraction": r.peak_fraction}
+                        for r in kernel_totals(prediction.ops)]}
 
 
 def _row(r, key: str) -> dict:
@@ -69,4 +85,4 @@ def runtime(result) -> dict:
     }
 
 
-__all__ = ["predicted", "runtime"]
+__all__ = ["predicted", "runtime", "kernels"]

@@ -4,6 +4,7 @@ and per node). Ratios are measured / predicted."""
 
 from __future__ import annotations
 
+from fxacct.predict.gpu_kernels import kernel_totals
 from fxacct.predict.roofline import COMPUTE, MEMORY, PHASES, Prediction
 from fxacct.report.durations import format_ms
 from fxacct.report.tables import tabulate
@@ -53,7 +54,21 @@ def predicted_section(prediction: Prediction | None) -> str:
         f"  {bound[COMPUTE][0]} compute-bound ops ({100 * roofline[COMPUTE] / total:.1f}% of the time), "
         f"{bound[MEMORY][0]} memory-bound ({100 * roofline[MEMORY] / total:.1f}%)",
         overhead_line(prediction, total),
+        *kernels_line(prediction, total),
     ])
+
+
+def kernels_line(prediction: Prediction, total: float) -> list[str]:
+    """On a --gpu: '  kernels: gemm 61.2% of the time at 70.1% of peak, memory 20.3% at 90.4% of
+    bandwidth, ...' (fxacct/predict/gpu_kernels.py); nothing for a calibrated device."""
+    if prediction.device.gpu is None:
+        return []
+    parts = []
+    for r in kernel_totals(prediction.ops):
+        of = "bandwidth" if r.kind == "memory" else "peak"
+        share = "" if r.peak_fraction is None else f" at {100 * r.peak_fraction:.1f}% of {of}"
+        parts.append(f"{r.kind} {100 * r.seconds / total:.1f}% of the time{share}")
+    return [f"  kernels (achievable rates, fxacct/predict/gpu_kernels.py): {', '.join(parts) or 'none'}"]
 
 
 def overhead_line(prediction: Prediction, total: float) -> str:
