@@ -111,3 +111,8 @@ def test_alloc_conf_reaches_the_replay_and_bad_values_are_usage_errors(monkeypat
     assert len(lines) == 1 and "--alloc-conf" in lines[0] and "True or False" in lines[0], lines
     with pytest.raises(UsageError, match="unknown key"):
         Config(alloc_conf="nope:1")
+    # a bad value in the environment stops a GPU profile (exit 2, naming the variable), not a CPU one
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "nope:1")
+    assert Config().alloc_conf is None
+    result = CliRunner().invoke(cli, ["profile", *MLP, "--gpu", "h100"])
+    assert result.exit_code == 2 and "PYTORCH_CUDA_ALLOC_CONF: unknown key 'nope'" in result.stderr, result.output

@@ -87,7 +87,8 @@ class Config:
             get_device(self.gpu)
         if self.alloc_conf is not None and not isinstance(self.alloc_conf, str):
             raise UsageError(f"Config(alloc_conf={self.alloc_conf!r}): give a string such as 'expandable_segments:True'")
-        self.allocator_conf()  # a bad --alloc-conf (or environment value) fails here, before any trace
+        if self.alloc_conf is not None or self.gpu is not None:
+            self.allocator_conf()  # a bad --alloc-conf (or, for a GPU, environment value) fails here, before any trace
         self._check_loading()
         if isinstance(self.mesh, str):
             object.__setattr__(self, "mesh", parse_mesh(self.mesh))
