@@ -31,8 +31,10 @@ from fxacct_cli.options import (
 )
 
 BUDGETS = [
-    max_memory_option("Per-rank training peak budget, e.g. 80GB, 79.6GiB, 512MiB (GB = 1e9 B, GiB = 2^30 B). "
-                      "Default with --gpu: its capacity as the driver reports it (H100: 81559 MiB); else none."),
+    max_memory_option("Per-rank memory budget, e.g. 80GB, 79.6GiB, 512MiB (GB = 1e9 B, GiB = 2^30 B). With --gpu it "
+                      "applies to the step's peak reserved by the CUDA caching allocator plus the fixed costs outside "
+                      "it (CUDA context, NCCL buffers); without, to the training peak. Default with --gpu: its "
+                      "capacity as the driver reports it (H100: 81559 MiB); else none."),
     click.option("--max-params", default=None, metavar="N", help="Parameter budget, e.g. 7e9 or 7B (default: none)."),
     click.option("--max-flops", default=None, metavar="N",
                  help="Forward+backward FLOPs per step (per rank) (default: none)."),

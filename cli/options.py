@@ -155,6 +155,10 @@ HARDWARE_AND_PARALLELISM = [
     GPU, world_size_option(), SHARD,
     click.option("--no-max-batch", "no_max_batch", is_flag=True,
                  help="With --gpu: skip the search for the largest batch that fits (it costs a few traces)."),
+    click.option("--alloc-conf", "alloc_conf", default=None, metavar="STRING",
+                 help="With --gpu: PYTORCH_CUDA_ALLOC_CONF for the caching-allocator replay, e.g. "
+                      "expandable_segments:True (default: the environment's PYTORCH_CUDA_ALLOC_CONF or "
+                      "PYTORCH_ALLOC_CONF, else torch's defaults)."),
 ]
 OUTPUT_GROUP = "Output"
 RUNTIME_GROUP = "Runtime (a real run)"
@@ -287,7 +291,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
-              costs=(), mesh=None, **_) -> Config:
+              costs=(), mesh=None, alloc_conf=None, **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size
@@ -300,6 +304,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
         checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
+        alloc_conf=alloc_conf,
     )
 
 

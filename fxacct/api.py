@@ -23,7 +23,7 @@ from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.predict.roofline import predict_profile
-from fxacct.step import OneDevice, Profile, account_step, training_peak
+from fxacct.step import OneDevice, Profile, account_step, fit_probe
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
 
 MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
@@ -45,7 +45,7 @@ def profile(config: Config) -> Profile:
             raise ModelError(f"{note}: {e}") from e
     if config.mesh.size("pp") == 1:
         prof = profile_parallel(config)
-        return _predicted(_fitted_rank(prof, prof.memory.rank_peak.bytes if prof.memory.rank_peak else None))
+        return _predicted(_fitted_rank(prof, prof.memory.fit_bytes, prof.memory.fit_basis))
     return _predicted(_pipeline(config))
 
 
@@ -72,12 +72,12 @@ def _predicted(prof: Profile) -> Profile:
     return replace(prof, prediction=predict_profile(prof))
 
 
-def _fitted_rank(prof: Profile, peak: int | None) -> Profile:
+def _fitted_rank(prof: Profile, peak: int | None, basis: str) -> Profile:
     """A rank's peak against the GPU's capacity. No largest batch: under a mesh the batch is each
     rank's share of a global one, which ``fxacct plan`` searches."""
     if prof.config.gpu is None or peak is None:
         return prof
-    return replace(prof, memory=replace(prof.memory, fit=Fit.on(get_device(prof.config.gpu), peak)))
+    return replace(prof, memory=replace(prof.memory, fit=Fit.on(get_device(prof.config.gpu), peak, basis=basis)))
 
 
 def _pipeline(config: Config) -> Profile:
@@ -90,7 +90,9 @@ def _pipeline(config: Config) -> Profile:
         par, mesh=config.mesh, pipeline=pipe, rows=pipe.stages[0].collectives)
     prof = replace(first, config=config, parallel=par,
                    model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
-    return _fitted_rank(prof, pipe.peak_bytes)
+    # no allocator replay of the schedule's order yet: stage 0's one micro-batch is not what a rank reserves
+    prof = replace(prof, memory=replace(prof.memory, reserved=None))
+    return _fitted_rank(prof, pipe.peak_bytes, "pipeline_peak_bytes")
 
 
 def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, inputs_for) -> CheckpointWhatIf:
@@ -105,7 +107,7 @@ def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, input
     plain = replace(config, checkpoint=(), checkpoint_policy=None)
     eager = account_step(plain, OneDevice(model, tuple(args), kwargs), with_inference=False)
     eager = replace(eager, memory=replace(prof.memory, peak_train=eager.memory.peak_train,
-                                          per_rank=eager.memory.per_rank, fit=None))
+                                          per_rank=eager.memory.per_rank, fit=None, reserved=eager.memory.reserved))
     if config.gpu is not None:
         eager = replace(eager, memory=_with_fit(eager.memory, model, plain, inputs_for))
     return CheckpointWhatIf(config.checkpoint, tuple(matched_modules(model, config.checkpoint)),
@@ -119,39 +121,42 @@ def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.Memor
     that does not) and settled by bisection, so it is exact, not extrapolated."""
     device = get_device(config.gpu)
     capacity = device.capacity_reported
-    peak = memory.rank_peak.bytes
+    peak = memory.fit_bytes  # reserved + fixed on a CUDA target (MemoryAccount.fit_bytes)
     max_batch, verified = None, False
     if config.find_max_batch and inputs_for is not None:
         cache = {config.batch: peak}
+        # the op-level peaks, for the first guess only: reserved grows by whole segments and pages (a
+        # staircase in the batch), the op-level peak smoothly; the overhead reserved adds at B is kept
+        level = {config.batch: memory.rank_peak.bytes}
 
         def fits(batch: int) -> bool:
             if batch not in cache:
                 a, kw = inputs_for(batch)
-                cache[batch] = training_peak(replace(config, batch=batch), OneDevice(model, tuple(a), kw)).bytes
+                cache[batch], level[batch] = fit_probe(replace(config, batch=batch), OneDevice(model, tuple(a), kw))
             return cache[batch] <= capacity
 
         b1 = config.batch
         fits(2 * b1)
-        slope = (cache[2 * b1] - peak) / b1
-        if slope > 0:
-            guess = max(1, int((capacity - (peak - slope * b1)) // slope))
-            lo, hi = (guess, None) if fits(guess) else (0, guess)
-            step = 1
-            while hi is None and len(cache) < MAX_FIT_TRACES:  # grow until a batch does not fit
-                if fits(lo + step):
-                    lo, step = lo + step, step * 2
-                else:
-                    hi = lo + step
-            while lo > 0 and not fits(lo) and len(cache) < MAX_FIT_TRACES:
-                lo //= 2
-            if hi is None:
-                hi = lo + 1
-            while hi - lo > 1 and len(cache) < MAX_FIT_TRACES:  # bisect: lo fits, hi does not
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-            max_batch = lo
-            verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
-    return replace(memory, fit=Fit.on(device, peak, max_batch, verified))
+        slope = (level[2 * b1] - level[b1]) / b1
+        room = capacity - (peak - level[b1])  # the capacity less what reserved and the fixed costs add at B
+        guess = max(1, int((room - (level[b1] - slope * b1)) // slope)) if slope > 0 else 2 * b1
+        lo, hi = (guess, None) if fits(guess) else (0, guess)
+        step = 1
+        while hi is None and len(cache) < MAX_FIT_TRACES:  # grow until a batch does not fit
+            if fits(lo + step):
+                lo, step = lo + step, step * 2
+            else:
+                hi = lo + step
+        while lo > 0 and not fits(lo) and len(cache) < MAX_FIT_TRACES:
+            lo //= 2
+        if hi is None:
+            hi = lo + 1
+        while hi - lo > 1 and len(cache) < MAX_FIT_TRACES:  # bisect: lo fits, hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        max_batch = lo
+        verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
+    return replace(memory, fit=Fit.on(device, peak, max_batch, verified, memory.fit_basis))
 
 
 __all__ = ["Profile", "profile", "profile_module", "load_model"]

@@ -17,13 +17,16 @@ from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
 from fxacct.account.notes import UNTRAINED, fastpath_warnings, precision_warnings
 from fxacct.costs.user import load_costs
+from fxacct.devices import get_device
 from fxacct.load import model_spec
 from fxacct.load.config import Config
 from fxacct.load.hf import is_causal_lm
 from fxacct.load.mesh import MeshSpec
 from fxacct.memory import account as memory_account
 from fxacct.memory import sharding
+from fxacct.memory.fixed import device_key
 from fxacct.memory.peak import PARAMETERS, Lifetimes, Peak, lifetimes, walk
+from fxacct.memory.reserved import ReservedAccount, communicators, fsdp_streams, reserved_account
 from fxacct.predict.roofline import Prediction
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
@@ -144,23 +147,58 @@ def tokens_per_example(args, kwargs, batch: int) -> int | None:
     return None
 
 
+def _sharding(model, config: Config) -> tuple[dict, dict, tuple[str, int] | None]:
+    """--world-size N --shard S on one device: (ways each category is partitioned, the bytes
+    resident throughout besides, the largest unit FSDP/ZeRO-3 gathers)."""
+    if config.shard == "none":
+        return {}, {}, None
+    extra, unit = {}, None
+    if config.shard in ("zero3", "fsdp"):
+        unit = sharding.largest_unit_bytes(model, config.dtype)
+        extra = {PARAMETERS: unit[1]}
+    return sharding.partitioned(config.shard, config.world_size), extra, unit
+
+
 def sharded_peak(life: Lifetimes, model, config: Config) -> tuple[Peak | None, tuple[str, int] | None]:
     """--world-size N --shard S on one device: (the per-rank peak, the largest unit FSDP/ZeRO-3
     gathers), or (None, None) unsharded."""
     if config.shard == "none":
         return None, None
-    extra, unit = {}, None
-    if config.shard in ("zero3", "fsdp"):
-        unit = sharding.largest_unit_bytes(model, config.dtype)
-        extra = {PARAMETERS: unit[1]}
-    return walk(life, sharding.partitioned(config.shard, config.world_size), extra), unit
+    shards, extra, unit = _sharding(model, config)
+    return walk(life, shards, extra), unit
+
+
+def reserved_step(config: Config, cap: Capture, life: Lifetimes, model) -> ReservedAccount | None:
+    """The training step through the CUDA caching allocator, per rank, on config.gpu (None on a
+    CPU target or without a backward): fxacct.memory.reserved."""
+    if config.gpu is None or not cap.has_backward:
+        return None
+    shards, extra, _ = _sharding(model, config)
+    return reserved_account(life, device_key(config.gpu), get_device(config.gpu).capacity_reported, config.allocator_conf(), fsdp_streams(cap.graph),
+                            shards, extra, communicators(config.mesh))
 
 
 def training_peak(config: Config, capturer: Capturer) -> Peak:
-    """The step's training peak alone (per rank under --shard): the largest-batch search's probe."""
+    """The step's training peak alone (per rank under --shard)."""
     cap = capturer.capture(capture_options(config, capturer.model))
     life = capturer.lifetimes(cap)
     return sharded_peak(life, capturer.model, config)[0] or walk(life)
+
+
+def fit_probe(config: Config, capturer: Capturer) -> tuple[int, int]:
+    """(what one rank needs of config.gpu for the step: reserved at its peak plus the fixed costs
+    outside the allocator, as MemoryAccount.fit_bytes; the op-level peak): the largest-batch
+    search's probe. Without a CUDA target both are the op-level peak."""
+    cap = capturer.capture(capture_options(config, capturer.model))
+    life = capturer.lifetimes(cap)
+    peak = (sharded_peak(life, capturer.model, config)[0] or walk(life)).bytes
+    reserved = reserved_step(config, cap, life, capturer.model)
+    return (reserved.fit_bytes if reserved is not None else peak), peak
+
+
+def fit_bytes(config: Config, capturer: Capturer) -> int:
+    """fit_probe's first figure: what is compared with the GPU's capacity."""
+    return fit_probe(config, capturer)[0]
 
 
 def account_step(config: Config, capturer: Capturer, with_inference: bool = True) -> Profile:
@@ -181,12 +219,12 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
     per_rank, unit = sharded_peak(life, model, config)
     memory = memory_account.assemble(cap, acct, model, config.dtype, walk(life) if cap.has_backward else None,
                                      walk(capturer.lifetimes(inference)) if inference is not None else None,
-                                     per_rank, unit)
+                                     per_rank, unit, reserved_step(config, cap, life, model))
     notes = precision_warnings(cap)
     notes += (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
     notes += fastpath_warnings(model) + (() if cap.has_backward else (UNTRAINED,))
     return Profile(config, acct, memory, cap, notes, model_class=type(model).__name__)
 
 
-__all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "capture_options",
+__all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "capture_options",
            "tokens_per_example"]

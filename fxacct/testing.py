@@ -68,9 +68,10 @@ def assert_fits(model: torch.nn.Module, inputs, *, gpu: str = "h100", optimizer:
                 amp: str | torch.dtype | None = "bf16", dtype: str | torch.dtype | None = None,
                 master_weights: bool = False, world_size: int = 1, shard: str = "none",
                 max_memory: int | str | None = None, batch: int | None = None, **config) -> CheckResult:
-    """One training step of ``model(*inputs)`` fits one rank of ``gpu``: its per-rank peak is at
-    most ``max_memory`` (bytes, or a size such as "80GB" / "79.6GiB"), by default the GPU's
-    capacity as the driver reports it. ``inputs``: a tensor, a tuple of positional inputs, or a
+    """One training step of ``model(*inputs)`` fits one rank of ``gpu``: what the rank needs of it
+    (the step's peak reserved by the CUDA caching allocator plus the fixed costs outside it,
+    fxacct.memory.reserved) is at most ``max_memory`` (bytes, or a size such as "80GB" /
+    "79.6GiB"), by default the GPU's capacity as the driver reports it. ``inputs``: a tensor, a tuple of positional inputs, or a
     dict of keyword inputs (meta tensors are enough); ``batch`` defaults to their first dim.
     Other keyword arguments are fxacct.Config fields (optim_args, input_requires_grad, ...)."""
     limit = parse_bytes(max_memory) if isinstance(max_memory, str) else max_memory

@@ -83,6 +83,22 @@ def test_check_defaults_the_memory_budget_to_the_gpu_as_the_driver_reports_it():
     assert "zero2 over 8" in memory["figure"], doc
 
 
+def test_check_memory_on_a_gpu_budgets_reserved_plus_the_fixed_costs():
+    """With --gpu the memory budget holds the step's peak reserved by the CUDA caching allocator plus
+    the fixed costs outside it (the CUDA context, 400 MiB: fxacct.memory.fixed), not the op-level
+    peak: the small MLP's op-level peak is under 2 MB, yet 100 MB is over budget on an H100, while
+    without --gpu the same budget holds."""
+    prof = json.loads(exits(0, "profile", *MLP, "--gpu", "h100", "--no-max-batch", "--format", "json").stdout)
+    reserved = prof["totals"]["peak_reserved_bytes"]
+    assert prof["totals"]["peak_train_bytes"] < 2 * 10**6 < 100 * 10**6 < reserved + 400 * 2**20
+    doc = json.loads(exits(1, "check", *MLP, "--gpu", "h100", "--max-memory", "100MB", "--format", "json").stdout)
+    memory = doc["budgets"][0]
+    assert (memory["name"], memory["limit"], memory["ok"]) == ("memory", 100 * 10**6, False), doc
+    assert memory["value"] == reserved + 400 * 2**20, doc
+    assert memory["figure"].startswith("peak_reserved_bytes + fixed"), doc
+    exits(0, "check", *MLP, "--max-memory", "100MB")
+
+
 def test_check_step_time_at_an_assumed_mfu():
     # model FLOPs (batch 1, fp32 matmuls: 67e12 FLOP/s on an H100) at MFU 0.5:
     # (65,536 forward + 131,072 backward matmul FLOPs) / (67e12 · 0.5) = 5.87e-9 s, far under 1 ms

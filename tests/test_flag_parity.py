@@ -63,7 +63,7 @@ FLAGS = {
 SAME = ("forward_flops", "backward_flops", "loss_flops", "forward_flops_by_class", "backward_flops_by_class",
         "activation_bytes", "loss_activation_bytes", "params", "trainable_params", "param_bytes", "grad_bytes",
         "optimizer_bytes", "optimizer_flops", "master_weight_bytes", "recompute_flops", "checkpoint_bytes")
-PEAKS = ("peak_train_bytes", "peak_inference_bytes")
+PEAKS = ("peak_train_bytes", "peak_inference_bytes", "peak_reserved_bytes")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,22 @@ def test_mesh_of_one_gives_the_one_device_account(runs, model, flag, mesh):
     assert {k: ranked[k] for k in SAME} == {k: one[k] for k in SAME}
     if not engine_applied(model, mesh):
         assert {k: ranked[k] for k in PEAKS} == {k: one[k] for k in PEAKS}
+
+
+@pytest.mark.parametrize("mesh", (None, "fsdp=1"))
+def test_alloc_conf_reaches_one_device_and_a_rank(runs, mesh):
+    """--alloc-conf (Config.alloc_conf) reaches the allocator replay on one device and through the
+    mesh path alike: expandable segments move GPT-2's reserved peak, the same on both paths (no
+    engine at fsdp=1), and the string is echoed."""
+    extra = ("--mesh", mesh) if mesh else ()
+    conf = ("--alloc-conf", "expandable_segments:True")
+    default = totals(runs, *GPT_ARGS, "--gpu", "h100", "--alloc-conf", "expandable_segments:False", *extra)
+    expandable = totals(runs, *GPT_ARGS, "--gpu", "h100", *conf, *extra)
+    assert expandable["peak_reserved_bytes"] != default["peak_reserved_bytes"]
+    one = totals(runs, *GPT_ARGS, "--gpu", "h100", *conf)
+    assert expandable["peak_reserved_bytes"] == one["peak_reserved_bytes"]
+    doc = json.loads(runs(*GPT_ARGS, "--gpu", "h100", *conf, *extra).stdout)
+    assert doc["memory"]["reserved"]["alloc_conf"] == "expandable_segments:True"
 
 
 def test_each_flag_moves_the_account(runs):

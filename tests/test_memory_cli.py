@@ -88,7 +88,8 @@ def test_gpu_profile_prints_the_fit_and_the_largest_batch():
     # H100 80GB: the driver reports 81,559 MiB = 79.65 GiB
     fit = [ln for ln in text.splitlines() if "H100" in ln and "79.65 GiB" in ln and "per-rank peak" in ln]
     assert len(fit) == 1, text
-    assert re.search(r"per-rank peak [0-9.]+ [KMGT]iB, fits, [0-9.]+ [KMGT]iB headroom", fit[0]), fit[0]
+    # on a CUDA target the fit holds what the caching allocator reserves plus the fixed costs outside it
+    assert re.search(r"per-rank peak reserved \+ fixed [0-9.]+ [KMGT]iB, fits, [0-9.]+ [KMGT]iB headroom", fit[0]), fit[0]
     largest = [ln for ln in text.splitlines() if ln.startswith("largest batch that fits: ")]
     assert len(largest) == 1, text
     assert int(re.match(r"largest batch that fits: ([0-9]+)", largest[0]).group(1)) > 1

@@ -218,9 +218,10 @@ def test_six_n_d_counts_the_whole_models_frozen_parameters_under_a_mesh(tmp_path
 
 
 def test_a_ranks_peak_is_fitted_on_the_gpu_under_a_mesh():
-    """--gpu under --mesh: the fit line and memory.fit hold the rank's peak (under pp the largest
-    rank's over the step) against the capacity a single-device profile reports for the same GPU;
-    no largest batch (the planner searches the global one). They were absent."""
+    """--gpu under --mesh: the fit line and memory.fit hold the rank's peak reserved by the caching
+    allocator plus the fixed costs (under pp the largest rank's op-level peak over the step) against
+    the capacity a single-device profile reports for the same GPU; no largest batch (the planner
+    searches the global one). They were absent."""
     single = json.loads(_invoke(LLAMA, "--batch", "2", "--gpu", "h100", "--format", "json").stdout)
     capacity = single["memory"]["fit"]["capacity_bytes"]
     for mesh in (["--mesh", "fsdp=2"], ["--mesh", "pp=2", "--microbatches", "4"]):
@@ -228,8 +229,10 @@ def test_a_ranks_peak_is_fitted_on_the_gpu_under_a_mesh():
         assert r.exit_code == 0, r.stderr
         doc = json.loads(r.stdout)
         peak = max(s["peak_bytes"] for s in doc["pipeline"]["stages"]) if "pipeline" in doc \
-            else doc["totals"]["peak_train_bytes"]
+            else doc["memory"]["reserved"]["fit_bytes"]
         fit = doc["memory"]["fit"]
+        assert fit["basis"] == ("pipeline_peak_bytes" if "pipeline" in doc else "peak_reserved_bytes + fixed"), fit
+        assert (doc["memory"]["reserved"] is None) == ("pipeline" in doc), doc["memory"]["reserved"]
         assert (fit["capacity_bytes"], fit["peak_bytes"], fit["max_batch"]) == (capacity, peak, None), fit
         assert fit["headroom_bytes"] == capacity - peak
     text = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2", "--gpu", "h100").stdout

@@ -11,6 +11,7 @@ import torch
 from fxacct.devices import get_device
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
+from fxacct.load.alloc_conf import AllocConf, from_environment
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
@@ -59,6 +60,9 @@ class Config:
     checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
     costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
     pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
+    # PYTORCH_CUDA_ALLOC_CONF for the caching-allocator replay (fxacct.load.alloc_conf); None: the
+    # environment's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, else torch's defaults
+    alloc_conf: str | None = None
 
     def __post_init__(self):
         self._normalize()
@@ -81,6 +85,10 @@ class Config:
                              "use it with --dtype bf16 or --dtype fp16")
         if self.gpu is not None:
             get_device(self.gpu)
+        if self.alloc_conf is not None and not isinstance(self.alloc_conf, str):
+            raise UsageError(f"Config(alloc_conf={self.alloc_conf!r}): give a string such as 'expandable_segments:True'")
+        if self.alloc_conf is not None or self.gpu is not None:
+            self.allocator_conf()  # a bad --alloc-conf (or, for a GPU, environment value) fails here, before any trace
         self._check_loading()
         if isinstance(self.mesh, str):
             object.__setattr__(self, "mesh", parse_mesh(self.mesh))
@@ -143,6 +151,10 @@ class Config:
         without the flags that say how the pipeline runs (the stage is one micro-batch's step)."""
         return replace(self, mesh=mesh, parallelize=self.parallelize if mesh is not None else None,
                        pp_split=None, microbatches=None, pp_stages_per_rank=None)
+
+    def allocator_conf(self) -> AllocConf:
+        """The caching allocator's settings: --alloc-conf, else the environment, else torch's defaults."""
+        return from_environment(self.alloc_conf)
 
     def optimizer_spec(self):
         args = dict(self.optim_args)

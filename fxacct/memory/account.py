@@ -11,6 +11,7 @@ from fxacct.account.accounting import Accounting
 from fxacct.costs.registry import numel
 from fxacct.dtypes import dtype_name
 from fxacct.memory.peak import Peak
+from fxacct.memory.reserved import ReservedAccount
 from fxacct.trace.capture import Capture
 from fxacct.trace.records import itemsize
 
@@ -39,13 +40,15 @@ class Fit:
     headroom_bytes: int  # negative: shortfall
     max_batch: int | None  # largest batch whose per-rank peak fits (None: not searched)
     max_batch_verified: bool
+    basis: str = "peak_train_bytes"  # what peak_bytes is: "peak_reserved_bytes + fixed" on a CUDA target
 
     @classmethod
-    def on(cls, device, peak: int, max_batch: int | None = None, verified: bool = False) -> Fit:
+    def on(cls, device, peak: int, max_batch: int | None = None, verified: bool = False,
+           basis: str = "peak_train_bytes") -> Fit:
         """``peak`` bytes per rank on ``device`` (fxacct.devices), against the capacity
         its driver reports."""
         capacity = device.capacity_reported
-        return cls(device.name, capacity, peak, capacity - peak, max_batch, verified)
+        return cls(device.name, capacity, peak, capacity - peak, max_batch, verified, basis)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class MemoryAccount:
     views: ViewSummary
     optimizer_scalars: tuple[int, int] = (0, 0)  # (count, bytes) of 0-dim state (step counts)
     fit: Fit | None = None
+    reserved: ReservedAccount | None = None  # the training step through the CUDA caching allocator (with --gpu)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -72,6 +76,18 @@ class MemoryAccount:
     @property
     def rank_peak(self) -> Peak | None:
         return self.per_rank or self.peak_train
+
+    @property
+    def fit_bytes(self) -> int | None:
+        """What one rank needs of the GPU: reserved at its peak plus the fixed costs outside the
+        allocator where the allocator was replayed (a CUDA target), else the op-level peak."""
+        if self.reserved is not None:
+            return self.reserved.fit_bytes
+        return self.rank_peak.bytes if self.rank_peak is not None else None
+
+    @property
+    def fit_basis(self) -> str:
+        return "peak_reserved_bytes + fixed" if self.reserved is not None else "peak_train_bytes"
 
 
 def view_summary(accounting: Accounting, capture: Capture) -> ViewSummary:
@@ -128,7 +144,8 @@ def by_dtype(capture: Capture, accounting: Accounting) -> dict:
 
 
 def assemble(capture: Capture, accounting: Accounting, model: torch.nn.Module, dtype: torch.dtype | None,
-             peak_train: Peak | None, peak_inference: Peak, per_rank=None, gathered_unit=None) -> MemoryAccount:
+             peak_train: Peak | None, peak_inference: Peak, per_rank=None, gathered_unit=None,
+             reserved: ReservedAccount | None = None) -> MemoryAccount:
     """The memory account of one traced step (a single device's, or one rank's under --mesh)."""
     state = capture.optimizer_state
     return MemoryAccount(
@@ -142,4 +159,5 @@ def assemble(capture: Capture, accounting: Accounting, model: torch.nn.Module, d
         checkpoint_by_dtype=checkpoint_payload(model, dtype, capture),
         views=view_summary(accounting, capture),
         optimizer_scalars=(sum(s.count for s in state if s.scalar), sum(s.nbytes * s.count for s in state if s.scalar)),
+        reserved=reserved,
     )

@@ -56,6 +56,7 @@ def _document(p: Profile) -> dict:
             "param_bytes": t.param_bytes, "grad_bytes": t.grad_bytes, "optimizer_bytes": m.optimizer_bytes,
             "activation_bytes": t.activation_bytes, "loss_activation_bytes": t.loss_activation_bytes,
             "peak_train_bytes": m.rank_peak.bytes if m.rank_peak is not None else None,
+            "peak_reserved_bytes": m.reserved.peak_reserved_bytes if m.reserved is not None else None,
             "peak_inference_bytes": m.peak_inference.bytes if m.peak_inference is not None else None,
             "predicted_step_ms": None,
             "master_weight_bytes": m.master_bytes, "optimizer_flops": t.optimizer_flops,
@@ -103,5 +104,20 @@ def _memory(p: Profile) -> dict:
         "fit": None if m.fit is None else {
             "gpu": m.fit.gpu, "capacity_bytes": m.fit.capacity_bytes, "peak_bytes": m.fit.peak_bytes,
             "headroom_bytes": m.fit.headroom_bytes, "max_batch": m.fit.max_batch,
-            "max_batch_verified": m.fit.max_batch_verified},
+            "max_batch_verified": m.fit.max_batch_verified, "basis": m.fit.basis},
+        "reserved": _reserved(m.reserved),
+        "fixed": None if m.reserved is None else [
+            {"name": f.name, "bytes": f.bytes, "inside_reserved": f.inside_reserved, "source": f.source}
+            for f in m.reserved.fixed],
     }
+
+
+def _reserved(r) -> dict | None:
+    """The step through the CUDA caching allocator (fxacct.memory.reserved), null on a CPU target."""
+    if r is None:
+        return None
+    return {"peak_reserved_bytes": r.peak_reserved_bytes, "peak_allocated_bytes": r.peak_allocated_bytes,
+            "by_pool_stream": [{"pool": pool, "stream": stream, "bytes": b} for pool, stream, b in r.by_pool_stream],
+            "alloc_conf": r.alloc_conf, "expandable_segments": r.expandable_segments,
+            "fixed_outside_bytes": r.fixed_outside_bytes, "fit_bytes": r.fit_bytes,
+            "capacity_bytes": r.capacity_bytes, "alloc_retries": r.alloc_retries, "oom_events": r.oom_events}

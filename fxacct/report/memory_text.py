@@ -74,10 +74,18 @@ def render_memory(p: Profile) -> str:
     views = (f"{v.view_nodes:,} view node{'s' if v.view_nodes != 1 else ''} allocate nothing (as copies they would take "
              f"{format_bytes(v.bytes_avoided)})" if v.view_nodes else "none")
     lines.append(f"forward views: {views}; copies: {copies}")
+    if m.reserved is not None:
+        r = m.reserved
+        lines.append(f"reserved by the CUDA caching allocator (PYTORCH_CUDA_ALLOC_CONF {r.alloc_conf or 'unset'}): peak "
+                     f"{_bytes(r.peak_reserved_bytes)} (" + ", ".join(f"{pool} pool, {stream} stream {format_bytes(b)}"
+                                                               for pool, stream, b in r.by_pool_stream)
+                     + f"); allocated at most {format_bytes(r.peak_allocated_bytes)}")
+        lines += [f"fixed: {f.name} {format_bytes(f.bytes)}" + (" (inside reserved)" if f.inside_reserved else "")
+                  + f" [{f.source}]" for f in r.fixed]
     if m.fit is not None:
         f = m.fit
-
-        lines.append(f"{f.gpu} ({format_bytes(f.capacity_bytes)} as the driver reports): per-rank peak "
+        basis = "peak" if f.basis == "peak_train_bytes" else f.basis.replace("_bytes", "").replace("_", " ")
+        lines.append(f"{f.gpu} ({format_bytes(f.capacity_bytes)} as the driver reports): per-rank {basis} "
                      f"{format_bytes(f.peak_bytes)}, {fit_verdict(f.headroom_bytes)}")
         if f.max_batch is not None:
             lines.append(f"largest batch that fits: {f.max_batch}"

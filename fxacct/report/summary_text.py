@@ -105,17 +105,36 @@ def _memory_facts(p: Profile) -> list[tuple[str, str]]:
         where = f"training step, per rank ({c.shard})" if m.per_rank is not None else "training step"
         rows.append(("peak", f"{where} {exact_bytes(pk.bytes)} at {pk.node or 'start'} ({pk.phase}): "
                              + ", ".join(f"{cat.replace('_', ' ')} {format_bytes(b)}" for b, cat in parts)))
+    if m.reserved is not None:
+        rows.append(("reserved", reserved_fact(m.reserved, per_rank=p.parallel is not None or m.per_rank is not None)))
     if m.peak_inference is not None:
         rows.append(("inference", f"peak {format_bytes(m.peak_inference.bytes)} (eval, no_grad)"))
     if m.fit is not None:
         f = m.fit
         text = f"{fit_verdict(f.headroom_bytes)} of {format_bytes(f.capacity_bytes)} on {f.gpu}"
+        if f.basis != "peak_train_bytes":
+            text += f" ({f.basis.replace('_bytes', '').replace('_', ' ')} {format_bytes(f.peak_bytes)})"
         if f.max_batch is not None:
             text += f"; largest batch {f.max_batch}" + ("" if f.max_batch_verified else " (estimate)")
         rows.append(("fit", text))
     elif c.gpu is None:
         rows.append(("fit", "give --gpu NAME for fit and the largest batch"))
     return rows
+
+
+def reserved_fact(r, per_rank: bool = False) -> str:
+    """'peak reserved 1.05 GiB (allocated 1.02 GiB) + fixed 400.00 MiB outside the allocator (...)'."""
+    outside = [f for f in r.fixed if not f.inside_reserved]
+    inside = [f for f in r.fixed if f.inside_reserved]
+    conf = f", {r.alloc_conf}" if r.alloc_conf else ""
+    text = (f"{'per rank: ' if per_rank else ''}peak {format_bytes(r.peak_reserved_bytes)} as the CUDA caching allocator "
+            f"holds it{conf} (allocated {format_bytes(r.peak_allocated_bytes)}); fixed {format_bytes(r.fixed_outside_bytes)} "
+            "outside it: " + ", ".join(f"{f.name} {format_bytes(f.bytes)}" for f in outside))
+    if inside:
+        text += "; inside it: " + ", ".join(f"{f.name} {format_bytes(f.bytes)}" for f in inside)
+    if r.oom_events:
+        text += f"; OUT OF MEMORY at {r.oom_events} allocation{'s' if r.oom_events > 1 else ''}"
+    return text
 
 
 def _rate(x: float) -> str:
@@ -202,4 +221,4 @@ def render_summary(p: Profile, prediction=None, width: int | None = None) -> str
     return "\n".join(lines)
 
 
-__all__ = ["facts", "render_summary", "exact_count", "exact_bytes", "fit_verdict"]
+__all__ = ["facts", "render_summary", "exact_count", "exact_bytes", "fit_verdict", "reserved_fact"]

@@ -2,9 +2,12 @@
 value, the limit and how far over. Values are for one rank, as every figure of a profile is
 (DESIGN.md: `--batch` is the per-rank micro-batch; memory is what one GPU holds).
 
-- memory: the per-rank training peak (peak_train_bytes; the inference peak for a model with
-  nothing to train) against --max-memory, by default the --gpu's capacity as the driver reports
-  it (nvidia-smi memory.total, fxacct.devices), the memory a job can actually use.
+- memory: on a CUDA target (--gpu) what one rank needs of the GPU: the training step's peak
+  reserved by the CUDA caching allocator plus the fixed costs outside it (CUDA context, NCCL
+  buffers; fxacct.memory.reserved); without --gpu the per-rank training peak (peak_train_bytes;
+  the inference peak for a model with nothing to train). Against --max-memory, by default the
+  --gpu's capacity as the driver reports it (nvidia-smi memory.total, fxacct.devices), the memory a
+  job can actually use.
 - params: all parameters (trainable or not).
 - flops: forward + backward FLOPs of one step, every class; flops_per_example: that ÷ batch.
 - step_time: model FLOPs (forward + backward, matmul + attention: the FLOPs MFU is defined on)
@@ -102,15 +105,18 @@ def validate(limits: Limits, gpu: str | None) -> None:
 
 def _rank_peak(profile: Profile) -> tuple[int, str]:
     """(bytes, label) of the peak one rank holds: under --mesh pp=P the largest rank's over the
-    whole step (its in-flight micro-batches included), else the training peak (per rank under
+    whole step (its in-flight micro-batches included), else on a CUDA target the step's peak
+    reserved plus the fixed costs outside the allocator, else the training peak (per rank under
     --shard or --mesh), or the inference peak of a model that does not train."""
     c, m, par = profile.config, profile.memory, profile.parallel
     if par is not None and par.pipeline is not None:
         return par.pipeline.peak_bytes, "pipeline_peak_bytes (the largest rank's step)"
+    shared = f" ({c.shard} over {c.world_size})" if c.shard != "none" else f" (--mesh {par.mesh})" if par else ""
+    if m.reserved is not None:
+        return m.reserved.fit_bytes, f"peak_reserved_bytes + fixed per rank{shared}"
     peak, what = m.rank_peak, "peak_train_bytes"
     if peak is None:
         peak, what = m.peak_inference, "peak_inference_bytes"
-    shared = f" ({c.shard} over {c.world_size})" if c.shard != "none" else f" (--mesh {par.mesh})" if par else ""
     return peak.bytes, f"{what} per rank{shared}"
 
 
