@@ -198,6 +198,9 @@ MESH_OPTIONS = (
                       "(default: the model's tensor-parallel plan and FSDP2 per repeated block)."),
     click.option("--reshard-after-forward/--no-reshard-after-forward", default=DEFAULTS.reshard_after_forward,
                  show_default=True, help="With --mesh fsdp=N: FSDP2 frees gathered blocks after their forward."),
+    click.option("--zero1", is_flag=True, default=False,
+                 help="With --mesh dp=N (DDP): ZeRO-1, each rank keeps and steps the optimizer state of its share "
+                      "of the parameters and broadcasts them after the step (torch's ZeroRedundancyOptimizer)."),
     click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULTS.gpus_per_node, show_default=True,
                  help="With --mesh and --gpu: GPUs per node; inner mesh dims run over NVLink, outer ones over InfiniBand."),
     click.option("--pp-split", default=None, metavar="PATH.py:fn|FQN,...",
@@ -230,13 +233,13 @@ def mesh_options(fn=None, *, hide=()):
 
 def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
               gpus_per_node=DEFAULTS.gpus_per_node, pp_split=None, microbatches=None,
-              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, **_) -> Config:
+              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, zero1=False, **_) -> Config:
     """The --mesh flags added to a Config (validated by Config)."""
     from dataclasses import replace
 
     return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
                    gpus_per_node=gpus_per_node, pp_split=pp_split, microbatches=microbatches, pp_schedule=pp_schedule,
-                   pp_stages_per_rank=pp_stages_per_rank)
+                   pp_stages_per_rank=pp_stages_per_rank, zero1=zero1)
 
 
 def model_options(fn=None, *, hide=()):

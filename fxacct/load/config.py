@@ -59,6 +59,7 @@ class Config:
     checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
     costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
     pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
+    zero1: bool = False  # ZeRO-1 over --mesh dp=N: the optimizer state sharded (ZeroRedundancyOptimizer)
 
     def __post_init__(self):
         self._normalize()
@@ -89,7 +90,24 @@ class Config:
         check(self.shard, self.world_size)
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
+        self._check_zero1()
         self.optimizer_spec().resolve()
+
+    def _check_zero1(self):
+        if not self.zero1:
+            return
+        names = () if self.mesh is None else self.mesh.names
+        if "fsdp" in names:
+            raise UsageError(f"--zero1 with --mesh {self.mesh}: FSDP2 already shards the optimizer state with the "
+                             "parameters; drop --zero1 (ZeRO-1 goes with plain data parallelism, --mesh dp=N)")
+        if "dp" not in names:
+            raise UsageError("--zero1 shards the optimizer state over data-parallel ranks: add --mesh dp=N "
+                             "(or use --world-size N --shard zero1 for the arithmetic estimate)")
+        if len(names) > 1:
+            raise UsageError(f"--zero1 with --mesh {self.mesh}: ZeRO-1 goes with plain data parallelism only; "
+                             f"use --mesh dp={self.mesh.size('dp')}")
+        if self.optimizer.lower() == "none":
+            raise UsageError("--zero1 shards the optimizer state, and --optimizer none has none: drop one of them")
 
     def _normalize(self):
         """The CLI's strings parsed as the CLI parses them (one parser each), so the library takes
@@ -115,6 +133,8 @@ class Config:
         put("inputs", tuple(parse_input_spec(s) if isinstance(s, str) else s for s in specs))
         if not all(isinstance(s, InputSpec) for s in self.inputs):
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
+        if not isinstance(self.zero1, bool):
+            raise UsageError(f"Config(zero1={self.zero1!r}): give True or False")
         for name in ("checkpoint", "costs"):
             value = getattr(self, name)
             items = (value,) if isinstance(value, str) else tuple(value)
@@ -148,7 +168,7 @@ class Config:
         args = dict(self.optim_args)
         if self.gpu is not None and self.optimizer.lower() in _FOREACH and "foreach" not in args:
             args["foreach"] = True  # fxacct.trace.targets rule 4: CUDA tensors default to foreach
-        return OptimizerSpec(self.optimizer, args)
+        return OptimizerSpec(self.optimizer, args, zero1=self.zero1)
 
 
 def _foreach_optimizers():
