@@ -86,6 +86,9 @@ AMP = click.option("--amp", default=None,
                    help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations (default: off).")
 MASTER_WEIGHTS = click.option("--master-weights", is_flag=True,
                               help="With --dtype bf16/fp16: the optimizer steps fp32 master copies.")
+FP8 = click.option("--fp8", default=None, metavar="RECIPE",
+                   help="Float8 training: linear layers converted with torchao's Float8Linear, recipe tensorwise or "
+                        "rowwise (casts, scales and _scaled_mm traced as they run; needs pip install 'fxacct[fp8]').")
 OPTIMIZER = click.option("--optimizer", default=DEFAULTS.optimizer, show_default=True,
                          help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name.")
 OPTIM_ARG = click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
@@ -150,7 +153,7 @@ MODEL_AND_INPUTS = [
     click.option("--no-dedup", "no_dedup", is_flag=True,
                  help="Trace every repeated block instead of replaying proven-identical ones."),
 ]
-PRECISION_AND_OPTIMIZER = [DTYPE, AMP, MASTER_WEIGHTS, OPTIMIZER, OPTIM_ARG]
+PRECISION_AND_OPTIMIZER = [DTYPE, AMP, MASTER_WEIGHTS, FP8, OPTIMIZER, OPTIM_ARG]
 HARDWARE_AND_PARALLELISM = [
     GPU, world_size_option(), SHARD,
     click.option("--no-max-batch", "no_max_batch", is_flag=True,
@@ -290,7 +293,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
-              costs=(), mesh=None, **_) -> Config:
+              costs=(), mesh=None, fp8=None, **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size
@@ -302,11 +305,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         master_weights=master_weights, gpu=gpu, world_size=world_size, shard=shard, dedup=not no_dedup,
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
-        checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
+        checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh, fp8=fp8,
     )
 
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
-           "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
+           "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
            "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

@@ -11,6 +11,7 @@ import torch
 from fxacct.devices import get_device
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
+from fxacct.load import fp8
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
@@ -60,6 +61,7 @@ class Config:
     costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
     pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
     zero1: bool = False  # ZeRO-1 over --mesh dp=N: the optimizer state sharded (ZeroRedundancyOptimizer)
+    fp8: str | None = None  # "tensorwise" or "rowwise": linear layers as torchao's Float8Linear (fxacct.load.fp8)
 
     def __post_init__(self):
         self._normalize()
@@ -91,6 +93,7 @@ class Config:
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self._check_zero1()
+        fp8.check(self.fp8)
         self.optimizer_spec().resolve()
 
     def _check_zero1(self):
