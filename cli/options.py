@@ -88,7 +88,8 @@ MASTER_WEIGHTS = click.option("--master-weights", is_flag=True,
                               help="With --dtype bf16/fp16: the optimizer steps fp32 master copies.")
 FP8 = click.option("--fp8", default=None, metavar="RECIPE",
                    help="Float8 training: linear layers converted with torchao's Float8Linear, recipe tensorwise or "
-                        "rowwise (casts, scales and _scaled_mm traced as they run; needs pip install 'fxacct[fp8]').")
+                        "rowwise (casts, scales and _scaled_mm traced as they run; needs pip install 'fxacct[fp8]'; "
+                        "default: off).")
 OPTIMIZER = click.option("--optimizer", default=DEFAULTS.optimizer, show_default=True,
                          help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name.")
 OPTIM_ARG = click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
