@@ -114,10 +114,11 @@ def run(*args: str):
     (("--zero1",), "add --mesh dp=N"),
     (("--zero1", "--mesh", "fsdp=2"), "drop --zero1"),
     (("--zero1", "--mesh", "dp=2,fsdp=2"), "drop --zero1"),
-    (("--zero1", "--mesh", "pp=2,dp=2"), "use --mesh dp=2"),
+    (("--zero1", "--mesh", "dp=2,tp=2"), "use --mesh dp=2"),
     (("--zero1", "--mesh", "dp=2", "--optimizer", "none"), "--optimizer none"),
     (("--mesh", "dp=2,tp=2"), "dp=R,fsdp=S,tp=T"),
-], ids=["no-mesh", "fsdp", "hsdp", "pp", "no-optimizer", "ddp-tp"])
+    (("--mesh", "pp=2,dp=2"), "inside pipeline stages"),
+], ids=["no-mesh", "fsdp", "hsdp", "tp", "no-optimizer", "ddp-tp", "ddp-pp"])
 def test_zero1_and_ddp_misuse_is_one_line_exit_2(args, says):
     result = run(*args)
     assert result.exit_code == 2, result.output

@@ -97,6 +97,11 @@ class Config:
         self.optimizer_spec().resolve()
 
     def _check_zero1(self):
+        """--zero1, and DDP (dp without fsdp) where it is built in: alone or with tp refused later."""
+        m = self.mesh
+        if m is not None and m.size("pp") > 1 and m.size("dp") > 1 and m.size("fsdp") == 1:
+            raise UsageError(f"--mesh {m}: DDP (dp without fsdp) inside pipeline stages is not built in; use "
+                             f"--mesh pp={m.size('pp')},dp={m.size('dp')},fsdp=S (HSDP in each stage) or your own --parallelize")
         if not self.zero1:
             return
         names = () if self.mesh is None else self.mesh.names
