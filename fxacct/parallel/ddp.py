@@ -55,10 +55,3 @@ def ready(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         model.zero_grad(set_to_none=True)
     tpd.rebuild_buckets(ddp)
 
-
-def bucket_bytes(model: torch.nn.Module) -> list[int]:
-    """The byte size of each DDP gradient bucket of ``model`` (DDP's own logging data), or []."""
-    ddp = tpd.ddp_of(model)
-    if ddp is None:
-        return []
-    return [int(b) for b in ddp._get_ddp_logging_data().get("bucket_sizes", "").split(", ") if b]
