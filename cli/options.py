@@ -86,6 +86,10 @@ AMP = click.option("--amp", default=None,
                    help="Autocast dtype (bf16 or fp16): fp32 parameters, low-precision activations (default: off).")
 MASTER_WEIGHTS = click.option("--master-weights", is_flag=True,
                               help="With --dtype bf16/fp16: the optimizer steps fp32 master copies.")
+FP8 = click.option("--fp8", default=None, metavar="RECIPE",
+                   help="Float8 training: linear layers converted with torchao's Float8Linear, recipe tensorwise or "
+                        "rowwise (casts, scales and _scaled_mm traced as they run; needs pip install 'fxacct[fp8]'; "
+                        "default: off).")
 OPTIMIZER = click.option("--optimizer", default=DEFAULTS.optimizer, show_default=True,
                          help="torch.optim name (sgd, adam, adamw, adagrad, rmsprop, ...), none, or PATH.py:Name.")
 OPTIM_ARG = click.option("--optim-arg", "optim_items", multiple=True, metavar="NAME=VALUE",
@@ -150,7 +154,7 @@ MODEL_AND_INPUTS = [
     click.option("--no-dedup", "no_dedup", is_flag=True,
                  help="Trace every repeated block instead of replaying proven-identical ones."),
 ]
-PRECISION_AND_OPTIMIZER = [DTYPE, AMP, MASTER_WEIGHTS, OPTIMIZER, OPTIM_ARG]
+PRECISION_AND_OPTIMIZER = [DTYPE, AMP, MASTER_WEIGHTS, FP8, OPTIMIZER, OPTIM_ARG]
 HARDWARE_AND_PARALLELISM = [
     GPU, world_size_option(), SHARD,
     click.option("--no-max-batch", "no_max_batch", is_flag=True,
@@ -202,6 +206,9 @@ MESH_OPTIONS = (
                       "(default: the model's tensor-parallel plan and FSDP2 per repeated block)."),
     click.option("--reshard-after-forward/--no-reshard-after-forward", default=DEFAULTS.reshard_after_forward,
                  show_default=True, help="With --mesh fsdp=N: FSDP2 frees gathered blocks after their forward."),
+    click.option("--zero1", is_flag=True, default=False,
+                 help="With --mesh dp=N (DDP): ZeRO-1, each rank keeps and steps the optimizer state of its share "
+                      "of the parameters and broadcasts them after the step (torch's ZeroRedundancyOptimizer)."),
     click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULTS.gpus_per_node, show_default=True,
                  help="With --mesh and --gpu: GPUs per node; inner mesh dims run over NVLink, outer ones over InfiniBand."),
     click.option("--pp-split", default=None, metavar="PATH.py:fn|FQN,...",
@@ -234,13 +241,13 @@ def mesh_options(fn=None, *, hide=()):
 
 def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
               gpus_per_node=DEFAULTS.gpus_per_node, pp_split=None, microbatches=None,
-              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, **_) -> Config:
+              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, zero1=False, **_) -> Config:
     """The --mesh flags added to a Config (validated by Config)."""
     from dataclasses import replace
 
     return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
                    gpus_per_node=gpus_per_node, pp_split=pp_split, microbatches=microbatches, pp_schedule=pp_schedule,
-                   pp_stages_per_rank=pp_stages_per_rank)
+                   pp_stages_per_rank=pp_stages_per_rank, zero1=zero1)
 
 
 def model_options(fn=None, *, hide=()):
@@ -291,7 +298,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
-              costs=(), mesh=None, alloc_conf=None, **_) -> Config:
+              costs=(), mesh=None, alloc_conf=None, fp8=None, **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size
@@ -304,11 +311,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
         checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
-        alloc_conf=alloc_conf,
+        alloc_conf=alloc_conf, fp8=fp8,
     )
 
 
 __all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
-           "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "OPTIMIZER", "OPTIM_ARG",
+           "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
            "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

@@ -18,7 +18,7 @@ from fxacct.account.annotate import annotate
 from fxacct.account.notes import UNTRAINED, fastpath_warnings, precision_warnings
 from fxacct.costs.user import load_costs
 from fxacct.devices import get_device
-from fxacct.load import model_spec
+from fxacct.load import fp8, model_spec
 from fxacct.load.config import Config
 from fxacct.load.hf import is_causal_lm
 from fxacct.load.mesh import MeshSpec
@@ -135,7 +135,8 @@ def capture_options(config: Config, model: torch.nn.Module, inference: bool = Fa
         optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
         master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup,
         loss=config.loss, causal_lm=is_causal_lm(model), checkpoint=config.checkpoint,
-        checkpoint_policy=config.checkpoint_policy, **extra)
+        checkpoint_policy=config.checkpoint_policy,
+        defer=(fp8.float8_tensor_type(),) if config.fp8 else (), **extra)
 
 
 def tokens_per_example(args, kwargs, batch: int) -> int | None:

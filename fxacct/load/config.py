@@ -11,6 +11,7 @@ import torch
 from fxacct.devices import get_device
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
+from fxacct.load import fp8
 from fxacct.load.alloc_conf import AllocConf, from_environment
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
@@ -63,6 +64,8 @@ class Config:
     # PYTORCH_CUDA_ALLOC_CONF for the caching-allocator replay (fxacct.load.alloc_conf); None: the
     # environment's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, else torch's defaults
     alloc_conf: str | None = None
+    zero1: bool = False  # ZeRO-1 over --mesh dp=N: the optimizer state sharded (ZeroRedundancyOptimizer)
+    fp8: str | None = None  # "tensorwise" or "rowwise": linear layers as torchao's Float8Linear (fxacct.load.fp8)
 
     def __post_init__(self):
         self._normalize()
@@ -97,7 +100,30 @@ class Config:
         check(self.shard, self.world_size)
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
+        self._check_zero1()
+        fp8.check(self.fp8)
         self.optimizer_spec().resolve()
+
+    def _check_zero1(self):
+        """--zero1, and DDP (dp without fsdp) where it is built in: alone or with tp refused later."""
+        m = self.mesh
+        if m is not None and m.size("pp") > 1 and m.size("dp") > 1 and m.size("fsdp") == 1:
+            raise UsageError(f"--mesh {m}: DDP (dp without fsdp) inside pipeline stages is not built in; use "
+                             f"--mesh pp={m.size('pp')},dp={m.size('dp')},fsdp=S (HSDP in each stage) or your own --parallelize")
+        if not self.zero1:
+            return
+        names = () if self.mesh is None else self.mesh.names
+        if "fsdp" in names:
+            raise UsageError(f"--zero1 with --mesh {self.mesh}: FSDP2 already shards the optimizer state with the "
+                             "parameters; drop --zero1 (ZeRO-1 goes with plain data parallelism, --mesh dp=N)")
+        if "dp" not in names:
+            raise UsageError("--zero1 shards the optimizer state over data-parallel ranks: add --mesh dp=N "
+                             "(or use --world-size N --shard zero1 for the arithmetic estimate)")
+        if len(names) > 1:
+            raise UsageError(f"--zero1 with --mesh {self.mesh}: ZeRO-1 goes with plain data parallelism only; "
+                             f"use --mesh dp={self.mesh.size('dp')}")
+        if self.optimizer.lower() == "none":
+            raise UsageError("--zero1 shards the optimizer state, and --optimizer none has none: drop one of them")
 
     def _normalize(self):
         """The CLI's strings parsed as the CLI parses them (one parser each), so the library takes
@@ -123,6 +149,8 @@ class Config:
         put("inputs", tuple(parse_input_spec(s) if isinstance(s, str) else s for s in specs))
         if not all(isinstance(s, InputSpec) for s in self.inputs):
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
+        if not isinstance(self.zero1, bool):
+            raise UsageError(f"Config(zero1={self.zero1!r}): give True or False")
         for name in ("checkpoint", "costs"):
             value = getattr(self, name)
             items = (value,) if isinstance(value, str) else tuple(value)
@@ -160,7 +188,7 @@ class Config:
         args = dict(self.optim_args)
         if self.gpu is not None and self.optimizer.lower() in _FOREACH and "foreach" not in args:
             args["foreach"] = True  # fxacct.trace.targets rule 4: CUDA tensors default to foreach
-        return OptimizerSpec(self.optimizer, args)
+        return OptimizerSpec(self.optimizer, args, zero1=self.zero1)
 
 
 def _foreach_optimizers():

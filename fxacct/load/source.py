@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 
 from fxacct.errors import UsageError, classify
-from fxacct.load import hf
+from fxacct.load import fp8, hf
 from fxacct.load import model_spec as loading
 from fxacct.load.inputs import InputSpec
 
@@ -183,6 +183,7 @@ def load_model(config):
     kwargs)`` builds the inputs of another batch (the largest-batch search)."""
     src = open_source(config)
     model = src.build()
+    fp8.convert(model, getattr(config, "fp8", None))  # --fp8: torchao's Float8Linear in place of nn.Linear
 
     def inputs_for(batch: int):
         return inputs(src, model, config, batch)

@@ -54,12 +54,13 @@ def parse_optim_arg(text: str) -> tuple[str, object]:
 class OptimizerSpec:
     name: str = "adamw"  # a key of OPTIMIZERS, "none", or "PATH.py:Name"
     args: dict = field(default_factory=dict)
+    zero1: bool = False  # wrapped in ZeroRedundancyOptimizer: this rank steps and keeps state for its partition
 
     @property
     def per_parameter(self) -> bool:
         """A built-in optimizer in its single-tensor implementation: each parameter is updated on
         its own (torch/optim/*.py, _single_tensor_*), so one parameter per shape stands for all."""
-        return (self.name.lower() in OPTIMIZERS and not self.args.get("foreach")
+        return (self.name.lower() in OPTIMIZERS and not self.zero1 and not self.args.get("foreach")
                 and not self.args.get("fused") and not self.args.get("differentiable"))
 
     def resolve(self):
@@ -88,6 +89,10 @@ class OptimizerSpec:
         if cls is None or not params:
             return None
         try:
+            if self.zero1:  # torch's ZeRO-1 over the default process group (the dp ranks)
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                return ZeroRedundancyOptimizer(params, optimizer_class=cls, **self.args)
             return cls(params, **self.args)
         except Exception as e:  # the options are what the user gave: a usage error, not the model's
             raise UsageError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.args.items())}) "

@@ -6,7 +6,9 @@ Wire bytes follow the ring algorithms NCCL uses (Patarasuk & Yuan 2009; NCCL's
 doc/PERFORMANCE.md "bus bandwidth"): with n ranks and a full (unsharded) tensor of S bytes,
 all-gather and reduce-scatter send (n−1)/n·S per rank (n−1 steps of one S/n chunk); all-reduce,
 a reduce-scatter followed by an all-gather, sends 2(n−1)/n·S; all-to-all sends the (n−1)/n of its
-input bound for the other ranks; a send sends its tensor, a recv nothing. The all-reduce figure
+input bound for the other ranks; a broadcast (ZeRO-1's updated parameters) sends the whole tensor
+from every rank but the last of the chain (NCCL's ring broadcast, bus bandwidth = algorithm
+bandwidth in doc/PERFORMANCE.md: rank 0 counts it); a send sends its tensor, a recv nothing. The all-reduce figure
 is floored to whole bytes when S is not a multiple of n.
 """
 
@@ -34,6 +36,7 @@ _OPS = {
     _c10d._reduce_scatter_base_.default: ("reduce_scatter", 0, 1, 2),
     _c10d.allreduce_.default: ("all_reduce", 0, 0, 1),
     _c10d.alltoall_base_.default: ("all_to_all", 0, 1, 2),
+    _c10d.broadcast_.default: ("broadcast", 0, 0, 1),
     _c10d.send.default: ("send", 0, 0, None),
     _c10d.recv_.default: ("recv", 0, 0, None),
     _fn.all_reduce.default: ("all_reduce", None, 0, 2),
@@ -103,6 +106,8 @@ def wire_bytes(op: str, n: int, out_bytes: int, in_bytes: int) -> int:
         return 2 * (n - 1) * in_bytes // n
     if op == "all_to_all":
         return (n - 1) * in_bytes // n
+    if op == "broadcast":
+        return in_bytes if n > 1 else 0
     if op == "send":
         return in_bytes
     return 0

@@ -15,6 +15,7 @@ import torch
 from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import MeshSpec
 from fxacct.load.model_spec import call_user, check_call, resolve_function
+from fxacct.parallel.ddp import apply_ddp, is_ddp
 from fxacct.parallel.plans import apply_model_plan
 from fxacct.trace import torch_private as tp
 
@@ -61,9 +62,14 @@ def parallelize(model: torch.nn.Module, spec: MeshSpec, mesh, options) -> torch.
     check_heads(model, spec)
     if options.parallelize:
         return _user_parallelize(model, mesh, options.parallelize)
+    if is_ddp(spec) and spec.size("tp") > 1:
+        raise UsageError(f"--mesh {spec}: DDP (dp without fsdp) over tensor-parallel shards is not built in; "
+                         "use dp=R,fsdp=S,tp=T (HSDP), or your own --parallelize")
     if spec.size("tp") > 1:
         apply_model_plan(model, mesh["tp"])
-    if spec.size("fsdp") > 1 or spec.size("dp") > 1:
+    if is_ddp(spec):
+        apply_ddp(model, mesh)
+    elif spec.size("fsdp") > 1 or spec.size("dp") > 1:
         _fully_shard(model, spec, mesh, options)
     return model
 
@@ -134,9 +140,6 @@ def _fully_shard(model, spec: MeshSpec, mesh, options) -> None:
     alone and the final norm with lm_head as one unit kept gathered after forward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if spec.size("fsdp") == 1:
-        raise UsageError(f"--mesh {spec}: plain data parallelism (dp without fsdp) is not built in; "
-                         "use fsdp=N (FSDP2), dp=R,fsdp=S (HSDP), or your own --parallelize")
     dims = tuple(d for d in ("dp", "fsdp") if spec.size(d) > 1 or d == "fsdp")
     fsdp_mesh = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
     mp = MixedPrecisionPolicy()

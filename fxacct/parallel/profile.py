@@ -25,7 +25,7 @@ def profile_parallel(config, loader=None, with_inference: bool = True) -> Profil
         model, args, kwargs, _ = (loader or load_model)(config)
         built = type(model).__name__  # FSDP2 renames the class of what it wraps (FSDPLlama)
         hf_model = type(model).__module__.startswith("transformers.")
-        prepared = prepare(model, spec, mesh, config)  # parallelized and materialized once
+        prepared = prepare(model, spec, mesh, config, (args, kwargs))  # parallelized and materialized once
         rank = RankCapturer(model, args, kwargs, prepared, mesh_groups(mesh, spec))
         prof = account_step(config, rank, with_inference)
     cap, memory, found = prof.capture, prof.memory, rank.collectives

@@ -17,6 +17,7 @@ import torch
 
 from fxacct.errors import classify
 from fxacct.memory.peak import lifetimes
+from fxacct.parallel import ddp
 from fxacct.parallel.collectives import alias_waits, mark, register_fsdp_copies
 from fxacct.parallel.engine import parallelize
 from fxacct.parallel.fsdp_replay import GatherReplay, gathers_replayed
@@ -59,7 +60,8 @@ def own_tensors(model: torch.nn.Module) -> FakeModel:
     return fake
 
 
-def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
+def prepare(model: torch.nn.Module, spec, mesh, config, inputs: tuple = ((), {})) -> Prepared:
+    """``inputs``: (args, kwargs) of the step, for DDP's warm-up step (fxacct.parallel.ddp.ready)."""
     from torch.distributed.tensor import DTensor
 
     register_fsdp_copies()
@@ -75,6 +77,8 @@ def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
             # swap), which unties a plain module's tied weights (FSDP2's own _apply keeps them): tie again
             model.to_empty(device="cpu")
             retie(model, {a: n for a, n in aliases.items() if model.get_parameter(a) is not model.get_parameter(n)})
+            if ddp.is_ddp(spec) and not config.parallelize:
+                ddp.ready(model, *inputs)
             fake = own_tensors(model)
     except Exception as e:
         raise classify(e, "materializing the parallelized model") from e

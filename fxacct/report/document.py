@@ -45,7 +45,7 @@ def _document(p: Profile) -> dict:
             "batch": c.batch, "dtype": dtype_name(c.dtype) if c.dtype is not None else None,
             "amp": dtype_name(c.amp) if c.amp is not None else None, "optimizer": c.optimizer, "gpu": c.gpu, "world_size": c.world_size,
             "shard": c.shard, "tokens_per_example": t.tokens_per_example, "inputs": list(a.input_shapes),
-            "master_weights": c.master_weights, "loss": c.loss,
+            "master_weights": c.master_weights, "loss": c.loss, "fp8": c.fp8, "zero1": c.zero1,
         },
         "conventions": {"flops_per_fma": FLOPS_PER_FMA, "causal_attention": c.causal_attention,
                         "recompute": "counted" if c.count_recompute else "excluded"},

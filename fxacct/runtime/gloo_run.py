@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
 from fxacct.load.mesh import without_pp
+from fxacct.parallel.ddp import is_ddp
 from fxacct.parallel.engine import device_mesh, parallelize
 from fxacct.parallel.pipeline import _split, resolve_points
 from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
@@ -32,6 +33,7 @@ from fxacct.runtime.run import build_model, make_inputs
 from fxacct.runtime.storage_tracker import StorageTracker
 from fxacct.trace import torch_private as tp
 from fxacct.trace.loss import training_loss
+from fxacct.trace.torch_private.ddp import zero_local_optimizer
 
 MAX_RANKS = 8
 
@@ -91,6 +93,21 @@ class CollectiveCounter(tp.TorchDispatchMode):
 # add to it (seen here: +54,336 and +68,608 B over 2,098,552 B in 2 of 5 runs of GPT-2 at fsdp=4,
 # the other runs equal to the byte), so the least of a few tracked steps is the rank's peak.
 TRACKED_STEPS = 3
+
+
+class AllReduceBuffers(tp.TorchDispatchMode):
+    """The buffers a step all-reduces in place (c10d ``allreduce_``): under DDP its gradient
+    buckets, which it allocates once (after the first step's rebuild) and keeps, so the tracked
+    steps count them from the start as the account does (resident), not from their first use."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffers: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.allreduce_.default:
+            self.buffers += [t for t in args[0] if isinstance(t, torch.Tensor)]
+        return func(*args, **(kwargs or {}))
 
 
 def resizes_seen(tracker):
@@ -214,12 +231,18 @@ def _measure(rank, config, steps, warmup) -> dict:
         dist.barrier()
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
+    kept = AllReduceBuffers()
+    if is_ddp(spec) and not config.parallelize:  # DDP's buckets, alive between steps
+        with kept:
+            step()
+        model.zero_grad(set_to_none=True)
     peaks = []
     for _ in range(TRACKED_STEPS):
         dist.barrier()
         tracker, counter = StorageTracker(), CollectiveCounter()
         with resizes_seen(tracker), tracker, counter:
-            tracker.track(model, opt, args, kwargs)
+            tracker.track(model, opt, zero_local_optimizer(opt) if opt is not None else None, args, kwargs,
+                          kept.buffers)
             step()
         model.zero_grad(set_to_none=True)
         peaks.append(tracker.peak_bytes)

@@ -1,16 +1,15 @@
 """Measure: the real model on a real device, under torch.profiler.
 
-The model is built as the account builds it (fxacct.load.source: a file, an importable module or
-a Hugging Face config), on the device (random init, seed 0), cast to ``--dtype`` if given; the
-inputs come from the ``--input`` specs (random values, integers below ``<N``), the model's own
-``example_inputs(batch)`` or the spec form's defaults, on the device. Each step is what fxacct
-accounts: forward (under autocast with ``--amp``) and the loss (fxacct.trace.loss, ``--loss``;
-its target drawn once, at the first step, and kept like an input), ``loss.backward()``, the
-optimizer's ``step()`` and ``zero_grad(set_to_none=True)``; with ``inference``, a forward under
-``eval()`` and ``no_grad()``. ``warmup`` steps run first (the optimizer state is then allocated,
-caches and kernels are warm); then the timed steps, plain (no profiler, no hooks: the step the
-user's own loop runs); then as many under ``torch.profiler`` with CPU (and CUDA) activities, memory
-profiling and a range per module call; and one more step, untimed, under the storage tracker.
+The model is built as the account builds it (fxacct.load.source: a file, an importable module or a Hugging Face
+config), on the device (random init, seed 0), its linear layers converted by ``--fp8``, cast to ``--dtype`` if given;
+the inputs come from the ``--input`` specs (random values, integers below ``<N``), the model's own
+``example_inputs(batch)`` or the spec form's defaults, on the device. Each step is what fxacct accounts: forward
+(under autocast with ``--amp``) and the loss (fxacct.trace.loss, ``--loss``; its target drawn once, at the first
+step, and kept like an input), ``loss.backward()``, the optimizer's ``step()`` and ``zero_grad(set_to_none=True)``;
+with ``inference``, a forward under ``eval()`` and ``no_grad()``. ``warmup`` steps run first (the optimizer state is
+then allocated, caches and kernels are warm); then the timed steps, plain (no profiler, no hooks: the step the user's
+own loop runs); then as many under ``torch.profiler`` with CPU (and CUDA) activities, memory profiling and a range
+per module call; and one more step, untimed, under the storage tracker.
 
 Timing: ``time.perf_counter`` around each phase on CPU; CUDA events on CUDA, synchronized at the
 end of each step. Step and phase times are low medians over the plain steps (each an actual
@@ -45,6 +44,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from fxacct.errors import FxacctError, ModelError, classify, first_line
+from fxacct.load import fp8
 from fxacct.load import source as sources
 from fxacct.load.config import Config
 from fxacct.load.hf import is_causal_lm
@@ -127,6 +127,7 @@ def build_model(config: Config, device: torch.device):
     except torch.cuda.OutOfMemoryError as e:
         raise ModelError(f"out of memory building {source.name} on {device} ({first_line(e)}); "
                          "use a smaller model or free the device") from e
+    fp8.convert(model, config.fp8)  # --fp8: the Float8Linear layers the account traced
     if config.dtype is not None:
         model.to(config.dtype)
     if config.checkpoint:  # --checkpoint: the real run checkpoints the modules the capture did

@@ -84,6 +84,7 @@ class CaptureOptions:
     prepared: PreparedModel | None = None
     checkpoint: tuple[str, ...] = ()  # fxacct.trace.checkpointing: module globs to checkpoint
     checkpoint_policy: str | None = None
+    defer: tuple = ()  # tensor subclasses whose ops are recorded as they desugar (--fp8: torchao's float8 tensor)
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
     # a stray CPU tensor becomes a fake one
     mode = FakeTensorMode(allow_non_fake_inputs=True) if prep is None else prep.mode
     storages = Storages()
-    recorder = Recorder(storages, () if prep is None else prep.defer)
+    recorder = Recorder(storages, (() if prep is None else prep.defer) + options.defer)
     if prep is not None:
         prep.attach(recorder)  # FSDP2's storage resizes noted, its gathers replayed, against the recorded ops
     with mode:

@@ -9,6 +9,7 @@ import torch
 
 from fxacct.errors import UsageError, describe_exception
 from fxacct.load.specs import NONE, OPTIMIZERS, OptimizerSpec, parse_optim_arg  # noqa: F401  (re-exported)
+from fxacct.trace.torch_private.ddp import zero_local_optimizer
 
 STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
 
@@ -69,7 +70,9 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
             with torch.no_grad():
                 for p, m in zip(batch, stepped):
                     p.copy_(m)
-        states += [(v, count) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        # ZeRO-1: the state of this rank's partition, kept by the optimizer it steps locally
+        states += [(v, count) for st in zero_local_optimizer(opt).state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor)]
         recorder.repeats.append((start, len(recorder.records), count))
     return states, masters
 
