@@ -19,14 +19,13 @@ from fxacct.load.mesh import check_pipeline_flags
 from fxacct.load.source import guessed_input_note, load_model
 from fxacct.memory import account as memory_account
 from fxacct.memory.account import Fit
+from fxacct.memory.fit_search import largest_batch
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.predict.roofline import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, training_peak
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
-
-MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
 
 
 @with_frozen_heap
@@ -112,46 +111,25 @@ def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, input
                             config.checkpoint_policy, side(prof), side(eager))
 
 
+def fit_bytes(peak) -> int:
+    """The bytes a step needs on the GPU, the one quantity a fit compares with the capacity (the
+    verdict, the headroom and every probe of the largest-batch search): the per-rank training peak."""
+    return peak.bytes
+
+
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
-    """Headroom on the GPU, and the largest batch that fits. The per-rank peak is close to affine
-    in the batch (a·B + c: weights, state and fixed buffers do not scale), so a second trace at 2B
-    gives a first guess; the answer is then bracketed by traces (a batch that fits, the next one
-    that does not) and settled by bisection, so it is exact, not extrapolated."""
+    """Headroom on the GPU, and the largest batch that fits: solved from traces and proven by a
+    traced batch that fits beside the next one that does not (fxacct.memory.fit_search)."""
     device = get_device(config.gpu)
-    capacity = device.capacity_reported
-    peak = memory.rank_peak.bytes
+    need = fit_bytes(memory.rank_peak)
     max_batch, verified = None, False
     if config.find_max_batch and inputs_for is not None:
-        cache = {config.batch: peak}
+        def bytes_at(batch: int) -> int:
+            a, kw = inputs_for(batch)
+            return fit_bytes(training_peak(replace(config, batch=batch), OneDevice(model, tuple(a), kw)))
 
-        def fits(batch: int) -> bool:
-            if batch not in cache:
-                a, kw = inputs_for(batch)
-                cache[batch] = training_peak(replace(config, batch=batch), OneDevice(model, tuple(a), kw)).bytes
-            return cache[batch] <= capacity
-
-        b1 = config.batch
-        fits(2 * b1)
-        slope = (cache[2 * b1] - peak) / b1
-        if slope > 0:
-            guess = max(1, int((capacity - (peak - slope * b1)) // slope))
-            lo, hi = (guess, None) if fits(guess) else (0, guess)
-            step = 1
-            while hi is None and len(cache) < MAX_FIT_TRACES:  # grow until a batch does not fit
-                if fits(lo + step):
-                    lo, step = lo + step, step * 2
-                else:
-                    hi = lo + step
-            while lo > 0 and not fits(lo) and len(cache) < MAX_FIT_TRACES:
-                lo //= 2
-            if hi is None:
-                hi = lo + 1
-            while hi - lo > 1 and len(cache) < MAX_FIT_TRACES:  # bisect: lo fits, hi does not
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-            max_batch = lo
-            verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
-    return replace(memory, fit=Fit.on(device, peak, max_batch, verified))
+        max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported)
+    return replace(memory, fit=Fit.on(device, need, max_batch, verified))
 
 
-__all__ = ["Profile", "profile", "profile_module", "load_model"]
+__all__ = ["Profile", "profile", "profile_module", "load_model", "fit_bytes"]
