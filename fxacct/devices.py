@@ -17,10 +17,12 @@ A100-SXM4-40GB: 40960 MiB).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fxacct.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 2**20
 # Per-op overhead of eager PyTorch on a GPU, in seconds: a short kernel issued back to back in a
