@@ -55,13 +55,13 @@ def largest_batch(bytes_at: Callable[[int], int], batch: int, batch_bytes: int, 
     probe = Probe(bytes_at, capacity, {batch: batch_bytes})
     if probe(2 * batch) <= batch_bytes:
         return None, False, probe
-    for _ in range(SOLVE_TRACES):
+    for solves in range(SOLVE_TRACES + 1):
         lo, hi = _bracket(probe)
         if hi is not None and lo >= hi:
             break  # the bytes fell as the batch grew: only the bisection's own answer is safe
         if hi == lo + 1:
             return lo, True, probe  # lo fits (or lo is 0) and lo + 1 does not, both traced
-        guess = _solve(probe.traced, capacity)
+        guess = _solve(probe.traced, capacity) if solves < SOLVE_TRACES else None
         if guess is None:
             break
         guess = max(guess, lo) if hi is None else min(max(guess, lo), hi - 1)
