@@ -57,6 +57,7 @@ LINES = [
     (["profile", MLP, "--format", "yaml"], 2, "'yaml' is not one of"),
     (["check", "nope.py:M", "--max-params", "7B"], 2, "model file 'nope.py' not found"),
     (["check", MLP, "--max-params", "seven"], 2, "--max-params 'seven' is not a count"),
+    (["diff", "nope-a.json", "nope-b.json"], 2, "nope-a.json"),
 ]
 
 
