@@ -11,6 +11,15 @@ Targets (issue 2): median ratio fxacct / FlopCounterMode ≤ 1.0; 70B at T=4096 
 Issue 11: the Hugging Face LlamaForCausalLM at Llama-2-70B dimensions (T=2048, use_cache=False)
 ≤ 0.8 (its blocks replay although each carries its own ``layer_idx``).
 
+Issue 25 (``--only startup``, ``--only hf-small``; bench/speed.py's functions startup_main and
+hf_small_main): ``fxacct --help``, ``--version`` and six usage errors, wall time of whole processes
+(median), each paired with ``python -c "import torch"`` (they must answer before it: target < 0.5 s);
+the tiny Qwen2 (4 layers, hidden 128, 4.9M parameters, from a Qwen2Config saved to a temporary
+directory) ``--batch 2 --seq-len 128`` paired with the imports it cannot avoid (torch, torch._dynamo
+which FakeTensorMode imports, transformers and the model class): target < 3 s; with ``--gpu h100``
+paired with the same command under the bracket-and-bisection search fxacct ran before (both largest
+batches printed, which must agree): target < 4 s.
+
 Issue 9 (``--only llama2-70b-mesh``): examples/llama.py at Llama-2-70B dimensions (T=4096) under
 ``--mesh fsdp=8,tp=8`` with its own ``parallelize``, paired against the same model's
 single-device profile (both through ``fxacct.profile``, as the CLI runs them): target ≤ 1.5.
@@ -19,10 +28,13 @@ single-device profile (both through ``fxacct.profile``, as the CLI runs them): t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -94,8 +106,13 @@ def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b", MESH_CASE), default=None)
+    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b", MESH_CASE, "startup", "hf-small"),
+                    default=None)
     args = ap.parse_args()
+    if args.only == "startup":
+        return startup_main(args.pairs)
+    if args.only == "hf-small":
+        return hf_small_main(args.pairs)
     cases = [("llama2-7b", 2048), ("llama2-70b", 4096), ("hf-llama2-70b", 2048)]
     if args.only == MESH_CASE:  # opt-in: two 70B profiles per pair
         return mesh_main(args.pairs)
@@ -134,6 +151,105 @@ def mesh_main(pairs: int) -> None:
           f"{'mesh RSS MiB':>13} {'single RSS MiB':>15}")
     print(f"{MESH_CASE + ' ' + MESH:<28} {statistics.median(mesh_cpu):>10.2f} {statistics.median(single_cpu):>13.2f} "
           f"{statistics.median(ratios):>24.3f} {max(mesh_rss) / 2**20:>13.0f} {max(single_rss) / 2**20:>15.0f}")
+
+
+# issue 25: the CLI's own latency. Each row is a whole process, timed by wall clock (the acceptance
+# is wall seconds on an idle machine) and by CPU seconds (a shared machine moves wall time most)
+def timed(argv: list[str], env: dict | None = None) -> tuple[float, float, int, bytes]:
+    """(wall s, CPU s, exit code, stdout) of one process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, os.waitstatus_to_exitcode(status), out
+
+
+CLI = [sys.executable, "-m", "fxacct_cli"]
+MLP = "examples/mlp.py:MLP"
+STARTUP = [  # (row, arguments, exit code)
+    ("--help", ["--help"], 0),
+    ("--version", ["--version"], 0),
+    ("malformed -k", ["profile", MLP, "-k", "d_model"], 2),
+    ("missing file", ["profile", "nope.py:Model"], 2),
+    ("unwritable -o", ["profile", MLP, "-o", "/nonexistent-dir/p.json"], 2),
+    ("bad --mesh", ["profile", MLP, "--mesh", "fsdp=two"], 2),
+    ("bad --dtype", ["profile", MLP, "--dtype", "bf17"], 2),
+    ("unknown --gpu", ["profile", MLP, "--gpu", "h900"], 2),
+]
+IMPORT_TORCH = [sys.executable, "-c", "import torch"]
+
+
+def startup_main(pairs: int) -> None:
+    """Issue 25 item 1: each answer before torch, paired with a process that only imports torch."""
+    print(f"{'case':<16} {'fxacct wall s':>13} {'fxacct CPU s':>12} {'import torch wall s':>19} "
+          f"{'ratio (median of pairs)':>24}")
+    for name, args, code in STARTUP:
+        walls, cpus, refs, ratios = [], [], [], []
+        for _ in range(pairs):
+            wall, cpu, rc, _ = timed(CLI + args)
+            if rc != code:
+                raise SystemExit(f"fxacct {' '.join(args)} exited {rc}, expected {code}")
+            ref, _, _, _ = timed(IMPORT_TORCH)
+            walls.append(wall), cpus.append(cpu), refs.append(ref), ratios.append(wall / ref)
+        print(f"{name:<16} {statistics.median(walls):>13.3f} {statistics.median(cpus):>12.3f} "
+              f"{statistics.median(refs):>19.3f} {statistics.median(ratios):>24.3f}")
+
+
+# the 4.9M-parameter Qwen2 of issue 25 (4 layers, hidden 128), saved as a local config
+QWEN2 = dict(vocab_size=32000, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+             architectures=["Qwen2ForCausalLM"])
+FLOOR = ("import torch, torch._dynamo, transformers; transformers.Qwen2ForCausalLM")
+# the same CLI run with the largest-batch search fxacct shipped before (fit_search.bracket_search alone)
+OLD_SEARCH = r"""
+import sys
+import fxacct.api as api
+from fxacct.memory import fit_search
+
+def bisection(bytes_at, batch, batch_bytes, capacity, max_traces=fit_search.MAX_FIT_TRACES):
+    probe = fit_search.Probe(bytes_at, capacity, {batch: batch_bytes})
+    return (*fit_search.bracket_search(probe, batch, batch_bytes, capacity, max_traces), probe)
+
+api.largest_batch = bisection
+from fxacct_cli.main import main
+sys.argv = ["fxacct", *sys.argv[1:]]
+main()
+"""
+
+
+def _max_batch(out: bytes) -> int:
+    return json.loads(out)["memory"]["fit"]["max_batch"]
+
+
+def hf_small_main(pairs: int) -> None:
+    """Issue 25 item 2: the tiny Qwen2, plain and with --gpu h100 (the largest-batch search)."""
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        transformers.Qwen2Config(**QWEN2).save_pretrained(tmp)
+        args = ["profile", f"hf:{tmp}", "--batch", "2", "--seq-len", "128", "--format", "json"]
+        rows = [("qwen2-4.9M", CLI + args, [sys.executable, "-c", FLOOR], "imports"),
+                ("qwen2-4.9M --gpu h100", CLI + args + ["--gpu", "h100"],
+                 [sys.executable, "-c", OLD_SEARCH, *args, "--gpu", "h100"], "bisection")]
+        print(f"{'case':<22} {'fxacct wall s':>13} {'fxacct CPU s':>12} {'reference':>10} {'ref wall s':>10} "
+              f"{'ref CPU s':>9} {'ratio (median of pairs)':>24}  largest batch")
+        for name, argv, ref_argv, ref_name in rows:
+            walls, cpus, ref_walls, ref_cpus, ratios, batches = [], [], [], [], [], set()
+            for _ in range(pairs):
+                wall, cpu, rc, out = timed(argv)
+                ref_wall, ref_cpu, ref_rc, ref_out = timed(ref_argv)
+                if rc != 0 or ref_rc != 0:
+                    raise SystemExit(f"{name}: exit {rc} / reference exit {ref_rc}")
+                if "--gpu" in argv:
+                    batches.add((_max_batch(out), _max_batch(ref_out)))
+                walls.append(wall), cpus.append(cpu), ref_walls.append(ref_wall), ref_cpus.append(ref_cpu)
+                ratios.append(wall / ref_wall)
+            if any(a != b for a, b in batches):
+                raise SystemExit(f"{name}: largest batch {batches} differs from the bisection's")
+            shown = ", ".join(f"{a} (bisection {b})" for a, b in sorted(batches)) or "-"
+            print(f"{name:<22} {statistics.median(walls):>13.2f} {statistics.median(cpus):>12.2f} {ref_name:>10} "
+                  f"{statistics.median(ref_walls):>10.2f} {statistics.median(ref_cpus):>9.2f} "
+                  f"{statistics.median(ratios):>24.3f}  {shown}")
 
 
 if __name__ == "__main__":

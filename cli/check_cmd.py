@@ -11,9 +11,6 @@ import click
 
 import fxacct
 from fxacct.load.quantities import parse_duration
-from fxacct.report import document
-from fxacct.report.check_text import check_document, render_check
-from fxacct.tools.budgets import Limits, check_mesh, evaluate, validate
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (
     DEBUG,
@@ -63,13 +60,19 @@ def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_
     Exit codes: 0 every budget holds; 1 a budget is over (the table says which and by how much);
     2 usage error; 3 the model failed; 4 an internal error of fxacct.
     """
-    limits = Limits(
+    budgets = dict(
         max_memory_bytes=max_memory, max_params=count_or_none(max_params, "--max-params"),
         max_flops=count_or_none(max_flops, "--max-flops"),
         max_flops_per_example=count_or_none(max_flops_per_example, "--max-flops-per-example"),
         max_step_seconds=parse_duration(max_step_time, "--max-step-time") if max_step_time is not None else None,
         mfu=mfu, require_no_unsupported_ops=require_no_unsupported_ops)
     config = dataclasses.replace(with_mesh(to_config(**options), **options), find_max_batch=False)
+    # torch comes in with Config (to_config): every flag that needs no torch has been checked
+    from fxacct.report import document
+    from fxacct.report.check_text import check_document, render_check
+    from fxacct.tools.budgets import Limits, check_mesh, evaluate, validate
+
+    limits = Limits(**budgets)
     validate(limits, config.gpu)
     check_mesh(limits, config.mesh)
     profile = fxacct.profile(config)

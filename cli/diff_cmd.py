@@ -9,8 +9,6 @@ import sys
 import click
 
 from fxacct.load.profile_file import read_profile, same_schema
-from fxacct.report.diff_markdown import render_diff_markdown
-from fxacct.report.diff_text import diff_document, render_diff
 from fxacct.tools.diff import diff
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import DEBUG, OUTPUT, OUTPUT_GROUP, format_option, group
@@ -41,6 +39,10 @@ def diff_command(old, new, max_increase, top, fmt, output, debug):
     a, b = read_profile(old), read_profile(new)
     same_schema(a, b, old, new)
     result = diff(a, b, max_increase, top)
+    # the report modules come in with torch (fxacct.report): after every usage error has answered
+    from fxacct.report.diff_markdown import render_diff_markdown
+    from fxacct.report.diff_text import diff_document, render_diff
+
     if fmt == "json":
         text = json.dumps(diff_document(result, old, new), indent=2) + "\n"
     elif fmt == "markdown":

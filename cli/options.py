@@ -1,6 +1,9 @@
 """Every option more than one command takes, defined once (help, type, default), and the
-conversion of the model options to a Config. Defaults come from the library (Config,
-RuntimeOptions, DEFAULT_MFU), so each is stated in one place."""
+conversion of the model options to a Config. Defaults come from the library (fxacct.load.flags,
+which Config takes its own from, RuntimeOptions, DEFAULT_MFU), so each is stated in one place.
+
+Nothing here imports torch: a usage error (a malformed -k, a missing file, an unwritable -o, a bad
+--mesh, --dtype or --gpu) answers before torch, transformers or networkx load (tests/test_startup.py)."""
 
 from __future__ import annotations
 
@@ -8,21 +11,21 @@ import json
 import os
 import shutil
 import sys
+from typing import TYPE_CHECKING
 
 import click
 import cloup
 
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.load.config import CAUSAL_CONVENTIONS, Config
+from fxacct.load.flags import CAUSAL_CONVENTIONS, DEFAULTS, LOSSES, check_request, parse_kwarg
 from fxacct.load.mesh import parse_mesh
-from fxacct.load.model_spec import parse_kwarg
+from fxacct.load.output_path import check_writable
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
-from fxacct.report.files import check_writable
-from fxacct.trace.loss import LOSSES
 from fxacct.units import parse_bytes
 
-DEFAULTS = Config()
+if TYPE_CHECKING:
+    from fxacct.load.config import Config
 FORMATS = ("table", "json", "csv", "markdown", "html")
 
 
@@ -301,9 +304,14 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               costs=(), mesh=None, alloc_conf=None, fp8=None, **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
-    # with --shard is named as that, not as --shard's own want of a --world-size
+    # with --shard is named as that, not as --shard's own want of a --world-size. First the checks
+    # that need no torch (Config imports it), so those usage errors answer at once
+    kwargs = _kwargs(kwargs_json, kwarg_items)
+    check_request(target, dtype, amp, gpu)
+    from fxacct.load.config import Config
+
     return Config(
-        target=target, batch=batch, kwargs=_kwargs(kwargs_json, kwarg_items),
+        target=target, batch=batch, kwargs=kwargs,
         inputs=tuple(input_specs), dtype=dtype, input_requires_grad=input_requires_grad,
         loss_output=loss_output, causal_attention=causal_attention, tokens_per_example=tokens_per_example,
         optimizer=optimizer, optim_args=tuple(optim_items), amp=amp,

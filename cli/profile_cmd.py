@@ -1,8 +1,9 @@
-"""`fxacct profile`: the account of one training step, as tables, JSON, CSV, Markdown or HTML."""
+"""`fxacct profile`: the account of one training step, as tables, JSON, CSV, Markdown or HTML.
+
+torch comes in with the first library call, after every flag is checked (tests/test_startup.py)."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 
@@ -10,9 +11,8 @@ import click
 
 import fxacct
 from fxacct.errors import InternalError, ModelError, UsageError
-from fxacct.report import document, render
-from fxacct.report.text import render_profile_text
-from fxacct.runtime import RuntimeOptions
+from fxacct.load.flags import DEFAULT_DEPTH, DEFAULT_TOP
+from fxacct.load.run_options import RuntimeOptions
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (
     DEBUG,
@@ -29,10 +29,6 @@ from fxacct_cli.options import (
     to_config,
     with_mesh,
 )
-
-
-def _default(fn, name: str):
-    return inspect.signature(fn).parameters[name].default
 
 
 def _check_layout_flags(fmt: str, by, depth, top, summary_only=False, wide=False) -> None:
@@ -82,10 +78,9 @@ PROFILE_OUTPUT = [
     click.option("--by", type=click.Choice(("node", "module")), default=None,
                  help="Rows of the csv/markdown table (default: node for csv, module for markdown)."),
     click.option("--depth", type=click.IntRange(min=0), default=None,
-                 help=f"Module nesting depth shown in the table and the markdown (default "
-                      f"{_default(render_profile_text, 'depth')})."),
+                 help=f"Module nesting depth shown in the table and the markdown (default {DEFAULT_DEPTH})."),
     click.option("--top", type=click.IntRange(min=0), default=None,
-                 help=f"How many nodes, by FLOPs, the table lists (default {_default(render_profile_text, 'top')})."),
+                 help=f"How many nodes, by FLOPs, the table lists (default {DEFAULT_TOP})."),
     OUTPUT,
     file_option("--plot", metavar="FILE.png", help="Draw the memory timeline of the step (needs matplotlib; default: no plot)."),
     DEBUG,
@@ -150,6 +145,8 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
 
 
 def _write_reports(result, prediction, run, fmt, by, layout, output, plot, trace) -> None:
+    from fxacct.report import render
+
     if plot is not None:
         from fxacct.report.plot import plot_memory
 
@@ -178,7 +175,9 @@ def _run_runtime(config, options: RuntimeOptions):
 
 def _mesh_runtime(config, options: RuntimeOptions, fmt: str, output, layout: dict) -> None:
     """--mesh --runtime: the account of rank 0 beside a real multi-process gloo run."""
+    from fxacct.report import document
     from fxacct.report.collectives import ranks_json, render_ranks
+    from fxacct.report.text import render_profile_text
     from fxacct.runtime.gloo_run import check_runnable, run_mesh
 
     check_runnable(config)

@@ -19,14 +19,13 @@ from fxacct.load.mesh import check_pipeline_flags
 from fxacct.load.source import guessed_input_note, load_model
 from fxacct.memory import account as memory_account
 from fxacct.memory.account import Fit
+from fxacct.memory.fit_search import largest_batch
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.predict.roofline import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, fit_probe
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
-
-MAX_FIT_TRACES = 24  # traces spent on the largest-batch search at most
 
 
 @with_frozen_heap
@@ -115,48 +114,18 @@ def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, input
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
-    """Headroom on the GPU, and the largest batch that fits. The per-rank peak is close to affine
-    in the batch (a·B + c: weights, state and fixed buffers do not scale), so a second trace at 2B
-    gives a first guess; the answer is then bracketed by traces (a batch that fits, the next one
-    that does not) and settled by bisection, so it is exact, not extrapolated."""
+    """Headroom on the GPU, and the largest batch that fits: solved from traces and proven by a
+    traced batch that fits beside the next one that does not (fxacct.memory.fit_search)."""
     device = get_device(config.gpu)
-    capacity = device.capacity_reported
-    peak = memory.fit_bytes  # reserved + fixed on a CUDA target (MemoryAccount.fit_bytes)
+    need = memory.fit_bytes  # reserved + fixed on a CUDA target (MemoryAccount.fit_bytes)
     max_batch, verified = None, False
     if config.find_max_batch and inputs_for is not None:
-        cache = {config.batch: peak}
-        # the op-level peaks, for the first guess only: reserved grows by whole segments and pages (a
-        # staircase in the batch), the op-level peak smoothly; the overhead reserved adds at B is kept
-        level = {config.batch: memory.rank_peak.bytes}
+        def bytes_at(batch: int) -> int:
+            a, kw = inputs_for(batch)
+            return fit_probe(replace(config, batch=batch), OneDevice(model, tuple(a), kw))[0]
 
-        def fits(batch: int) -> bool:
-            if batch not in cache:
-                a, kw = inputs_for(batch)
-                cache[batch], level[batch] = fit_probe(replace(config, batch=batch), OneDevice(model, tuple(a), kw))
-            return cache[batch] <= capacity
-
-        b1 = config.batch
-        fits(2 * b1)
-        slope = (level[2 * b1] - level[b1]) / b1
-        room = capacity - (peak - level[b1])  # the capacity less what reserved and the fixed costs add at B
-        guess = max(1, int((room - (level[b1] - slope * b1)) // slope)) if slope > 0 else 2 * b1
-        lo, hi = (guess, None) if fits(guess) else (0, guess)
-        step = 1
-        while hi is None and len(cache) < MAX_FIT_TRACES:  # grow until a batch does not fit
-            if fits(lo + step):
-                lo, step = lo + step, step * 2
-            else:
-                hi = lo + step
-        while lo > 0 and not fits(lo) and len(cache) < MAX_FIT_TRACES:
-            lo //= 2
-        if hi is None:
-            hi = lo + 1
-        while hi - lo > 1 and len(cache) < MAX_FIT_TRACES:  # bisect: lo fits, hi does not
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        max_batch = lo
-        verified = hi - lo == 1 and (lo == 0 or fits(lo)) and not fits(hi)
-    return replace(memory, fit=Fit.on(device, peak, max_batch, verified, memory.fit_basis))
+        max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported)
+    return replace(memory, fit=Fit.on(device, need, max_batch, verified, memory.fit_basis))
 
 
 __all__ = ["Profile", "profile", "profile_module", "load_model"]

@@ -31,10 +31,12 @@ B200: 183359 MiB, L40S: 46068 MiB).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from fxacct.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 2**20
 # Per-op overhead of eager PyTorch on a GPU, in seconds: a short kernel issued back to back in a

@@ -13,11 +13,11 @@ from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.load import fp8
 from fxacct.load.alloc_conf import AllocConf, from_environment
+from fxacct.load.flags import CAUSAL_CONVENTIONS, DEFAULTS
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
 
-CAUSAL_CONVENTIONS = ("full", "halved")
 AMP_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -29,34 +29,34 @@ class Config:
     ...``; a value of the wrong kind is a one-line UsageError naming the field."""
 
     target: str | None = None  # "PATH.py:Name", for reports
-    batch: int = 1
+    batch: int = DEFAULTS.batch
     kwargs: dict = field(default_factory=dict)  # constructor arguments
     inputs: tuple = ()  # InputSpec; empty: the model's example_inputs(batch)
     dtype: torch.dtype | None = None  # cast parameters, buffers and floating inputs
     input_requires_grad: bool = False
     loss_output: int | None = None
-    causal_attention: str = "full"
+    causal_attention: str = DEFAULTS.causal_attention
     count_recompute: bool = False  # activation checkpointing's re-run ops in the backward FLOPs
     tokens_per_example: int | None = None
-    optimizer: str = "adamw"  # a torch.optim name, "none", or PATH.py:Name
+    optimizer: str = DEFAULTS.optimizer  # a torch.optim name, "none", or PATH.py:Name
     optim_args: dict = field(default_factory=dict)
     amp: torch.dtype | None = None  # autocast dtype
     master_weights: bool = False
     gpu: str | None = None  # a key of fxacct.devices.DEVICES
-    world_size: int = 1
-    shard: str = "none"
+    world_size: int = DEFAULTS.world_size
+    shard: str = DEFAULTS.shard
     find_max_batch: bool = True  # with a gpu: search the largest batch that fits
     dedup: bool = True  # trace repeated blocks once where proven identical (fxacct.trace.replay)
-    loss: str = "sum"  # fxacct.trace.loss.LOSSES: sum, cross-entropy, mse, model
+    loss: str = DEFAULTS.loss  # fxacct.trace.loss.LOSSES: sum, cross-entropy, mse, model
     hf_class: str | None = None  # hf:PATH: the transformers class (default from the config)
     seq_len: int | None = None  # the default inputs' sequence length (Hugging Face models)
     mesh: str | None = None  # "fsdp=8,tp=8" (fxacct.load.mesh): trace one rank of the parallelized model
     parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
-    reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
-    gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
+    reshard_after_forward: bool = DEFAULTS.reshard_after_forward  # FSDP2's flag for the blocks fxacct shards itself
+    gpus_per_node: int = DEFAULTS.gpus_per_node  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
     pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
     microbatches: int | None = None  # per step, with --mesh pp=P (default P)
-    pp_schedule: str = "1f1b"  # gpipe, 1f1b or interleaved-1f1b (torch.distributed.pipelining's schedules)
+    pp_schedule: str = DEFAULTS.pp_schedule  # gpipe, 1f1b or interleaved-1f1b (torch.distributed.pipelining's schedules)
     checkpoint: tuple[str, ...] = ()  # globs over module FQNs wrapped in activation checkpointing
     checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
     costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)

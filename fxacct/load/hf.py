@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import torch
 
 from fxacct.errors import UsageError
+from fxacct.load.flags import hf_config_file
 from fxacct.load.inputs import InputSpec
 
 MAX_DEFAULT_SEQ = 2048
@@ -56,11 +56,7 @@ def is_hf_class(obj) -> bool:
 
 def read_config(path_text: str, overrides: dict):
     """(config object, the kwargs that go to from_config) from a local directory or config.json."""
-    path = Path(path_text)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise UsageError(f"no Hugging Face config at {path_text!r}: give a local directory holding "
-                         "config.json or the path of a config.json (fxacct never downloads)")
+    file = hf_config_file(path_text)
     try:
         data = json.loads(file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

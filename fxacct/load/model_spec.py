@@ -9,7 +9,6 @@ raised) or InternalError (exit 4: fxacct's own code raised; fxacct.errors.classi
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import inspect
 import os
@@ -20,27 +19,10 @@ from types import ModuleType
 import torch
 
 from fxacct.errors import FxacctError, ModelError, UsageError, calls_user_code, classify
+from fxacct.load.flags import model_file, parse_kwarg, split_assignment  # noqa: F401  (re-exported)
 
 _HOW_INPUTS = ("no inputs: pass --input 'long[B,1024]' (repeatable; B is --batch), or define "
                "example_inputs(self, batch) on the model class or example_inputs(batch) in the file")
-
-
-def split_assignment(text: str, flag: str, example: str) -> tuple[str, str, object]:
-    """'NAME=VALUE' -> (name, value text, the value as a Python literal, or the text itself when
-    it is none); a UsageError naming ``flag`` and an ``example`` when there is no NAME=."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip().isidentifier():
-        raise UsageError(f"malformed {flag} {text!r}: expected NAME=VALUE such as {example}")
-    try:
-        return key.strip(), value.strip(), ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        return key.strip(), value.strip(), value.strip()
-
-
-def parse_kwarg(text: str) -> tuple[str, object]:
-    """'d=512' -> ('d', 512); values are Python literals when they parse, else strings."""
-    key, _, value = split_assignment(text, "-k", "-k d_model=512")
-    return key, value
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -68,13 +50,8 @@ def _import_file(path: Path) -> ModuleType:
 
 def resolve(target: str):
     """'examples/gpt2.py:GPT' -> (the object named GPT, the imported file module)."""
-    path_text, sep, name = target.rpartition(":")
-    if not sep or not path_text or not name:
-        raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT, "
-                         "package.module:Name such as torch.nn:Linear, or hf:DIR_OR_CONFIG_JSON")
-    path = Path(path_text)
-    if not path.is_file():
-        raise UsageError(f"model file {path_text!r} not found; give a path to a .py file, relative to {os.getcwd()}")
+    path, name = model_file(target)
+    path_text = target.rpartition(":")[0]
     module = _import_file(path)
     obj = getattr(module, name, None)
     if obj is None:

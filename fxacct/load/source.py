@@ -16,7 +16,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-import re
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,10 +25,9 @@ import torch
 from fxacct.errors import UsageError, classify
 from fxacct.load import fp8, hf
 from fxacct.load import model_spec as loading
+from fxacct.load.flags import HF_PREFIX, is_module_path  # noqa: F401  (re-exported)
 from fxacct.load.inputs import InputSpec
 
-HF_PREFIX = "hf:"
-_MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 IMAGE_224 = InputSpec(None, torch.float32, ("B", 3, 224, 224))
 
 
@@ -43,11 +41,6 @@ class ModelSource:
 
     def build(self, device="meta") -> torch.nn.Module:
         return loading.build(self.factory, self.kwargs, self.name, device)
-
-
-def is_module_path(target: str) -> bool:
-    path, sep, name = target.rpartition(":")
-    return bool(sep) and bool(_MODULE_PATH.match(path)) and not path.endswith(".py") and name.isidentifier()
 
 
 def open_source(config) -> ModelSource:

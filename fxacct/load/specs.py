@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fxacct.errors import UsageError
-from fxacct.load.model_spec import resolve, split_assignment
-
-SUM, CROSS_ENTROPY, MSE, MODEL = "sum", "cross-entropy", "mse", "model"
-LOSSES = (SUM, CROSS_ENTROPY, MSE, MODEL)
+from fxacct.load.flags import CROSS_ENTROPY, LOSSES, MODEL, MSE, SUM, split_assignment  # noqa: F401  (re-exported)
+from fxacct.load.model_spec import resolve
 
 
 @dataclass(frozen=True)

@@ -5,37 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
-from pathlib import Path
 
 from fxacct.errors import UsageError
-
-
-def check_writable(path: str) -> Path:
-    """A UsageError now, before any work, for a path that cannot be written: a directory, a
-    missing directory, one the user may not write in. (Writing can still fail: atomic_file.)"""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {target / 'profile.json'}")
-    if not target.parent.is_dir():
-        raise UsageError(f"cannot write {path}: directory {target.parent} does not exist")
-    probe = _temporary(target)
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        os.unlink(probe)
-    except OSError as e:
-        raise _unwritable(path, target, e) from e
-    return target
-
-
-def _temporary(target: Path) -> Path:
-    # beside the target, so os.replace is a rename within one file system
-    return target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
-
-
-def _unwritable(path: str, target: Path, e: OSError) -> UsageError:
-    return UsageError(f"cannot write {path}: cannot create a file in {target.parent} ({e.strerror or e}); "
-                      "choose a writable path")
+from fxacct.load.output_path import check_writable, temporary
 
 
 @contextlib.contextmanager
@@ -44,7 +16,7 @@ def atomic_file(path: str, binary: bool = False):
     sees half a report), mode ``0o666 & ~umask`` as open() would give. Any OSError on the way is a
     UsageError naming ``path`` (exit 2)."""
     target = check_writable(path)
-    tmp = _temporary(target)
+    tmp = temporary(target)
     try:
         # 0o666 less the umask, as open() creates files (tempfile.mkstemp's 0o600 would survive the rename)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

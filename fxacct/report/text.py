@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fxacct.costs.registry import ATTENTION, FLOP_CLASSES, MATMUL, OTHER
 from fxacct.dtypes import dtype_name
+from fxacct.load.flags import DEFAULT_DEPTH, DEFAULT_TOP
 from fxacct.report.checkpoint_text import checkpoint_section
 from fxacct.report.collectives import render_collectives
 from fxacct.report.memory_text import render_memory
@@ -15,8 +16,6 @@ from fxacct.report.width import fit_table, wrap_lines
 from fxacct.step import Profile
 from fxacct.units import format_bytes, format_count
 
-DEFAULT_DEPTH = 2  # module nesting shown by the text and markdown tables (--depth)
-DEFAULT_TOP = 10  # nodes listed by the text table (--top)
 LOSS_TEXT = {"sum": "sum of outputs", "model": "the model's own loss is in its forward"}
 
 

@@ -21,21 +21,12 @@ from dataclasses import dataclass
 
 from fxacct import api
 from fxacct.load.config import Config
+from fxacct.load.run_options import RuntimeOptions
 from fxacct.predict.roofline import Prediction, for_local, predict_profile
 from fxacct.runtime.compare import Comparison, compare
 from fxacct.runtime.run import Measured, measure
 from fxacct.runtime.setup import check_fits, prediction_config, resolve_device, validate
 from fxacct.step import Profile
-
-
-@dataclass(frozen=True)
-class RuntimeOptions:
-    device: str = "auto"  # "auto" (CUDA if present, else CPU), "cpu", "cuda", "cuda:N"
-    steps: int = 10  # timed steps
-    warmup: int = 3
-    inference: bool = False
-    force: bool = False  # run even when the predicted peak exceeds free memory
-    keep_trace: bool = False  # keep the profiler's Chrome trace events (for --trace)
 
 
 @dataclass(frozen=True)
@@ -46,7 +37,10 @@ class RuntimeResult:
     comparison: Comparison
 
 
-def run(config: Config, options: RuntimeOptions = RuntimeOptions(),
+DEFAULT_OPTIONS = RuntimeOptions()
+
+
+def run(config: Config, options: RuntimeOptions = DEFAULT_OPTIONS,
         progress: Callable[[str, int, int], None] | None = None) -> RuntimeResult:
     validate(config, options)
     device = resolve_device(options.device)

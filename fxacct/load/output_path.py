@@ -1,0 +1,40 @@
+"""An output file (-o, --trace, --plot) checked when the request is read, before any work: a path
+that cannot be written is a usage error naming it. fxacct.report.files writes it (atomically)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from fxacct.errors import UsageError
+
+
+def check_writable(path: str) -> Path:
+    """A UsageError now, before any work, for a path that cannot be written: a directory, a
+    missing directory, one the user may not write in. (Writing can still fail: atomic_file.)"""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {target / 'profile.json'}")
+    if not target.parent.is_dir():
+        raise UsageError(f"cannot write {path}: directory {target.parent} does not exist")
+    probe = temporary(target)
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.unlink(probe)
+    except OSError as e:
+        raise _unwritable(path, target, e) from e
+    return target
+
+
+def temporary(target: Path) -> Path:
+    # beside the target, so os.replace is a rename within one file system
+    return target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+
+
+def _unwritable(path: str, target: Path, e: OSError) -> UsageError:
+    return UsageError(f"cannot write {path}: cannot create a file in {target.parent} ({e.strerror or e}); "
+                      "choose a writable path")
+
+
+__all__ = ["check_writable", "temporary"]
