@@ -1,6 +1,6 @@
-"""Communication time (item 4 of the --mesh work): α–β per collective with sourced links, mesh
-dims placed within or across nodes, and the step as the critical path over the compute and
-communication streams (networkx)."""
+"""Communication time (issue 22 item 3): each collective as NCCL's tuning model times it and picks
+its algorithm, mesh dims placed within or across nodes, and the step as the critical path over
+the streams FSDP2 and c10d run on (networkx)."""
 
 from __future__ import annotations
 
@@ -10,60 +10,167 @@ import torch.fx as fx
 from helpers import target
 
 import fxacct
+from fxacct.interconnects import INTERCONNECTS, network, node_system
 from fxacct.load.mesh import parse_mesh
-from fxacct.parallel.links import LINKS, collective_seconds, within_node
-from fxacct.parallel.timing import critical_path
+from fxacct.parallel.links import collective_choice, links_for, placement, within_node
+from fxacct.parallel.nccl_model import Group, choose, ring_graph
+from fxacct.parallel.streams import critical_path
+
+H100 = links_for("h100", None)
 
 
-def test_alpha_beta_closed_form():
-    """All-reduce of S = 1e9 B over n = 8 H100s in one node: the ring takes 2(n−1) = 14 steps of
-    α = 2 µs and sends 2(n−1)/n·S = 1.75e9 B at 450e9 B/s: 28e-6 + 1.75e9/450e9 s."""
-    h100 = LINKS["h100"]
-    wire = 2 * 7 * 10**9 // 8
-    assert collective_seconds("all_reduce", 8, wire, h100, True) == pytest.approx(28e-6 + 1.75e9 / 450e9)
-    # the same all-gather across nodes: 7 steps of 5 µs, (n−1)/n·S at 50e9 B/s (NDR 400 Gb/s)
-    assert collective_seconds("all_gather", 8, 7 * 10**9 // 8, h100, False) == pytest.approx(35e-6 + 0.875e9 / 50e9)
+def test_all_gather_closed_form_latency_and_bandwidth_bound():
+    """All-gather over the 8 H100s of one DGX node (NCCL 2.30.7, src/graph/tuning.cc).
+    The ring graph: NVLink 4 is 18 × 20.6 = 370.8 GB/s per GPU; the search's first Hopper speed,
+    60 GB/s, fits 6 channels (360 GB/s; no slower speed gives more), doubled at half speed:
+    12 channels × 30 GB/s (search.cc ncclTopoDupChannels). Ring, 7 steps, algbw = busBw × 8/7.
+    - 64 KiB: ring LL, busBw min(llMaxBw Hopper 141, 360 × 0.5) = 141 GB/s; latency
+      6.6 + 7 × 0.6 = 10.8 µs → 10.8 + 65536 / (1000 · 141 · 8/7) µs (LL128 starts at 27.3 µs,
+      Simple at 32.2, NVLS at 25: latency decides).
+    - 1 GiB: ring Simple, busBw 360; latency 8.4 + 7 × 3.4 = 32.2 µs → 32.2 + 2^30 / (1000 · 360
+      · 8/7) µs = 2642 µs (LL128: 360 × 0.92 = 331.2 GB/s, 2837 µs; NVLS: 8 channels × 50 GB/s ×
+      0.85 × 7/8 × 7/8 = 260.3 GB/s, 4150 µs: bandwidth decides)."""
+    group = Group(8, 8)
+    assert ring_graph(group, H100.fabric).channels == 12 and ring_graph(group, H100.fabric).gbs == 30.0
+    small = choose("all_gather", 65536, group, H100.fabric)
+    assert (small.algorithm, small.protocol) == ("ring", "LL")
+    assert small.seconds == pytest.approx((10.8 + 65536 / (1000 * 141 * 8 / 7)) * 1e-6)
+    big = choose("all_gather", 2**30, group, H100.fabric)
+    assert (big.algorithm, big.protocol) == ("ring", "Simple")
+    assert big.seconds == pytest.approx((32.2 + 2**30 / (1000 * 360 * 8 / 7)) * 1e-6)
+    # a reduce-scatter's model is the all-gather's (tuning.cc: same steps, same refinements)
+    assert collective_choice("reduce_scatter", group, 2**30, 7 * 2**30 // 8, H100).seconds == big.seconds
+
+
+def test_ring_and_tree_flip_for_an_all_reduce_across_nodes():
+    """All-reduce over 8 H100 nodes, one GPU each (fsdp=8 outside tp=8): the ring graph is one
+    NDR NIC, 50 GB/s: the search's 48 GB/s fits 1 channel, doubled: 2 × 24 = 48 GB/s.
+    Tree LL128: busBw min(48 × 0.92, 2 × 36.0) = 44.16, × 120/128 = 41.4, algbw × 0.5 = 20.7 GB/s;
+    latency 14.0 + 2 × log2(8) × 8.5 = 65 µs; NCCL's tree correction for log2(nBytes/64).
+    Ring LL128: busBw 44.16 (under 2 × 36.7), algbw × 8/14 = 25.234 GB/s; latency 14.0 + 14
+    network steps × 8.5 = 133 µs.
+    - 1 MiB: tree 65 + 2^20 / (1000 · 20.7 · 0.6) = 149.4 µs < ring 133 + 2^20 / 25234 = 174.6 µs
+    - 16 MiB: tree 65 + 2^24 / (1000 · 20.7 · 0.9) = 965.5 µs > ring 133 + 2^24 / 25234 = 797.9 µs
+    (the other entries are slower at both sizes; e.g. ring Simple at 16 MiB: 204.4 × 1.4 +
+    2^24 / 27429 = 897.8 µs)."""
+    group = Group(8, 1)
+    mib = choose("all_reduce", 2**20, group, H100.fabric)
+    assert (mib.algorithm, mib.protocol) == ("tree", "LL128")
+    assert mib.seconds == pytest.approx((65 + 2**20 / (1000 * 20.7 * 0.6)) * 1e-6)
+    big = choose("all_reduce", 2**24, group, H100.fabric)
+    assert (big.algorithm, big.protocol) == ("ring", "LL128")
+    assert big.seconds == pytest.approx((133 + 2**24 / (1000 * 44.16 * 8 / 14)) * 1e-6)
+
+
+def test_interconnects_and_defaults():
+    """NCCL's NET bandwidth is the port speed in Mb/s ÷ 8000: NDR 400 Gb/s → 50 GB/s, HDR → 25;
+    the DGX A100 node defaults to HDR, the DGX H100 to NDR; across 2 nodes of 8 A100s the ring is
+    bounded by 8 HDR NICs: 8 × 25 = 200 GB/s (10 channels × 20 GB/s)."""
+    assert network(None, "h100").name == "ib-ndr" and network("ib-hdr").gb_per_s == 25.0
+    assert network(None, "a100").name == "ib-hdr" and network(None, "a100-40gb").name == "ib-hdr"
+    assert INTERCONNECTS[node_system("h100-pcie").intra].gb_per_s == 48.0  # Gen5 x16: 16 × 240 / 80
+    a100 = links_for("a100", None).fabric
+    g = ring_graph(Group(16, 8), a100)
+    assert g.channels * g.gbs == 200.0
+    with pytest.raises(fxacct.UsageError, match="unknown --interconnect 'ib-qdr'"):
+        network("ib-qdr")
 
 
 def test_placement_inner_dims_within_a_node():
-    """fsdp=8,tp=8 on 8-GPU nodes: tp (8 neighbouring ranks) fits a node, fsdp (8 × 8) does not;
-    dp=2,fsdp=4,tp=2: tp (2) and fsdp (4·2 = 8) within, dp (16) across."""
+    """fsdp=8,tp=8 on 8-GPU nodes: tp (8 neighbouring ranks) fits a node, fsdp (stride 8) has one
+    rank per node; dp=2,fsdp=4,tp=2: tp (2) and fsdp (4·2 = 8) within, dp (16) across, one per node;
+    fsdp=4,tp=4: fsdp's 4 ranks, 2 per node (stride 4 in nodes of 8)."""
     assert within_node(parse_mesh("fsdp=8,tp=8"), 8) == {"tp": True, "fsdp": False, "world": False}
     assert within_node(parse_mesh("dp=2,fsdp=4,tp=2"), 8) == {"tp": True, "fsdp": True, "dp": False, "world": False}
+    assert placement(parse_mesh("fsdp=8,tp=8"), 8)["fsdp"] == Group(8, 1)
+    assert placement(parse_mesh("fsdp=4,tp=4"), 8)["fsdp"] == Group(4, 2)
 
 
-def test_critical_path_of_a_hand_graph():
-    """Program order a, c, b, d: c (a collective, 3 s) needs a (1 s); b (2 s) is independent of
-    both; d (1 s) needs c. The compute stream alone is a, b, d = 4 s; the critical path is
-    a → c → d = 1 + 3 + 1 = 5 s, with b overlapping c."""
+def _ag_graph(ag_s: float):
+    """Program order: a0 (1 s), the all-gather of the next block's weights into ``buf`` (c10d, on
+    FSDP2's all-gather stream), b (4 s, independent of it), d (1 s) reading ``buf``."""
     g = fx.Graph()
-    x = g.placeholder("x")
-    a = g.create_node("call_function", torch.ops.aten.relu.default, (x,), name="a")
-    c = g.create_node("call_function", torch.ops._c10d_functional.all_reduce.default, (a, "sum", "0"), name="c")
-    g.create_node("call_function", torch.ops.aten.relu.default, (x,), name="b")
-    d = g.create_node("call_function", torch.ops.aten.relu.default, (c,), name="d")
+    x, shard = g.placeholder("x"), g.placeholder("shard")
+    buf = g.create_node("call_function", torch.ops.aten.empty.memory_format, ([8],), name="buf")
+    a0 = g.create_node("call_function", torch.ops.aten.relu.default, (x,), name="a0")
+    g.create_node("call_function", torch.ops.c10d._allgather_base_.default, (buf, shard, "pg"), name="ag")
+    b = g.create_node("call_function", torch.ops.aten.relu.default, (a0,), name="b")
+    d = g.create_node("call_function", torch.ops.aten.add.Tensor, (b, buf), name="d")
     g.output(d)
-    assert critical_path(g, {"a": 1.0, "b": 2.0, "d": 1.0}, {"c": 3.0}) == pytest.approx(5.0)
-    # a slow b (5 s) hides the collective: a, b, d = 7 s on the compute stream
-    assert critical_path(g, {"a": 1.0, "b": 5.0, "d": 1.0}, {"c": 3.0}) == pytest.approx(7.0)
+    return critical_path(g, {"a0": 1.0, "ag": ag_s, "b": 4.0, "d": 1.0})
 
 
-def test_step_time_bounds_and_json():
+def test_an_all_gather_hides_under_compute():
+    """The all-gather (3 s) starts with the step on its own stream and ends at 3 s, before d can
+    start (a0 + b = 5 s): the step is the compute stream's 6 s, nothing exposed."""
+    s = _ag_graph(3.0)
+    assert s.step_s == pytest.approx(6.0) and s.compute_s == pytest.approx(6.0)
+    assert s.busy_s == {"compute": pytest.approx(6.0), "all_gather": pytest.approx(3.0)}
+    assert s.start_s["ag"] == 0.0 and s.start_s["d"] == pytest.approx(5.0)
+
+
+def test_an_all_gather_longer_than_the_compute_under_it_is_exposed():
+    """An 8 s all-gather: d waits for it until 8 s; exposed = 8 − (a0 + b) = 3 s, step 9 s."""
+    s = _ag_graph(8.0)
+    assert s.step_s == pytest.approx(9.0)
+    assert s.step_s - s.compute_s == pytest.approx(8.0 - 5.0)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp():
     cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, mesh="fsdp=2,tp=2",
                         parallelize=target("examples/llama.py:parallelize"), gpu="h100", find_max_batch=False)
-    p = fxacct.profile(cfg)
+    return fxacct.profile(cfg)
+
+
+def _schedule(p):
+    from fxacct.parallel.timing import step_schedule
+
+    peak = p.memory.rank_peak.bytes if p.memory.rank_peak else None
+    return step_schedule(p.capture, peak, p.config.mesh, p.config, p.parallel.collectives)
+
+
+def test_fsdp2_reduce_scatters_overlap_the_backward_and_tp_collectives_are_exposed(fsdp_tp):
+    """llama (2 blocks) at fsdp=2,tp=2 on H100s: each FSDP2 reduce-scatter but the last runs while
+    backward ops run on the compute stream; the optimizer starts after the last one ends; every
+    tensor-parallel collective is on the compute stream, so no compute op runs during it."""
+    sched, comm, _, _, _ = _schedule(fsdp_tp)
+    graph = fsdp_tp.capture.graph
+    phase = {n.name: n.meta["fxacct"].phase for n in graph.nodes if "fxacct" in n.meta}
+    rs = [c.node for c in fsdp_tp.parallel.collectives if c.op == "reduce_scatter"]
+    assert len(rs) == 3 and all(sched.stream[r] == "reduce_scatter" for r in rs)
+    compute = [n for n, s in sched.stream.items() if s == "compute" and comm.get(n) is None]
+
+    def ops_during(node, phase_name):
+        lo, hi = sched.start_s[node], sched.start_s[node] + comm[node]
+        return [n for n in compute if phase.get(n) == phase_name and lo < sched.start_s[n] < hi]
+
+    for r in rs[:-1]:
+        assert ops_during(r, "backward"), f"{r} overlaps no backward op"
+    first_optimizer = min((sched.start_s[n] for n in compute if phase.get(n) == "optimizer"))
+    assert first_optimizer >= sched.start_s[rs[-1]] + comm[rs[-1]] - 1e-15
+    tp = [c for c in fsdp_tp.parallel.collectives if c.mesh_dim == "tp" and c.op != "wait"]
+    assert tp and all(sched.stream[c.node] == "compute" for c in tp)
+    for c in tp:
+        lo, hi = sched.start_s[c.node], sched.start_s[c.node] + comm[c.node]
+        assert not [n for n in compute if lo < sched.start_s[n] < hi]
+    t = fsdp_tp.parallel.time
+    assert t.exposed_comm_s >= sum(comm[c.node] for c in tp) - 1e-15
+    assert t.streams["reduce_scatter"] == pytest.approx(sum(comm[r] for r in rs))
+
+
+def test_step_time_bounds_and_json(fsdp_tp):
+    p = fsdp_tp
     t = p.parallel.time
-    assert t.compute_s <= t.step_s <= t.compute_s + t.comm_s + 1e-12
+    assert t.compute_s <= t.step_s <= sum(t.streams.values()) + 1e-12
     assert sum(r.predicted_ms for r in p.parallel.rows) == pytest.approx(1e3 * t.comm_s)
     from fxacct.predict.roofline import predict_profile
     from fxacct.report import document
     from fxacct.report.summary_text import render_summary
 
     # with the roofline's prediction too (as the CLI passes it), the step is still the critical
-    # path: the single stream times the collectives as local copies (it once replaced it, longer
-    # than the compute stream it bounds); the summary says the same figure
+    # path; the summary says the same figure
     prediction = predict_profile(p)
-    assert prediction.step_ms > 1e3 * t.compute_s
     d = document(p, prediction)
     assert d["totals"]["predicted_step_ms"] == pytest.approx(1e3 * t.step_s)
     from fxacct.report.durations import format_ms
@@ -76,3 +183,6 @@ def test_step_time_bounds_and_json():
     assert time_doc["tokens_per_s_gpu"] == pytest.approx(tokens / t.step_s / 2)
     assert time_doc["tokens_per_s_job"] == pytest.approx(4 * time_doc["tokens_per_s_gpu"])
     assert all(c["predicted_ms"] > 0 for c in d["collectives"])
+    assert time_doc["interconnect"] == "ib-ndr"
+    assert time_doc["streams_ms"]["compute"] >= time_doc["compute_ms"]
+    assert sum(time_doc["nccl_algorithms"].values()) == sum(r["count"] for r in d["collectives"])

@@ -11,6 +11,7 @@ import torch
 from fxacct.devices import get_device
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
+from fxacct.interconnects import network
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
@@ -52,6 +53,7 @@ class Config:
     parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
     reshard_after_forward: bool = True  # FSDP2's flag for the blocks fxacct shards itself
     gpus_per_node: int = 8  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
+    interconnect: str | None = None  # the network between nodes (fxacct.interconnects); None: the GPU's node's
     pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
     microbatches: int | None = None  # per step, with --mesh pp=P (default P)
     pp_schedule: str = "1f1b"  # gpipe, 1f1b or interleaved-1f1b (torch.distributed.pipelining's schedules)
@@ -81,6 +83,8 @@ class Config:
                              "use it with --dtype bf16 or --dtype fp16")
         if self.gpu is not None:
             get_device(self.gpu)
+        if self.interconnect is not None:
+            network(self.interconnect)
         self._check_loading()
         if isinstance(self.mesh, str):
             object.__setattr__(self, "mesh", parse_mesh(self.mesh))
