@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from fxacct_cli.main import cli
@@ -18,6 +19,7 @@ def _run(*args, gpu=("--gpu", "h100")):
     return CliRunner().invoke(cli, ["profile", *MLP, *gpu, *args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_one_device_accepts_it_and_says_it_has_no_effect():
     plain, given = _run(gpu=()), _run("--interconnect", "ib-hdr", gpu=())
     assert plain.exit_code == 0 and given.exit_code == 0, given.output

@@ -147,7 +147,7 @@ def test_fsdp2_reduce_scatters_overlap_the_backward_and_tp_collectives_are_expos
 
     for r in rs[:-1]:
         assert ops_during(r, "backward"), f"{r} overlaps no backward op"
-    first_optimizer = min((sched.start_s[n] for n in compute if phase.get(n) == "optimizer"))
+    first_optimizer = min(sched.start_s[n] for n in compute if phase.get(n) == "optimizer")
     assert first_optimizer >= sched.start_s[rs[-1]] + comm[rs[-1]] - 1e-15
     tp = [c for c in fsdp_tp.parallel.collectives if c.mesh_dim == "tp" and c.op != "wait"]
     assert tp and all(sched.stream[c.node] == "compute" for c in tp)
