@@ -56,9 +56,9 @@ class NodeSystem:
 
     intra: str  # a key of INTERCONNECTS (nvlink* or pcie*)
     network: str  # the default --interconnect
-    arch: int  # NCCL's compute-capability index (tuning.cc:262): 1 Ampere/Ada, 2 Hopper, 3 Blackwell
+    arch: int  # NCCL's compute-capability index (tuning.cc:263-266): 1 Ampere/Ada, 2 Hopper, 3 Blackwell
     nvswitch: bool  # GPUs on NVSwitches (NVLS possible on Hopper and later)
-    cpu: str  # "intel" or "amd": NCCL's LL bandwidth and network overhead differ (tuning.cc:224-230, 265)
+    cpu: str  # "intel" or "amd": NCCL's LL bandwidth and network overhead differ (tuning.cc:228-233, 269-271)
     source: str
 
 

@@ -3,7 +3,7 @@
 nodes (fxacct.interconnects), and NCCL's own model per collective (fxacct.parallel.nccl_model).
 
 All-to-all and send/recv are NCCL's point-to-point path, which its tuning model does not cover:
-here one ring-Simple base latency plus one hop of the link (tuning.cc:150-176), and the bytes
+here one ring-Simple base latency plus one hop of the link (tuning.cc:149-176), and the bytes
 this rank sends at the ring graph's bandwidth (channels × speed)."""
 
 from __future__ import annotations

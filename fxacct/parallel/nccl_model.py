@@ -1,8 +1,8 @@
 """One collective's time as NCCL predicts it, and the algorithm and protocol NCCL picks by it.
 
 Written from NVIDIA/nccl v2.30.7 (commit 5067397c): ``ncclTopoTuneModel`` (src/graph/tuning.cc
-:241-444) gives each (algorithm, protocol) a latency in µs and a bandwidth in GB/s;
-``ncclTopoGetAlgoTime`` (tuning.cc:631-655) makes them a time, ``lat + nBytes / (1000 · bw)`` µs,
+:243-617) gives each (algorithm, protocol) a latency in µs and a bandwidth in GB/s;
+``ncclTopoGetAlgoTime`` (tuning.cc:630-655) makes them a time, ``lat + nBytes / (1000 · bw)`` µs,
 with nBytes the whole tensor (the gathered output of an all-gather, the full input of a
 reduce-scatter; enqueue.cc:2127); ``topoGetAlgoInfo`` (enqueue.cc:2028) keeps the fastest.
 
@@ -11,7 +11,7 @@ for the one link that bounds a GPU (fxacct.interconnects): the search tries the 
 per-channel speeds and keeps the graph with the most bandwidth (channels × speed), a ring at
 most MAXCHANNELS / 2 = 32 channels (init.cc:1177), then doubles its channels at half the speed
 (``ncclTopoDupChannels``, search.cc:1036-1048); the tree takes the ring's channels (init.cc:1185).
-Simplifications, stated: a balanced tree (no ×0.85 of the plain tree pattern, tuning.cc:345); the
+Simplifications, stated: a balanced tree (no ×0.85 of the plain tree pattern, tuning.cc:336); the
 network's reported latency 0 (IB transport, net_ib/init.cc:558); CollNet (SHARP) off, as NCCL
 has it unless configured (tuning.cc:504); no tuner plugin, NCCL_ALGO or NCCL_PROTO.
 """
@@ -27,21 +27,21 @@ PROTOCOLS = (LL, LL128, SIMPLE)
 ALGORITHMS = (TREE, RING, NVLS, NVLS_TREE, PAT)  # NCCL's loop order (ties keep the first)
 MAX_RING_CHANNELS = 32  # MAXCHANNELS 64 (device.h:91) / 2 (init.cc:1177)
 
-# µs, per protocol (LL, LL128, Simple): baseLatencies (tuning.cc:150-156)
+# µs, per protocol (LL, LL128, Simple): baseLatencies (tuning.cc:149-155)
 BASE_LAT = {TREE: (6.8, 14.0, 8.4), RING: (6.6, 14.0, 8.4), NVLS: (0, 0, 0), NVLS_TREE: (0, 0, 0),
             PAT: (8.0, 8.0, 8.0)}
-# µs per hop by link: hwLatencies (tuning.cc:157-176)
+# µs per hop by link: hwLatencies (tuning.cc:156-176)
 HW_LAT = {
     "nvlink": {TREE: (0.6, 1.25, 4.0), RING: (0.6, 1.9, 3.4), NVLS: (0, 0, 25), NVLS_TREE: (0, 0, 25), PAT: (0, 0, 4.0)},
     "pcie": {TREE: (1.0, 1.9, 4.0), RING: (1.0, 2.5, 5.7), NVLS: (0, 0, 0), NVLS_TREE: (0, 0, 0), PAT: (0, 0, 4.0)},
     "net": {TREE: (5.0, 8.5, 14), RING: (2.7, 4.0, 14.0), NVLS: (0, 0, 18), NVLS_TREE: (0, 0, 20.9), PAT: (0, 0, 14)},
 }
 # GB/s, rows by architecture index (0 Volta, 1 Ampere, 2 Hopper, 3 Blackwell), columns by nodes (1, 2, >2)
-LL_MAX_BW = ((39.0, 39.0, 20.4), (87.7, 22.5, 19.0), (141.0, 45.0, 35.0), (282.0, 90.0, 70.0))  # :178-183
-PER_CH_MAX_RING_LL128 = ((20.0,) * 3, (20.0,) * 3, (36.7,) * 3, (40.0,) * 3)  # :184-190
-PER_CH_MAX_TREE_LL128 = ((20.0,) * 3, (20.0,) * 3, (36.7, 36.7, 29.0), (55.6, 31.67, 20.0))  # :191-197
-PER_CH_MAX_TREE = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (38.7, 41.4, 36.0), (70.0, 42.8, 24.0))  # :198-204
-PER_CH_MAX_NVLS_TREE = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (0.0, 57.7, 45.5), (0.0, 96.0, 80.0))  # :205-211
+LL_MAX_BW = ((39.0, 39.0, 20.4), (87.7, 22.5, 19.0), (141.0, 45.0, 35.0), (282.0, 90.0, 70.0))  # tuning.cc:177-182
+PER_CH_MAX_RING_LL128 = ((20.0,) * 3, (20.0,) * 3, (36.7,) * 3, (40.0,) * 3)  # tuning.cc:184-189
+PER_CH_MAX_TREE_LL128 = ((20.0,) * 3, (20.0,) * 3, (36.7, 36.7, 29.0), (55.6, 31.67, 20.0))  # tuning.cc:191-196
+PER_CH_MAX_TREE = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (38.7, 41.4, 36.0), (70.0, 42.8, 24.0))  # tuning.cc:198-203
+PER_CH_MAX_NVLS_TREE = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (0.0, 57.7, 45.5), (0.0, 96.0, 80.0))  # tuning.cc:205-210
 NVLS_EFFICIENCY = (0.0, 0.0, 0.85, 0.74)  # tuning.cc:139-144
 # tree all-reduce bandwidth correction by log2(nBytes / 64), 64 B to 256 MB (tuning.cc:623-627)
 TREE_CORRECTION = {
@@ -132,8 +132,8 @@ def ring_graph(group: Group, fabric: Fabric) -> Graph:
 
 def nvls_graph(group: Group, fabric: Fabric) -> Graph | None:
     """NVLink SHARP needs NVSwitches and Hopper or later (search.cc:1124); one channel per GPU of
-    the node (search.cc:1127, 1135-1138), each at a speed that fits the GPU's link, which the
-    search lets run ndevs / (ndevs − 1) over for non-ring patterns (search.cc:1167)."""
+    the node (search.cc:1127, 1137), each at a speed that fits the GPU's link, which the
+    search lets run ndevs / (ndevs − 1) over for non-ring patterns (search.cc:1168)."""
     if not fabric.nvswitch or fabric.arch < 2 or group.per_node < 2:
         return None
     n = min(32, group.per_node)  # NCCL_MAX_NVLS_ARITY (device.h:213)
@@ -145,25 +145,25 @@ def nvls_graph(group: Group, fabric: Fabric) -> Graph | None:
 
 
 def _nsteps(coll: str, n: int) -> int:
-    return 2 * (n - 1) if coll == "all_reduce" else n - 1  # tuning.cc:280-282
+    return 2 * (n - 1) if coll == "all_reduce" else n - 1  # tuning.cc:289-291
 
 
 def tune(coll: str, group: Group, fabric: Fabric) -> dict[tuple[str, str], tuple[float, float]]:
     """(algorithm, protocol) -> (latency µs, bandwidth GB/s) for ``coll`` (all_reduce, all_gather,
-    reduce_scatter), the entries ncclTopoTuneModel leaves enabled (tuning.cc:284-444, 487-540)."""
+    reduce_scatter), the entries ncclTopoTuneModel leaves enabled (tuning.cc:284-434, 495-540)."""
     n, ppn, nodes, arch = group.ranks, group.per_node, group.nodes, fabric.arch
-    i2 = min(nodes, 3) - 1  # tuning.cc:261
-    i1 = arch if nodes == 1 else (1 if fabric.cpu == "amd" else 0)  # tuning.cc:263-266
+    i2 = min(nodes, 3) - 1  # tuning.cc:267
+    i1 = arch if nodes == 1 else (1 if fabric.cpu == "amd" else 0)  # tuning.cc:269-271
     ring, nvls = ring_graph(group, fabric), nvls_graph(group, fabric)
     intra_hw, nsteps = fabric.intra_kind, _nsteps(coll, n)
     gathers = coll in ("all_gather", "reduce_scatter")
     algos = [RING]
     if coll == "all_reduce":
         algos.append(TREE)
-    if nvls is not None and nodes == 1:  # NVLS across nodes needs CollNet (enqueue.cc:2006-2007)
+    if nvls is not None and nodes == 1:  # NVLS across nodes needs CollNet (enqueue.cc:2008)
         algos.append(NVLS)
     if nvls is not None and nodes > 1 and coll == "all_reduce":
-        algos.append(NVLS_TREE)  # disabled on one node (tuning.cc:500)
+        algos.append(NVLS_TREE)  # disabled on one node (tuning.cc:501-502)
     if gathers and ppn == 1:  # PAT: one GPU per node (tuning.cc:216-222)
         algos.append(PAT)
     # LL128 on NVLink (or one GPU per node) only: typeIntra <= PATH_NVB (tuning.cc:521-533)
@@ -184,7 +184,7 @@ def tune(coll: str, group: Group, fabric: Fabric) -> dict[tuple[str, str], tuple
                 inter_bw = g.gbs * (2 if nodes <= 2 and a == NVLS_TREE else 1)
                 bw = min(intra_bw, inter_bw, PER_CH_MAX_NVLS_TREE[arch][i2] if a == NVLS_TREE else math.inf)
             bus = g.channels * bw
-            # model refinements (tuning.cc:327-338)
+            # model refinements (tuning.cc:326-337)
             if a == RING and p == LL:
                 bus = min(LL_MAX_BW[i1][i2], bus * .5)
             if a == RING and p == LL128:
@@ -206,14 +206,14 @@ def tune(coll: str, group: Group, fabric: Fabric) -> dict[tuple[str, str], tuple
 
 
 def _latency(coll, a, k, group: Group, fabric: Fabric, intra_hw: str, nsteps: int) -> float:
-    """µs (tuning.cc:383-434); the network reports no latency (graph latencyInter = 0)."""
+    """µs (tuning.cc:384-434); the network reports no latency (graph latencyInter = 0)."""
     n, ppn, nodes = group.ranks, group.per_node, group.nodes
     base = BASE_LAT[a][k]
     intra = HW_LAT[intra_hw][a][k]
     inter = HW_LAT["net"][TREE if ppn == 1 else a][k]
     if a == RING:
         overhead = 0.0
-        if nodes > 1:  # getNetOverhead (tuning.cc:227-233): 1 µs Intel, 2 µs AMD; × 3 for Simple
+        if nodes > 1:  # getNetOverhead (tuning.cc:228-233): 1 µs Intel, 2 µs AMD; × 3 for Simple
             overhead = (2.0 if fabric.cpu == "amd" else 1.0) * (3 if k == 2 else 1)
         intra = max(intra, overhead)
         inter_steps = 0 if nodes == 1 else (2 * (nodes - 1) if coll == "all_reduce" else nodes - 1)
@@ -233,15 +233,15 @@ def _log2i(x: int) -> int:
 
 def algo_seconds(coll: str, a: str, p: str, lat_us: float, bw_gbs: float, nbytes: int, group: Group,
                  channels: int, arch: int) -> float:
-    """ncclTopoGetAlgoTime (tuning.cc:631-655), one operation (no aggregation)."""
+    """ncclTopoGetAlgoTime (tuning.cc:630-655), one operation (no aggregation)."""
     log_size = _log2i(nbytes >> 6) if nbytes >> 6 else -1
     if a == TREE and coll == "all_reduce" and 0 <= log_size < 23:
         bw_gbs *= TREE_CORRECTION[p][log_size]
     if a == NVLS_TREE and coll == "all_reduce" and 0 <= log_size < 24 and arch >= 3:
-        bw_gbs *= TREE_CORRECTION[p][log_size]  # Blackwell on x86 hosts (tuning.cc:644-647)
+        bw_gbs *= TREE_CORRECTION[p][log_size]  # Blackwell on x86 hosts (tuning.cc:643-646)
     if a == RING and p == SIMPLE and group.nodes > 1 and coll == "all_reduce" \
             and nbytes / (channels * group.ranks) >= 64:
-        lat_us *= 1.4 if arch >= 1 else 1.9  # "plateau effect of ring" (tuning.cc:648-651), SM80 and later
+        lat_us *= 1.4 if arch >= 1 else 1.9  # "plateau effect of ring" (tuning.cc:647-650), SM80 and later
     return (lat_us + nbytes / (1000 * bw_gbs)) * 1e-6
 
 
