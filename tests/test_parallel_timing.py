@@ -4,6 +4,8 @@ the streams FSDP2 and c10d run on (networkx)."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -114,6 +116,47 @@ def test_an_all_gather_longer_than_the_compute_under_it_is_exposed():
     s = _ag_graph(8.0)
     assert s.step_s == pytest.approx(9.0)
     assert s.step_s - s.compute_s == pytest.approx(8.0 - 5.0)
+
+
+def test_fsdp2_backward_waits_by_hand():
+    """Two blocks' backward under FSDP2, durations in s: g1 (block 1's gradients, 2), its
+    reduce-scatter copy-in cc1 (0.5, compute stream), rs1 (4, reduce-scatter stream, after the
+    compute stream reached it), post1 (0: reads only rs1's output, so on its stream), g0 (block 0,
+    3), cc0 (0.5), rs0 (2), the optimizer's first op (1).
+    g1 0-2, cc1 2-2.5, rs1 2.5-6.5 while g0 runs 2.5-5.5; cc0 waits for rs1 (one reduce-scatter
+    input in flight): 6.5-7; rs0 7-9; the optimizer waits for it: 9-10. Step 10 s; the compute
+    stream's own ops 2 + 0.5 + 3 + 0.5 + 1 = 7 s, so 3 s exposed. (post1 on the compute stream
+    would hold g0 until 6.5: 13 s; cc0 not waiting for rs1: 9.5 s.)"""
+    import types
+
+    import torch.distributed.fsdp  # noqa: F401  (defines torch.ops.fsdp)
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+
+    def op(target, args, name, phase="backward"):
+        n = g.create_node("call_function", target, args, name=name)
+        n.meta["fxacct"] = types.SimpleNamespace(phase=phase, kind="compute")
+        return n
+
+    aten, c10d, fsdp = torch.ops.aten, torch.ops.c10d, torch.ops.fsdp
+    g1 = op(aten.relu.default, (x,), "g1")
+    out1, out0 = op(aten.empty.memory_format, ([4],), "out1"), op(aten.empty.memory_format, ([4],), "out0")
+    cc1 = op(fsdp.chunk_cat.default, ([g1], 0, 2), "cc1")
+    rs1 = op(c10d._reduce_scatter_base_.default, (out1, cc1, "pg"), "rs1")
+    item = g.create_node("call_function", operator.getitem, (rs1, 0), name="rs1_out")
+    op(aten._to_copy.default, (item,), "post1")
+    g0 = op(aten.relu.default, (g1,), "g0")
+    cc0 = op(fsdp.chunk_cat.default, ([g0], 0, 2), "cc0")
+    op(c10d._reduce_scatter_base_.default, (out0, cc0, "pg"), "rs0")
+    op(aten.mul.Tensor, (x, x), "opt", phase="optimizer")
+    s = critical_path(g, {"g1": 2.0, "cc1": 0.5, "rs1": 4.0, "post1": 0.0, "g0": 3.0, "cc0": 0.5, "rs0": 2.0,
+                          "opt": 1.0})
+    assert s.stream["post1"] == "reduce_scatter" and s.stream["cc0"] == "compute"
+    assert (s.start_s["rs1"], s.start_s["g0"], s.start_s["cc0"], s.start_s["rs0"], s.start_s["opt"]) == \
+        pytest.approx((2.5, 2.5, 6.5, 7.0, 9.0))
+    assert s.step_s == pytest.approx(10.0) and s.compute_s == pytest.approx(7.0)
+    assert s.busy_s["reduce_scatter"] == pytest.approx(6.0)
 
 
 @pytest.fixture(scope="module")

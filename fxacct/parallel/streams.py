@@ -7,7 +7,8 @@ _fsdp_param_group.py):
   which the all-gather stream waits for: ``all_gather_stream.wait_stream``, line 362, so one
   stream here) and its all-gathers (c10d ``_allgather_base_``);
 - ``reduce_scatter``: FSDP2's reduce-scatters (c10d ``_reduce_scatter_base_``) and what follows
-  them on that stream (the views of the sharded gradients);
+  them on that stream (``foreach_reduce``'s post-reduce ops: a backward op that reads only the
+  reduce-scatter's output, line 685-);
 - ``all_reduce``: HSDP's all-reduce (c10d ``allreduce_``), after the reduce-scatter
   (``all_reduce_stream.wait_stream(reduce_scatter_stream)``, line 654);
 - ``p2p``: all-to-all, send and recv (c10d), on NCCL's stream, which waits for the current stream;
@@ -74,6 +75,9 @@ def stream_of(n: fx.Node, placed: dict[str, str]) -> str:
         return ALL_GATHER
     if is_collective(n) and n.target.namespace == "c10d":
         return _C10D_STREAM.get(_OPS[n.target][0], P2P)
+    inputs = {placed[a.name] for a in n.all_input_nodes if a.name in placed}
+    if _phase(n) == "backward" and len(inputs) == 1 and inputs <= {REDUCE_SCATTER, ALL_REDUCE}:
+        return inputs.pop()  # FSDP2's post-reduce ops (divide, cast to the parameter dtype) on that stream
     return COMPUTE
 
 
