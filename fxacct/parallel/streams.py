@@ -15,7 +15,9 @@ _fsdp_param_group.py):
 - ``compute``: everything else, tensor-parallel collectives included: DTensor issues functional
   collectives and waits for them where their output is used, so without async TP (not the
   default) they run exposed, in line with the compute.
-A view (or a tuple's item) runs where the tensor it views was made.
+A view (or a tuple's item) runs where the tensor it views was made; a buffer made for FSDP2's
+all-gather copy-in or as a c10d collective's output (``all_gather_comm.allocate`` and
+``reduce_scatter_comm.allocate`` run under the side stream) is made on that stream.
 
 Edges: program order within each stream; each input's producer; a c10d collective's output buffer
 to its readers; and FSDP2's waits:
@@ -75,6 +77,11 @@ def stream_of(n: fx.Node, placed: dict[str, str]) -> str:
         return ALL_GATHER
     if is_collective(n) and n.target.namespace == "c10d":
         return _C10D_STREAM.get(_OPS[n.target][0], P2P)
+    if not n.all_input_nodes:  # a buffer FSDP2 allocates on a side stream, for its copy-in or collective
+        for user in n.users:
+            if _op_name(user) == _AG_COPY_IN or (is_collective(user) and user.target.namespace == "c10d"
+                                                  and user.args[_OPS[user.target][1]] is n):  # its output
+                return stream_of(user, placed)
     inputs = {placed[a.name] for a in n.all_input_nodes if a.name in placed}
     if _phase(n) == "backward" and len(inputs) == 1 and inputs <= {REDUCE_SCATTER, ALL_REDUCE}:
         return inputs.pop()  # FSDP2's post-reduce ops (divide, cast to the parameter dtype) on that stream
