@@ -118,6 +118,43 @@ def test_an_all_gather_longer_than_the_compute_under_it_is_exposed():
     assert s.step_s - s.compute_s == pytest.approx(8.0 - 5.0)
 
 
+def test_fsdp2_forward_prefetch_by_hand():
+    """Three FSDP2 units in forward, durations in s: each all-gather 2 (its output buffer and
+    copy-in made on the all-gather stream), each copy-out 0.5 and block 1 (compute stream).
+    ag0 0-2; co0 2-2.5; ag1 follows on its stream, 2-4 (nothing to wait for yet); ag2 waits for the
+    copy-out before the last one, co0, and for ag1: 4-6; co1 4-4.5, f1 4.5-5.5; co2 6-6.5; f2
+    6.5-7.5. Step 7.5 s against 4.5 s of compute. (Waiting for the last copy-out, as in backward,
+    would start ag1 at 2.5 and ag2 at 5; a buffer made on the compute stream would hold each
+    all-gather until the block before it ends.)"""
+    import types
+
+    import torch.distributed.fsdp  # noqa: F401  (defines torch.ops.fsdp)
+
+    g = fx.Graph()
+    shard = g.placeholder("shard")
+    aten, c10d, fsdp = torch.ops.aten, torch.ops.c10d, torch.ops.fsdp
+    durations, prev = {}, None
+    for i in range(3):
+        def op(target, args, name, seconds=0.0):
+            n = g.create_node("call_function", target, args, name=name)
+            n.meta["fxacct"] = types.SimpleNamespace(phase="forward", kind="compute")
+            durations[name] = seconds
+            return n
+
+        buf = op(aten.empty.memory_format, ([8],), f"buf{i}")
+        ci = op(fsdp.all_gather_copy_in.default, ([shard], buf, [4], 4, 0), f"ci{i}")
+        ag = op(c10d._allgather_base_.default, (buf, ci, "pg"), f"ag{i}", 2.0)
+        out = g.create_node("call_function", operator.getitem, (ag, 0), name=f"out{i}")
+        co = op(fsdp.split_with_sizes_copy.default, (out, [4, 4], 0, [buf]), f"co{i}", 0.5)
+        prev = op(aten.relu.default, (co,), f"f{i}", 1.0) if prev is None else op(aten.add.Tensor, (co, prev), f"f{i}", 1.0)
+    g.output(prev)
+    s = critical_path(g, durations)
+    assert s.stream["buf1"] == "all_gather" and s.stream["co1"] == "compute"
+    assert [s.start_s[f"ag{i}"] for i in range(3)] == pytest.approx([0.0, 2.0, 4.0])
+    assert [s.start_s[f"co{i}"] for i in range(3)] == pytest.approx([2.0, 4.0, 6.0])
+    assert s.step_s == pytest.approx(7.5) and s.compute_s == pytest.approx(4.5)
+
+
 def test_fsdp2_backward_waits_by_hand():
     """Two blocks' backward under FSDP2, durations in s: g1 (block 1's gradients, 2), its
     reduce-scatter copy-in cc1 (0.5, compute stream), rs1 (4, reduce-scatter stream, after the
