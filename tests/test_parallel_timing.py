@@ -256,7 +256,9 @@ def test_step_time_bounds_and_json(fsdp_tp):
     assert d["totals"]["predicted_step_ms"] == pytest.approx(1e3 * t.step_s)
     from fxacct.report.durations import format_ms
 
-    assert f"{format_ms(1e3 * t.step_s)} predicted on" in render_summary(p, prediction)
+    summary = render_summary(p, prediction)
+    assert f"{format_ms(1e3 * t.step_s)} predicted on" in summary
+    assert f"{format_ms(1e3 * t.exposed_comm_s)} of communication exposed" in summary
     # a tp group of 2 shares one batch: each GPU's share is half the group's; 4 GPUs make the job
     time_doc = d["mesh"]["time"]
     tokens = 2 * 64  # batch 2 × T = 64 (examples/llama.py's max_seq)
