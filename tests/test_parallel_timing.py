@@ -269,3 +269,27 @@ def test_step_time_bounds_and_json(fsdp_tp):
     assert time_doc["interconnect"] == "ib-ndr"
     assert time_doc["streams_ms"]["compute"] >= time_doc["compute_ms"]
     assert sum(time_doc["nccl_algorithms"].values()) == sum(r["count"] for r in d["collectives"])
+
+
+@pytest.mark.slow  # two traces; test_fsdp2_forward_prefetch_by_hand keeps the rule in the fast tier
+def test_explicit_forward_prefetch_runs_all_gathers_earlier():
+    """examples/llama.py with 4 blocks at fsdp=2 on H100s. Forward all-gathers and copy-outs come
+    in unit order: root, layers.0 .. layers.3. Implicit prefetching: layers.3's all-gather waits
+    for the copy-out of layers.1 (FSDP2 keeps one gathered result alive, so the all-gather streams
+    wait on the copy-out before the last). With ``set_modules_to_forward_prefetch`` two blocks
+    ahead (tests/models/llama_prefetch.py), layers.3's all-gather is issued in layers.1's
+    pre-forward, after the wait on layers.0's copy-out: it runs before layers.1 is copied out."""
+    starts = {}
+    for name, par in (("implicit", "examples/llama.py:parallelize"),
+                      ("explicit", "tests/models/llama_prefetch.py:parallelize")):
+        p = fxacct.profile(fxacct.Config(target=target("examples/llama.py:Llama"), kwargs={"n_layers": 4}, batch=2,
+                                         mesh="fsdp=2", gpu="h100", parallelize=target(par), find_max_batch=False))
+        sched, comm, _, _, _ = _schedule(p)
+        gathers = [c.node for c in p.parallel.collectives if c.op == "all_gather" and c.phase == "forward"]
+        copy_outs = [n.name for n in p.capture.graph.nodes if str(n.target) == "fsdp.split_with_sizes_copy.default"]
+        assert len(gathers) == 5 and len(copy_outs) >= 5
+        starts[name] = (sched.start_s[gathers[4]], sched.start_s[copy_outs[2]])
+    implicit_ag3, implicit_co1 = starts["implicit"]
+    explicit_ag3, explicit_co1 = starts["explicit"]
+    assert implicit_ag3 > implicit_co1  # waited for layers.1's copy-out
+    assert explicit_ag3 < explicit_co1  # ran ahead of it
