@@ -47,6 +47,10 @@ def test_mesh_crossing_nodes_runs_on_the_chosen_network():
     assert ndr["mesh"]["time"]["interconnect"] == "ib-ndr" and hdr["mesh"]["time"]["interconnect"] == "ib-hdr"
     assert hdr["mesh"]["time"]["comm_ms"] > ndr["mesh"]["time"]["comm_ms"]
     assert set(ndr["mesh"]["time"]["nccl_algorithms"]) == {"ring/LL"}
+    # a mesh of one rank: accepted, nothing to send
+    one = _run("--mesh", "fsdp=1", "--interconnect", "ib-hdr")
+    assert one.exit_code == 0, one.output
+    assert json.loads(one.stdout)["mesh"]["time"]["comm_ms"] == 0
     # within one node (8 GPUs per node, the default) the network carries nothing
     default_within = json.loads(_run("--mesh", "fsdp=2").stdout)
     assert within["mesh"]["time"]["comm_ms"] == default_within["mesh"]["time"]["comm_ms"]
