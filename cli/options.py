@@ -214,6 +214,9 @@ MESH_OPTIONS = (
                       "of the parameters and broadcasts them after the step (torch's ZeroRedundancyOptimizer)."),
     click.option("--gpus-per-node", type=click.IntRange(min=1), default=DEFAULTS.gpus_per_node, show_default=True,
                  help="With --mesh and --gpu: GPUs per node; inner mesh dims run over NVLink, outer ones over InfiniBand."),
+    click.option("--interconnect", default=None, metavar="NAME",
+                 help="With --mesh and --gpu: the network between nodes (ib-ndr, ib-hdr, roce, roce-200); default: "
+                      "the GPU's reference node's (DGX H100: ib-ndr, DGX A100: ib-hdr). No effect on one device."),
     click.option("--pp-split", default=None, metavar="PATH.py:fn|FQN,...",
                  help="With --mesh pp=P: fn(model, stage, stages) returning the stage's module, or the module "
                       "FQNs where stages 1.. begin (layers.2); default: blocks balanced by traced FLOPs."),
@@ -244,13 +247,14 @@ def mesh_options(fn=None, *, hide=()):
 
 def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
               gpus_per_node=DEFAULTS.gpus_per_node, pp_split=None, microbatches=None,
-              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, zero1=False, **_) -> Config:
+              pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, zero1=False, interconnect=None,
+              **_) -> Config:
     """The --mesh flags added to a Config (validated by Config)."""
     from dataclasses import replace
 
     return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
-                   gpus_per_node=gpus_per_node, pp_split=pp_split, microbatches=microbatches, pp_schedule=pp_schedule,
-                   pp_stages_per_rank=pp_stages_per_rank, zero1=zero1)
+                   gpus_per_node=gpus_per_node, interconnect=interconnect, pp_split=pp_split, microbatches=microbatches,
+                   pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, zero1=zero1)
 
 
 def model_options(fn=None, *, hide=()):

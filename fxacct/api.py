@@ -36,7 +36,7 @@ def profile(config: Config) -> Profile:
     if config.mesh is None:
         model, args, kwargs, inputs_for = load_model(config)
         try:
-            return profile_module(model, args, kwargs, config, inputs_for)
+            return _one_device_notes(profile_module(model, args, kwargs, config, inputs_for))
         except ModelError as e:
             note = seq_len_note(model, config.seq_len) or guessed_input_note(config, model)
             if note is None:
@@ -64,6 +64,15 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     if config.checkpoint:
         prof = replace(prof, checkpoint=_checkpoint_whatif(model, args, kwargs or {}, config, prof, inputs_for))
     return _predicted(prof)
+
+
+def _one_device_notes(prof: Profile) -> Profile:
+    """Flags of the mesh given on one device: accepted, and the report says they change nothing."""
+    if prof.config.interconnect is None:
+        return prof
+    note = (f"--interconnect {prof.config.interconnect} has no effect on one device (no communication between "
+            "GPUs): use it with --mesh and --gpu")
+    return replace(prof, warnings=prof.warnings + (note,))
 
 
 def _predicted(prof: Profile) -> Profile:

@@ -11,6 +11,7 @@ import torch
 from fxacct.devices import get_device
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
+from fxacct.interconnects import network
 from fxacct.load import fp8
 from fxacct.load.alloc_conf import AllocConf, from_environment
 from fxacct.load.flags import CAUSAL_CONVENTIONS, DEFAULTS
@@ -54,6 +55,7 @@ class Config:
     parallelize: str | None = None  # "PATH.py:fn", called as fn(model, mesh)
     reshard_after_forward: bool = DEFAULTS.reshard_after_forward  # FSDP2's flag for the blocks fxacct shards itself
     gpus_per_node: int = DEFAULTS.gpus_per_node  # --mesh with --gpu: inner mesh dims within a node (NVLink), outer ones across
+    interconnect: str | None = None  # the network between nodes (fxacct.interconnects); None: the GPU's node's
     pp_split: str | None = None  # "PATH.py:fn", fn(model, stage, stages) -> the stage's module
     microbatches: int | None = None  # per step, with --mesh pp=P (default P)
     pp_schedule: str = DEFAULTS.pp_schedule  # gpipe, 1f1b or interleaved-1f1b (torch.distributed.pipelining's schedules)
@@ -92,6 +94,8 @@ class Config:
             raise UsageError(f"Config(alloc_conf={self.alloc_conf!r}): give a string such as 'expandable_segments:True'")
         if self.alloc_conf is not None or self.gpu is not None:
             self.allocator_conf()  # a bad --alloc-conf (or, for a GPU, environment value) fails here, before any trace
+        if self.interconnect is not None:
+            network(self.interconnect)
         self._check_loading()
         if isinstance(self.mesh, str):
             object.__setattr__(self, "mesh", parse_mesh(self.mesh))

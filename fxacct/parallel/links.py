@@ -1,66 +1,81 @@
-"""Link figures for collective time (α–β): per GPU, per direction, within a node (NVLink) and
-between nodes (InfiniBand, one NIC per GPU as in DGX systems), by --gpu.
+"""Where each collective runs and how long NCCL takes for it: the mesh's dims placed on nodes
+(inner dims on neighbouring ranks), the node of --gpu with the fabric of --interconnect between
+nodes (fxacct.interconnects), and NCCL's own model per collective (fxacct.parallel.nccl_model).
 
-β, bytes/s one GPU sends in one direction:
-- H100 / H200 SXM: NVLink 4, 900 GB/s bidirectional per GPU (NVIDIA H100 and H200 datasheets)
-  → 450e9; between nodes ConnectX-7 InfiniBand NDR, 400 Gb/s per GPU (DGX H100 user guide) → 50e9.
-- H100 PCIe: NVLink bridge 600 GB/s bidirectional (H100 PCIe datasheet) → 300e9; NDR 400 Gb/s.
-- A100 SXM (80 and 40 GB): NVLink 3, 600 GB/s bidirectional (A100 datasheet) → 300e9; between
-  nodes ConnectX-6 HDR, 200 Gb/s per GPU (DGX A100 user guide) → 25e9.
-α, seconds per ring step: a guess of the order NCCL's own tuning model uses for its ring
-protocols (src/graph/tuning.cc base latencies of a few µs, plus a hop): 2 µs within a node,
-5 µs between nodes. Large transfers are bandwidth-bound and do not depend on it.
-"""
+All-to-all and send/recv are NCCL's point-to-point path, which its tuning model does not cover:
+here one ring-Simple base latency plus one hop of the link (tuning.cc:149-176), and the bytes
+this rank sends at the ring graph's bandwidth (channels × speed)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxacct.interconnects import INTERCONNECTS, Interconnect, network, node_system
+from fxacct.parallel.nccl_model import BASE_LAT, HW_LAT, RING, SIMPLE, Choice, Fabric, Group, choose, ring_graph
+
+TUNED = ("all_reduce", "all_gather", "reduce_scatter")  # what ncclTopoTuneModel models
+
 
 @dataclass(frozen=True)
 class Links:
-    intra_bytes_per_s: float
-    inter_bytes_per_s: float
-    source: str
-    intra_alpha_s: float = 2e-6  # a guess (module docstring)
-    inter_alpha_s: float = 5e-6  # a guess (module docstring)
+    intra: Interconnect
+    network: Interconnect
+    fabric: Fabric
+    system: str  # the reference node's description (fxacct.interconnects.SYSTEMS)
+
+    @property
+    def source(self) -> str:
+        return f"{self.intra.source}; {self.network.source}; NCCL 2.30.7 tuning model"
 
 
-_SXM4 = Links(450e9, 50e9, "NVLink 4 900 GB/s bidirectional per GPU; InfiniBand NDR 400 Gb/s per GPU")
-LINKS = {
-    "h100": _SXM4,
-    "h200": _SXM4,
-    "h100-pcie": Links(300e9, 50e9, "NVLink bridge 600 GB/s bidirectional; InfiniBand NDR 400 Gb/s per GPU"),
-    "a100": Links(300e9, 25e9, "NVLink 3 600 GB/s bidirectional per GPU; InfiniBand HDR 200 Gb/s per GPU"),
-    "a100-40gb": Links(300e9, 25e9, "NVLink 3 600 GB/s bidirectional per GPU; InfiniBand HDR 200 Gb/s per GPU"),
-    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md: "fully connected with NVLink" (NVLink 4 of
-    # the H100 SXM5), "400 Gb/s per GPU" RDMA between hosts
-    "h100-96gb": Links(450e9, 50e9, "NVLink 4 900 GB/s bidirectional per GPU; RDMA 400 Gb/s per GPU (torchtitan)"),
-    # HGX B200 datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU; DGX B200: ConnectX-7 400 Gb/s per GPU
-    "b200": Links(900e9, 50e9, "NVLink 5 1.8 TB/s bidirectional per GPU; InfiniBand NDR 400 Gb/s per GPU"),
-    # L40S datasheet: no NVLink, PCIe Gen4 x16 64 GB/s bidirectional; between nodes HDR 200 Gb/s per GPU
-    # ASSUMED (no reference system publishes one)
-    "l40s": Links(32e9, 25e9, "PCIe Gen4 x16 64 GB/s bidirectional; 200 Gb/s per GPU between nodes (assumed)"),
-}
+def links_for(gpu: str, interconnect: str | None) -> Links:
+    """The links of ``gpu``'s reference node, its network replaced by ``interconnect`` if given."""
+    system = node_system(gpu)
+    intra, net = INTERCONNECTS[system.intra], network(interconnect, gpu)
+    fabric = Fabric("nvlink" if intra.kind == "nvlink" else "pcie", intra.gb_per_s, net.gb_per_s, system.arch,
+                    system.nvswitch, system.cpu)
+    return Links(intra, net, fabric, system.source)
+
+
+def placement(spec, gpus_per_node: int) -> dict[str, Group]:
+    """Mesh dim -> its communicator. Dims are laid out outer to inner, inner ones on neighbouring
+    ranks: a dim of size s inside dims of product m has all s ranks in one node when m·s fits a
+    node, one per node when m fills a node, else gpus_per_node // m per node."""
+    groups, inner = {}, 1
+    for name, size in reversed(spec.dims):
+        if inner * size <= gpus_per_node:
+            per_node = size
+        elif inner >= gpus_per_node:
+            per_node = 1
+        else:
+            per_node = max(1, gpus_per_node // inner)
+        groups[name] = Group(size, min(per_node, size))
+        inner *= size
+    groups["world"] = Group(spec.world_size, min(spec.world_size, gpus_per_node))
+    return groups
 
 
 def within_node(spec, gpus_per_node: int) -> dict[str, bool]:
-    """Mesh dims are laid out outer to inner, inner ones on neighbouring ranks: a dimension's group
-    stays within a node when its size times the sizes of every dim inside it fits in one node."""
-    placed, inner = {}, 1
-    for name, size in reversed(spec.dims):
-        inner *= size
-        placed[name] = inner <= gpus_per_node
-    placed["world"] = spec.world_size <= gpus_per_node
-    return placed
+    """Mesh dim -> whether its communicator stays inside one node."""
+    return {name: g.nodes == 1 for name, g in placement(spec, gpus_per_node).items()}
 
 
-RING_STEPS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1, "all_reduce": lambda n: 2 * (n - 1),
-              "all_to_all": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0, "wait": lambda n: 0}
+def collective_choice(op: str, group: Group, nbytes: int, wire_bytes: int, links: Links) -> Choice:
+    """NCCL's pick and time for one collective. ``nbytes``: the whole tensor (an all-gather's
+    output, a reduce-scatter's input, an all-reduce's buffer); ``wire_bytes``: what this rank sends
+    (the point-to-point ops' cost)."""
+    if op in TUNED:
+        return choose(op, nbytes, group, links.fabric)
+    if op in ("all_to_all", "send") and wire_bytes:
+        hw = "net" if group.nodes > 1 else links.fabric.intra_kind
+        g = ring_graph(group, links.fabric)
+        lat_us = BASE_LAT[RING][2] + HW_LAT[hw][RING][2]
+        return Choice("p2p", SIMPLE, (lat_us + wire_bytes / (1000 * g.channels * g.gbs)) * 1e-6)
+    return Choice("none", "", 0.0)  # a recv (its send carries the time), a wait
 
 
-def collective_seconds(op: str, n: int, wire_bytes: int, links: Links, intra: bool) -> float:
-    """α–β: ring steps × α + wire bytes ÷ β of the link the group runs over."""
-    alpha, beta = ((links.intra_alpha_s, links.intra_bytes_per_s) if intra
-                   else (links.inter_alpha_s, links.inter_bytes_per_s))
-    return RING_STEPS.get(op, lambda n: n - 1)(n) * alpha + wire_bytes / beta
+def nccl_bytes(op: str, buffer_bytes: int, wire_bytes: int) -> int:
+    """NCCL's nBytes (enqueue.cc:2127, count × nRanks for all-gather and reduce-scatter) from a
+    collective node's figures: a reduce-scatter's buffer is its output shard, its input the shard
+    plus what it sends."""
+    return buffer_bytes + wire_bytes if op == "reduce_scatter" else buffer_bytes

@@ -1,78 +1,39 @@
-"""Step time with communication: the critical path over one compute stream and one
-communication stream (networkx's longest path of a DAG).
-
-Nodes are the ops of the rank's graph with their durations: compute ops their roofline time
-(fxacct.predict.roofline), collectives their α–β time (fxacct.parallel.links). Edges: program
-order within each stream; a collective is issued after the compute op before it (the host
-launches it there); data edges from each input's producer; a c10d collective that writes into a
-buffer is followed by every later op that reads that buffer. What FSDP2 prefetches then overlaps
-compute, and what TP's outputs need (their all-reduce's wait) sits on the path."""
+"""Step time with communication: every collective timed by NCCL's own model
+(fxacct.parallel.links), the ops put on the streams FSDP2 and c10d run them on, and the step
+the critical path over those streams (fxacct.parallel.streams). Compute ops take their predicted
+time (fxacct.predict.roofline)."""
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
 from fxacct.devices import get_device
-from fxacct.parallel.collectives import _OPS, _fn, is_collective
-from fxacct.parallel.links import LINKS, collective_seconds, within_node
+from fxacct.parallel.links import collective_choice, links_for, nccl_bytes, placement
+from fxacct.parallel.nccl_model import Group
+from fxacct.parallel.streams import critical_path
 from fxacct.predict.roofline import for_config, gpu_key, matmul_dtype, predict
 from fxacct.trace.dispatch_recorder import OPTIMIZER
-
-END = "__end__"
 
 
 @dataclass(frozen=True)
 class ParallelTime:
-    step_s: float  # the critical path
-    compute_s: float  # the compute stream's ops, one after another
+    step_s: float  # the critical path over the streams
+    compute_s: float  # the compute stream's ops other than collectives, one after another
     comm_s: float  # every collective, one after another
     links: str  # the source of the link figures
     gpus_per_node: int
     optimizer_s: float = 0.0  # the optimizer step's ops (on the compute stream, after the backward)
+    streams: dict = field(default_factory=dict)  # stream -> seconds busy (fxacct.parallel.streams)
+    interconnect: str | None = None  # the network between nodes (--interconnect or the GPU's node's)
+    algorithms: dict = field(default_factory=dict)  # "ring/Simple" -> collectives NCCL runs so
 
     @property
     def exposed_comm_s(self) -> float:
+        """What the step takes beyond the compute stream's own ops: collectives on the compute
+        stream (tensor parallel) and whatever the side streams keep it waiting for."""
         return max(0.0, self.step_s - self.compute_s)
-
-
-def critical_path(graph: fx.Graph, op_seconds: dict[str, float], comm_seconds: dict[str, float]) -> float:
-    import networkx as nx  # a tenth of a second to import: only a --mesh with --gpu needs it
-
-    g = nx.DiGraph()
-    last = {"compute": None, "comm": None}
-    buffer_writer: dict[fx.Node, str] = {}
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        on_comm = is_collective(n) and n.target is not _fn.wait_tensor.default
-        g.add_node(n.name)
-        for a in n.all_input_nodes:
-            if a.name in g:
-                g.add_edge(a.name, n.name, w=_weight(a, op_seconds, comm_seconds))
-            if a in buffer_writer:
-                g.add_edge(buffer_writer[a], n.name, w=comm_seconds.get(buffer_writer[a], 0.0))
-        if n.target is operator.getitem:
-            continue
-        stream = "comm" if on_comm else "compute"
-        prev = last[stream]
-        if prev is not None:
-            g.add_edge(prev.name, n.name, w=_weight(prev, op_seconds, comm_seconds))
-        if on_comm and last["compute"] is not None:
-            g.add_edge(last["compute"].name, n.name, w=op_seconds.get(last["compute"].name, 0.0))
-        if on_comm and n.target.namespace == "c10d" and isinstance(n.args[_OPS[n.target][1]], fx.Node):
-            buffer_writer[n.args[_OPS[n.target][1]]] = n.name
-        last[stream] = n
-    for name in list(g.nodes):
-        node_w = comm_seconds.get(name, op_seconds.get(name, 0.0))
-        g.add_edge(name, END, w=node_w)
-    return nx.dag_longest_path_length(g, weight="w", default_weight=0.0)
-
-
-def _weight(node: fx.Node, op_seconds, comm_seconds) -> float:
-    return comm_seconds.get(node.name, op_seconds.get(node.name, 0.0))
 
 
 @dataclass(frozen=True)
@@ -88,21 +49,34 @@ class Throughput:
 
 def predict_time(profile_parts, spec, config, nodes):
     """(ParallelTime, {collective node: seconds}) on config.gpu, or (None, {}) without one."""
-    cap, peak = profile_parts
     if config.gpu is None:
         return None, {}
-    links = LINKS[gpu_key(config.gpu) or config.gpu]
-    placed = within_node(spec, config.gpus_per_node)
-    comm = {c.node: collective_seconds(c.op, c.group_size, c.wire_bytes, links, placed.get(c.mesh_dim, False))
-            for c in nodes}
+    cap, peak = profile_parts
+    schedule, comm, algorithms, links, optimizer = step_schedule(cap, peak, spec, config, nodes)
+    return ParallelTime(schedule.step_s, schedule.compute_s, sum(comm.values()), links.source, config.gpus_per_node,
+                        optimizer, schedule.busy_s, links.network.name, algorithms), comm
+
+
+def step_schedule(cap, peak, spec, config, nodes):
+    """(Schedule, {collective node: seconds}, {"algorithm/protocol": count}, Links, optimizer
+    seconds) of the traced rank's step on config.gpu."""
+    links = links_for(gpu_key(config.gpu) or config.gpu, config.interconnect)
+    groups = placement(spec, config.gpus_per_node)
+    comm, algorithms = {}, {}
+    for c in nodes:
+        group = groups.get(c.mesh_dim) or Group(c.group_size, min(c.group_size, config.gpus_per_node))
+        if group.ranks != c.group_size:  # a group the engine made itself: its own size
+            group = Group(c.group_size, min(c.group_size, group.per_node))
+        choice = collective_choice(c.op, group, nccl_bytes(c.op, c.bytes, c.wire_bytes), c.wire_bytes, links)
+        comm[c.node] = choice.seconds
+        if choice.protocol:
+            key = f"{choice.algorithm}/{choice.protocol}"
+            algorithms[key] = algorithms.get(key, 0) + 1
     state = frozenset(s.key for s in cap.optimizer_state)
     predicted = predict(cap.graph, for_config(config), state, peak).ops
-    ops = {o.node: o.seconds for o in predicted}
-    compute = {k: v for k, v in ops.items() if k not in comm}
-    step = critical_path(cap.graph, compute, comm)
+    compute = {o.node: o.seconds for o in predicted if o.node not in comm}
     optimizer = sum(o.seconds for o in predicted if o.phase == OPTIMIZER and o.node not in comm)
-    return ParallelTime(step, sum(compute.values()), sum(comm.values()), links.source, config.gpus_per_node,
-                        optimizer), comm
+    return critical_path(cap.graph, {**compute, **comm}), comm, algorithms, links, optimizer
 
 
 def throughput(time: ParallelTime | None, totals, spec, config, graph: fx.Graph) -> Throughput:

@@ -63,6 +63,8 @@ def add_to_document(doc: dict, parallel) -> dict:
             doc["mesh"]["time"] = {
                 "step_ms": 1e3 * t.step_s, "compute_ms": 1e3 * t.compute_s, "comm_ms": 1e3 * t.comm_s,
                 "exposed_comm_ms": 1e3 * t.exposed_comm_s, "gpus_per_node": t.gpus_per_node, "links": t.links,
+                "interconnect": t.interconnect, "streams_ms": {k: 1e3 * v for k, v in t.streams.items()},
+                "nccl_algorithms": dict(t.algorithms),
                 "tokens_per_s_gpu": th.tokens_per_s_gpu,
                 "tokens_per_s_tp_group": th.tokens_per_s_tp_group, "tokens_per_s_job": th.tokens_per_s_job, "mfu": th.mfu}
     return doc
@@ -106,6 +108,10 @@ def _time_lines(parallel) -> list[str]:
     lines = [f"step time with communication (critical path of compute and communication streams): "
              f"{1e3 * t.step_s:.3f} ms; compute {1e3 * t.compute_s:.3f} ms, communication {1e3 * t.comm_s:.3f} ms, "
              f"of it exposed {1e3 * t.exposed_comm_s:.3f} ms ({t.gpus_per_node} GPUs per node: {t.links})"]
+    if t.streams:
+        busy = ", ".join(f"{name.replace('_', '-')} {1e3 * s:.3f} ms" for name, s in t.streams.items())
+        algos = ", ".join(f"{k} ×{n}" for k, n in t.algorithms.items())
+        lines.append(f"streams busy: {busy}; NCCL's picks: {algos or 'none'}; between nodes: {t.interconnect}")
     if th.tokens_per_s_gpu is not None:
         group = (f", {th.tokens_per_s_tp_group:,.0f} per tp group" if th.tokens_per_s_tp_group != th.tokens_per_s_gpu
                  else "")

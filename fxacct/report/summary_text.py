@@ -148,7 +148,8 @@ def _mesh_time(p: Profile, prediction) -> str:
     t, th = par.time, par.throughput
     where = prediction.device.name if prediction is not None else p.config.gpu
     scope = " for one micro-batch of stage 0" if par.pipeline is not None else ""
-    text = f"{format_ms(1e3 * t.step_s)}{scope} predicted on {where} (compute and communication)"
+    text = (f"{format_ms(1e3 * t.step_s)}{scope} predicted on {where} (compute and communication on their streams, "
+            f"{format_ms(1e3 * t.exposed_comm_s)} of communication exposed)")
     if th.tokens_per_s_gpu is not None:
         text += f"; {_rate(th.tokens_per_s_gpu)} tokens/s per GPU, {_rate(th.tokens_per_s_job)} for the job"
     return text
