@@ -14,6 +14,7 @@ from fxacct.errors import UsageError
 from fxacct.load.alloc_conf import AllocConf, from_environment
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
+from fxacct.load.torchtitan import is_torchtitan
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
 
 CAUSAL_CONVENTIONS = ("full", "halved")
@@ -63,6 +64,7 @@ class Config:
     # PYTORCH_CUDA_ALLOC_CONF for the caching-allocator replay (fxacct.load.alloc_conf); None: the
     # environment's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, else torch's defaults
     alloc_conf: str | None = None
+    torchtitan_args: tuple[str, ...] = ()  # torchtitan:MODULE:CONFIG: torchtitan's own overrides (after --)
 
     def __post_init__(self):
         self._normalize()
@@ -98,6 +100,9 @@ class Config:
         if self.mesh is None and self.parallelize is not None:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self.optimizer_spec().resolve()
+        if self.torchtitan_args and not is_torchtitan(self.target):
+            raise UsageError(f"arguments after the model ({' '.join(self.torchtitan_args)}) are torchtitan's "
+                             "overrides, for torchtitan:MODULE:CONFIG targets only; drop them")
 
     def _normalize(self):
         """The CLI's strings parsed as the CLI parses them (one parser each), so the library takes
@@ -123,7 +128,7 @@ class Config:
         put("inputs", tuple(parse_input_spec(s) if isinstance(s, str) else s for s in specs))
         if not all(isinstance(s, InputSpec) for s in self.inputs):
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
-        for name in ("checkpoint", "costs"):
+        for name in ("checkpoint", "costs", "torchtitan_args"):
             value = getattr(self, name)
             items = (value,) if isinstance(value, str) else tuple(value)
             if not all(isinstance(v, str) for v in items):

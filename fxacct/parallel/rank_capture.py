@@ -60,15 +60,22 @@ def own_tensors(model: torch.nn.Module) -> FakeModel:
 
 
 def prepare(model: torch.nn.Module, spec, mesh, config) -> Prepared:
-    from torch.distributed.tensor import DTensor
-
     register_fsdp_copies()
     if config.dtype is not None:
         model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
     with tp.shared_mesh_concatenation():
         parallelize(model, spec, mesh, config)
+    return materialize(model)
+
+
+def materialize(model: torch.nn.Module, shape_env=None) -> Prepared:
+    """The parallelized model's parameters made fake in the capture's FakeTensorMode (with
+    ``shape_env``: values read from tensors become symbols, e.g. MoE token splits)."""
+    from torch.distributed.tensor import DTensor
+
+    register_fsdp_copies()
     aliases = tied_aliases(model)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     try:
         with mode:
             # to_empty from meta gives each module a new Parameter (the types differ, so no .data
