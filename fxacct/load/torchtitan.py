@@ -197,6 +197,27 @@ def causal_sdpa(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
 
 
+def _counting_rows(dispatch):
+    """AllToAllTokenDispatcher.dispatch, noting the rows this rank routes (tokens x top-k)."""
+    def wrapped(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        self._fxacct_routed_rows = topk_expert_ids_TK.numel()
+        return dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+
+    return wrapped
+
+
+def _balanced_splits(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size):
+    """_sync_token_count_exchange under balanced routing: each rank sends an equal share of its
+    routed rows to every expert-parallel rank and, every rank routing as many, receives as much
+    (the remainder of an uneven split to the first ranks). The counts tensor is torchtitan's."""
+    import torch
+
+    counts = torch.ops._c10d_functional.wait_tensor(num_global_tokens_per_local_expert_EP_e).reshape(-1)
+    rows = self._fxacct_routed_rows
+    splits = [rows // ep_size + (1 if r < rows % ep_size else 0) for r in range(ep_size)]
+    return counts, splits, list(splits)
+
+
 @contextlib.contextmanager
 def adapted(flex_as: str = "sdpa"):
     """torchtitan's code made runnable here, then restored. Enter it outside any FakeTensorMode.
@@ -237,6 +258,11 @@ def adapted(flex_as: str = "sdpa"):
                                          staticmethod(flex.flex_attention)))
             stack.enter_context(_patched(flex, "_validate_device", lambda *a: None))
             stack.enter_context(_patched(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True))
+        # token_dispatcher.py::AllToAllTokenDispatcher._sync_token_count_exchange: `input_splits.tolist()`,
+        # the routing's counts, which fake tensors do not have: balanced routing instead
+        dispatcher = token_dispatcher.AllToAllTokenDispatcher
+        stack.enter_context(_patched(dispatcher, "dispatch", _counting_rows(dispatcher.dispatch)))
+        stack.enter_context(_patched(dispatcher, "_sync_token_count_exchange", _balanced_splits))
         # torchtitan/distributed/utils.py::set_spmd_backend keeps the backend in a module global
         # (`_spmd_backend = "spmd_types"`): the account sets "partial_dtensor" (apply_request), restored after
         stack.enter_context(_patched(dist_utils, "_spmd_backend", dist_utils._spmd_backend))

@@ -53,16 +53,28 @@ def world_size(job) -> int:
 
 
 def process_groups(pdims) -> dict:
-    """process-group name -> (torchtitan's mesh dimension, its size), over every mesh torchtitan built."""
+    """process-group name -> (torchtitan's mesh dimensions that run on it, its size). One process group
+    may serve several dimensions (fsdp=4,ep=4: fsdp, ep and the world are the same four ranks): the
+    label names each, "fsdp/ep"; the flattened batch and loss meshes only where nothing else runs."""
     import torch.distributed as dist
 
-    groups = {dist.group.WORLD.group_name: ("world", dist.get_world_size())}
-    meshes = list(pdims._single_axis_meshes.items()) + [(None, m) for m in pdims._global_meshes.values()]
+    names: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    meshes = [(label, m) for label, m in pdims._single_axis_meshes.items() if label not in ("batch", "loss")]
+    meshes += [(label, pdims._single_axis_meshes[label]) for label in ("batch", "loss")
+               if label in pdims._single_axis_meshes]
     for label, mesh in meshes:
-        for i, name in enumerate(mesh.mesh_dim_names or ()):
-            group = mesh.get_group(i)
-            dim = label if mesh.ndim == 1 and label else name
-            groups.setdefault(group.group_name, ("fsdp" if dim == "dp_shard" else dim, group.size()))
+        group = mesh.get_group()
+        if group.size() == 1:
+            continue
+        dim = "fsdp" if label == "dp_shard" else label
+        found = names.setdefault(group.group_name, [])
+        if dim not in found and (not found or dim not in ("batch", "loss")):
+            found.append(dim)
+        sizes[group.group_name] = group.size()
+    order = ("pp", "dp_replicate", "fsdp", "efsdp", "cp", "tp", "ep", "batch", "loss")
+    groups = {g: ("/".join(sorted(n, key=order.index)), sizes[g]) for g, n in names.items()}
+    groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
     return groups
 
 
