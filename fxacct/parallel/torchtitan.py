@@ -130,9 +130,9 @@ def optimizer_config(job, config):
 
 def profile_torchtitan(config, with_inference: bool = False) -> Profile:
     """Rank 0's account of the torchtitan job ``config.target`` (a Config whose mesh holds the degrees)."""
+    job = job_config(config)  # first: a usage error where torchtitan is missing
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    job = job_config(config)
     if job.parallelism.pipeline_parallel_degree > 1:
         raise UsageError(f"--mesh {config.mesh}: pipeline stages of torchtitan targets are not accounted yet; "
                          "profile without pp")
