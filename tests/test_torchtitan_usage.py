@@ -6,9 +6,9 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from helpers import target
 
 from fxacct_cli.main import cli
-from helpers import target
 
 LLAMA = target("examples/llama.py:Llama")
 

@@ -14,8 +14,8 @@ from fxacct.errors import UsageError
 from fxacct.load.alloc_conf import AllocConf, from_environment
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
-from fxacct.load.torchtitan import is_torchtitan
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
+from fxacct.load.torchtitan import is_torchtitan
 
 CAUSAL_CONVENTIONS = ("full", "halved")
 AMP_DTYPES = (torch.bfloat16, torch.float16)
