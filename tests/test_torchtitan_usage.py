@@ -41,6 +41,10 @@ def test_without_torchtitan_installed(monkeypatch):
     ([LLAMA, "--mesh", "fsdp=2,ep=2"], "profile a torchtitan:MODULE:CONFIG target"),
     ([LLAMA, "--", "--training.steps", "3"], "for torchtitan:MODULE:CONFIG targets only"),
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "tp=2,fsdp=2"], "outer to inner"),
+    # flags whose part of the job torchtitan's config decides are refused, not ignored
+    (["torchtitan:llama3:llama3_debugmodel", "--dtype", "bf16"], "--dtype with a torchtitan target"),
+    (["torchtitan:llama3:llama3_debugmodel", "--optimizer", "sgd"], "--optimizer with a torchtitan target"),
+    (["torchtitan:llama3:llama3_debugmodel", "--checkpoint", "layers.*"], "--activation_checkpoint.mode"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     _one_line_exit_2(_invoke(*args), needle)

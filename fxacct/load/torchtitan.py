@@ -80,11 +80,37 @@ def config_names(registry) -> list[str]:
             and getattr(getattr(registry, n), "__module__", None) == registry.__name__]
 
 
+# Config fields torchtitan's job decides, with the flag and torchtitan's own override for each
+OWNED = (("kwargs", "-k/--kwargs", "--model... (the model spec's flavor: another CONFIG)"),
+         ("inputs", "--input", "--training.seq_len (tokens are [batch, seq_len])"),
+         ("dtype", "--dtype", "--training.dtype / --training.mixed_precision_param"),
+         ("amp", "--amp", "--training.mixed_precision_param"),
+         ("master_weights", "--master-weights", "--training.mixed_precision_param"),
+         ("loss", "--loss", "--loss... (torchtitan's loss is traced)"),
+         ("loss_output", "--loss-output", "--loss..."),
+         ("optimizer", "--optimizer", "--optimizer..."),
+         ("optim_args", "--optim-arg", "--optimizer..."),
+         ("checkpoint", "--checkpoint", "--activation_checkpoint.mode"),
+         ("checkpoint_policy", "--checkpoint-policy", "--activation_checkpoint.mode"),
+         ("hf_class", "--hf-class", "another CONFIG"),
+         ("pp_split", "--pp-split", "--parallelism.pipeline_parallel_split_points"))
+
+
+def check_flags(config) -> None:
+    """A flag whose part of the job torchtitan's config decides is a usage error, not ignored."""
+    default = type(config)()
+    for field, flag, theirs in OWNED:
+        if getattr(config, field) != getattr(default, field):
+            raise UsageError(f"{flag} with a torchtitan target: torchtitan's config decides it; give torchtitan's "
+                             f"override after -- instead ({theirs})")
+
+
 def job_config(config):
     """torchtitan's Trainer.Config for ``config.target``, as torchtitan's ConfigManager builds it from
     ``--module MODULE --config CONFIG`` and the overrides (``config.torchtitan_args``), then the
     mesh's degrees, ``--batch`` as the local batch and ``--seq-len`` applied, and checked."""
     module, name = parse_target(config.target)
+    check_flags(config)
     require_torchtitan()
     with quiet():
         registry = _registry(module)
