@@ -53,6 +53,8 @@ class GroupCounter(TorchDispatchMode):
         name = name.__name__ if name is not None else ""
         if getattr(func, "namespace", None) in ("c10d", "_c10d_functional") and name in NAMES:
             self.count[(NAMES[name], _group_name(args))] += 1
+        if getattr(func, "namespace", None) == "cplib":  # context parallelism's k/v gather and its backward
+            self.count[("reduce_scatter" if name.endswith("backward") else "all_gather", _group_name(args))] += 1
         return out
 
 
@@ -107,15 +109,22 @@ def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: 
             positions = torch.arange(seq).repeat(batch, 1)
             masks = model.get_attention_masks(positions=positions)
             extra = {"positions": positions, "attention_masks": masks} if masks is not None else {}
-            loss_kwargs = {"positions": positions} if masks is not None else {}
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            labels = tokens.clone()
+            if pdims.cp_enabled:  # trainer.py::post_dataloading_process
+                from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+                tokens, labels, extra = prepare_context_parallel_input(
+                    tokens, labels, extra, pdims.get_mesh("cp"), torch.device("cpu"),
+                    p.context_parallel_load_balancer, p.context_parallel_ptrr_mask_key)
+            loss_kwargs = {"positions": extra["positions"]} if masks is not None else {}
             counter = GroupCounter()
             with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
                 model.to_empty(device="cpu")
                 optimizers = job.optimizer.build(model_parts=[model])
-                tokens = torch.randint(0, 100, (batch, seq))
                 with counter:
                     pred = model(tokens, **extra)
-                    loss, _ = loss_fn(pred, tokens, torch.tensor(batch * seq), **loss_kwargs)
+                    loss, _ = loss_fn(pred, labels, torch.tensor(batch * seq), **loss_kwargs)
                     loss.backward()
                     optimizers.step()
             groups = _dims_of_groups(pdims)
@@ -154,6 +163,16 @@ def test_moe_fsdp4_ep4_all_to_all_equal_torchtitans_own():
     assert sum(n for (op, _), n in theirs.items() if op == "all_to_all") > 0
 
 
+def test_llama3_fsdp2_cp2_collectives_equal_torchtitans_own():
+    """Context parallelism: torch's custom op gathers each layer's k and v along the sequence
+    (cplib.flex_cp_allgather, counted once per call) and its backward reduce-scatters their gradients;
+    the sequence, 256, is a whole number of cp x 128-token blocks."""
+    ours, _ = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", "fsdp=2,cp=2", 2, 256)
+    theirs = torchtitan_collectives("llama3", "llama3_debugmodel", {"fsdp": 2, "cp": 2}, 2, 256)
+    assert ours == theirs
+    assert theirs[("all_gather", frozenset({"cp"}))] > 0 and theirs[("reduce_scatter", frozenset({"cp"}))] > 0
+
+
 def _invoke(*args):
     try:
         runner = CliRunner(mix_stderr=False)
@@ -167,6 +186,8 @@ def _invoke(*args):
     (["torchtitan:llama4:llama4_debugmodel"], "torchtitan has no model module 'llama4'"),
     # 2 x cp = 4 does not divide 66 (context parallelism cuts the sequence into 2 x cp chunks)
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,cp=2", "--seq-len", "66"], "does not divide the sequence"),
+    # 4 divides 64, but torch shards the block mask in cp x 128-token blocks
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,cp=2", "--seq-len", "64"], "does not divide the sequence"),
     (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=3,ep=3"], "does not divide the model's"),
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,ep=2"], "has none (a dense model)"),
     (["torchtitan:llama3:llama3_debugmodel", "--", "--training.no_such_key", "3"], "did not take the overrides"),

@@ -188,6 +188,12 @@ def check_job(job, config) -> None:
         raise UsageError(f"--mesh {config.mesh}: {what} = {divisor} does not divide the sequence length {seq} "
                          "(context parallelism splits the sequence into 2 x cp chunks, sequence parallelism into tp); "
                          "give a --seq-len they divide")
+    # torch/distributed/tensor/experimental/_context_parallel/_attention.py (_context_parallel_shard of a
+    # BlockMask): "Q_LEN ... is not divisible by CP mesh world size * BLOCK_SIZE" (flex attention's 128)
+    if cp > 1 and seq % (cp * 128):
+        raise UsageError(f"--mesh {config.mesh}: cp={cp} x 128 (flex attention's block) = {cp * 128} does not divide "
+                         f"the sequence length {seq} (torch shards the block mask in whole blocks); give a --seq-len "
+                         "they divide")
     ep = par.expert_parallel_degree
     if ep > 1:
         experts = num_experts(job.model_spec.model)
@@ -268,6 +274,11 @@ def adapted(flex_as: str = "sdpa"):
         # torchtitan/models/common/attention.py: `_compiled_create_block_mask = torch.compile(create_block_mask)`
         # segfaults on fake data here: eager
         stack.enter_context(_patched(attention, "_compiled_create_block_mask", flex.create_block_mask))
+        # and torch's own for context parallelism (_context_parallel/_attention.py: `_compiled_create_block_mask
+        # = torch.compile(create_block_mask, ...)` when still None): eager too
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+        stack.enter_context(_patched(cp_attention, "_compiled_create_block_mask", flex.create_block_mask))
         if flex_as == "sdpa":
             # FlexAttention.compiled_flex_attn runs torch.compile(flex_attention), a higher-order op that
             # fxacct's recorder does not take apart; the mask torchtitan builds

@@ -17,7 +17,7 @@ import torch
 from fxacct.errors import UsageError, classify
 from fxacct.load.torchtitan import adapted, job_config
 from fxacct.parallel.accounts import ParallelAccount
-from fxacct.parallel.collectives import rows
+from fxacct.parallel.collectives import register_cp_ops, rows
 from fxacct.parallel.engine import fake_group
 from fxacct.parallel.rank_capture import RankCapturer, materialize
 from fxacct.step import Profile, account_step
@@ -116,6 +116,25 @@ def model_inputs(model, batch: int, seq: int) -> dict:
     return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
 
 
+def step_inputs(job, pdims, model, batch: int, seq: int):
+    """(tokens, labels, keyword inputs) of rank 0: under cp, its shard of the sequence, as torchtitan's
+    prepare_context_parallel_input cuts it (with its load balancer) from the whole batch."""
+    extra = model_inputs(model, batch, seq)
+    if not pdims.cp_enabled:
+        tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        return tokens, tokens.clone(), extra
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    register_cp_ops()
+    if not extra:
+        raise UsageError(f"--mesh cp={pdims.cp}: torchtitan's context parallelism needs positions (flex attention); "
+                         f"{job.model_spec.name}'s attention takes none")
+    par = job.parallelism
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    return prepare_context_parallel_input(tokens, tokens.clone(), extra, pdims.get_mesh("cp"), torch.device("cpu"),
+                                          par.context_parallel_load_balancer, par.context_parallel_ptrr_mask_key)
+
+
 def optimizer_config(job, config):
     """fxacct's optimizer for torchtitan's one catch-all param group (components/optimizer/optimizer.py)."""
     groups = job.optimizer.param_groups
@@ -133,7 +152,7 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
     job = job_config(config)  # first: a usage error where torchtitan is missing
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    for dim, degree in (("pp", job.parallelism.pipeline_parallel_degree), ("cp", job.parallelism.context_parallel_degree)):
+    for dim, degree in (("pp", job.parallelism.pipeline_parallel_degree),):
         if degree > 1:  # docs/torchtitan.md, "Not yet"
             raise UsageError(f"--mesh {config.mesh}: {dim} of torchtitan targets is not accounted yet "
                              f"(docs/torchtitan.md); profile without {dim}")
@@ -146,14 +165,14 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
             model = build_model(job, pdims)
             loss_fn = loss_of(job, model)
             seq, batch = job.training.seq_len, job.training.local_batch_size
-            step = TitanStep(model, loss_fn, model_inputs(model, batch, seq), batch * seq)
+            tokens, labels, extra = step_inputs(job, pdims, model, batch, seq)
+            step = TitanStep(model, loss_fn, extra, batch * seq)
         except UsageError:
             raise
         except Exception as e:
             raise classify(e, f"building {config.target} with torchtitan") from e
         prepared = materialize(step)
-        tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        rank = RankCapturer(step, (tokens, tokens.clone()), {}, prepared, process_groups(pdims))
+        rank = RankCapturer(step, (tokens, labels), {}, prepared, process_groups(pdims))
         prof = account_step(step_config, rank, with_inference)
     found = rank.collectives
     parallel = ParallelAccount(config.mesh, 0, found, rows(found), None, None,
