@@ -45,6 +45,7 @@ def test_without_torchtitan_installed(monkeypatch):
     (["torchtitan:llama3:llama3_debugmodel", "--dtype", "bf16"], "--dtype with a torchtitan target"),
     (["torchtitan:llama3:llama3_debugmodel", "--optimizer", "sgd"], "--optimizer with a torchtitan target"),
     (["torchtitan:llama3:llama3_debugmodel", "--checkpoint", "layers.*"], "--activation_checkpoint.mode"),
+    (["torchtitan:llama3:llama3_debugmodel", "--runtime"], "--runtime with a torchtitan target"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     _one_line_exit_2(_invoke(*args), needle)
