@@ -219,14 +219,21 @@ def _patched(obj, name: str, value):
         setattr(obj, name, old)
 
 
-def causal_sdpa(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
-    """FlexAttention.compiled_flex_attn's contract (out, aux) for the causal mask, by the SDPA kernel."""
+def causal_sdpa(sdpa=None):
+    """FlexAttention.compiled_flex_attn's contract (out, aux) for the causal mask, by ``sdpa``
+    (default F.scaled_dot_product_attention; a CUDA target's kernel choice, called in the forward and
+    again in activation checkpointing's recompute, where a torch-function mode may not be active)."""
     import torch.nn.functional as F
 
-    if score_mod is not None or getattr(return_aux, "lse", False):
-        raise UsageError("this torchtitan model's flex attention uses a score_mod or its log-sum-exp, which fxacct "
-                         "does not trace; choose a config with the plain causal mask")
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
+    kernel = sdpa or F.scaled_dot_product_attention
+
+    def attend(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+        if score_mod is not None or getattr(return_aux, "lse", False):
+            raise UsageError("this torchtitan model's flex attention uses a score_mod or its log-sum-exp, which "
+                             "fxacct does not trace; choose a config with the plain causal mask")
+        return kernel(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
+
+    return attend
 
 
 def _counting_rows(dispatch):
@@ -251,10 +258,10 @@ def _balanced_splits(self, num_local_tokens_per_expert_E, num_global_tokens_per_
 
 
 @contextlib.contextmanager
-def adapted(flex_as: str = "sdpa"):
+def adapted(flex_as: str = "sdpa", sdpa=None):
     """torchtitan's code made runnable here, then restored. Enter it outside any FakeTensorMode.
     ``flex_as``: "sdpa" (the account: flex attention's causal mask by the SDPA kernel) or "eager"
-    (torchtitan's flex_attention itself, eager: the test oracle)."""
+    (torchtitan's flex_attention itself, eager: the test oracle); ``sdpa``: the kernel of causal_sdpa."""
     import torch
     import torch.nn.attention.flex_attention as flex
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -284,7 +291,7 @@ def adapted(flex_as: str = "sdpa"):
             # fxacct's recorder does not take apart; the mask torchtitan builds
             # (decoder.py::_create_flex_attention_mask_for_document: causal and packed-document) is the
             # causal mask for the one-document sequences fxacct feeds, which the causal SDPA kernel computes
-            stack.enter_context(_patched(attention.FlexAttention, "compiled_flex_attn", staticmethod(causal_sdpa)))
+            stack.enter_context(_patched(attention.FlexAttention, "compiled_flex_attn", staticmethod(causal_sdpa(sdpa))))
         else:
             # the eager flex_attention, as the test oracle runs it: FlexAttention._compiled_flex_attn =
             # torch.compile(flex_attention) made eager; flex_attention.py::_validate_device refuses backward

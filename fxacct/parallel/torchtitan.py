@@ -21,6 +21,7 @@ from fxacct.parallel.collectives import register_cp_ops, rows
 from fxacct.parallel.engine import fake_group
 from fxacct.parallel.rank_capture import RankCapturer, materialize
 from fxacct.step import Profile, account_step
+from fxacct.trace.targets import cuda_sdpa
 
 OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}  # torchtitan's optimizer_name -> fxacct's
 
@@ -158,7 +159,8 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
                              f"(docs/torchtitan.md); profile without {dim}")
     world = world_size(job)
     step_config = optimizer_config(job, config)
-    with adapted(), fake_group(world):
+    # a CUDA target's attention kernel (fxacct.trace.targets), chosen in the forward and its recompute alike
+    with adapted(sdpa=cuda_sdpa if config.gpu is not None else None), fake_group(world):
         try:
             pdims = ParallelDims.from_config(job.parallelism, world)
             pdims.world_mesh  # noqa: B018 (builds torchtitan's meshes: parallel_dims.py::build_mesh)
@@ -179,4 +181,4 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
                                model_params=sum(t.numel() for t in model.parameters()),
                                model_frozen_params=sum(t.numel() for t in model.parameters() if not t.requires_grad),
                                resizes=rank.training_resizes(prof.capture))
-    return replace(prof, config=config, parallel=parallel, model_class=type(model).__name__)
+    return replace(prof, config=step_config, parallel=parallel, model_class=type(model).__name__)
