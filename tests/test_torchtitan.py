@@ -173,6 +173,18 @@ def test_llama3_fsdp2_cp2_collectives_equal_torchtitans_own():
     assert theirs[("all_gather", frozenset({"cp"}))] > 0 and theirs[("reduce_scatter", frozenset({"cp"}))] > 0
 
 
+def test_gpu_target_runs_cudas_attention_kernel():
+    """--gpu h100: flex attention's stand-in is CUDA's flash kernel (bf16 compute under torchtitan's
+    mixed precision), in the forward and in selective checkpointing's recompute alike (the recompute
+    once met the CPU kernel where the forward had saved CUDA's, and the step failed)."""
+    r = _invoke("torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2", "--batch", "1", "--seq-len", "64",
+                "--gpu", "h100", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    ops = {n["op"] for n in json.loads(r.stdout)["nodes"]}
+    assert "aten._scaled_dot_product_flash_attention.default" in ops
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in ops
+
+
 def _invoke(*args):
     try:
         runner = CliRunner(mix_stderr=False)

@@ -51,6 +51,17 @@ def test_usage_errors_are_one_line(args, needle):
     _one_line_exit_2(_invoke(*args), needle)
 
 
+def test_other_commands_refuse_torchtitan_targets():
+    """Only profile builds a torchtitan job; plan says so in one line (exit 2)."""
+    for command in (["plan", "torchtitan:llama3:llama3_8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8"],):
+        try:
+            runner = CliRunner(mix_stderr=False)
+        except TypeError:
+            runner = CliRunner()
+        r = runner.invoke(cli, command, catch_exceptions=False)
+        _one_line_exit_2(r, "accounted by `fxacct profile`")
+
+
 def test_ep_does_not_multiply_the_world():
     """torchtitan carves ep out of the fsdp x cp x tp ranks (parallel_dims.py::build_mesh: efsdp =
     fsdp x tp / ep): fsdp=4,ep=4 is 4 ranks, not 16."""

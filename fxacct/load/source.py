@@ -27,6 +27,7 @@ from fxacct.errors import UsageError, classify
 from fxacct.load import hf
 from fxacct.load import model_spec as loading
 from fxacct.load.inputs import InputSpec
+from fxacct.load.torchtitan import is_torchtitan
 
 HF_PREFIX = "hf:"
 _MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -53,6 +54,9 @@ def is_module_path(target: str) -> bool:
 def open_source(config) -> ModelSource:
     """The ModelSource of config.target (a usage error names what is wrong and the fix)."""
     target, kwargs = config.target, dict(config.kwargs)
+    if is_torchtitan(target):  # only fxacct.api.profile builds them (fxacct.parallel.torchtitan)
+        raise UsageError(f"{target}: torchtitan targets are accounted by `fxacct profile` (with --mesh) only; "
+                         "this command does not take them yet")
     if getattr(config, "hf_class", None) is not None and not _is_hf_target(target):
         raise UsageError("--hf-class picks the class of an hf:PATH model; drop it or give hf:DIR_OR_CONFIG_JSON")
     if target.startswith(HF_PREFIX):
