@@ -89,9 +89,11 @@ def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: 
         p = job.parallelism
         p.data_parallel_shard_degree, p.tensor_parallel_degree = dims.get("fsdp", 1), dims.get("tp", 1)
         p.context_parallel_degree, p.expert_parallel_degree = dims.get("cp", 1), dims.get("ep", 1)
+        p.data_parallel_replicate_degree = dims.get("dp", 1)
         p.spmd_backend = "partial_dtensor"
         job.training.local_batch_size, job.training.seq_len = batch, seq
-        world = p.data_parallel_shard_degree * p.tensor_parallel_degree * p.context_parallel_degree
+        world = (p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree
+                 * p.context_parallel_degree)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
             pdims = ParallelDims.from_config(p, world)
@@ -171,6 +173,14 @@ def test_llama3_fsdp2_cp2_collectives_equal_torchtitans_own():
     theirs = torchtitan_collectives("llama3", "llama3_debugmodel", {"fsdp": 2, "cp": 2}, 2, 256)
     assert ours == theirs
     assert theirs[("all_gather", frozenset({"cp"}))] > 0 and theirs[("reduce_scatter", frozenset({"cp"}))] > 0
+
+
+def test_llama3_hsdp_collectives_equal_torchtitans_own():
+    """dp=2,fsdp=2: torchtitan's HSDP, gradients all-reduced over the replicas after the reduce-scatter."""
+    ours, _ = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", "dp=2,fsdp=2", 2, 64)
+    theirs = torchtitan_collectives("llama3", "llama3_debugmodel", {"dp": 2, "fsdp": 2}, 2, 64)
+    assert ours == theirs
+    assert theirs[("all_reduce", frozenset({"dp_replicate"}))] > 0
 
 
 def test_gpu_target_runs_cudas_attention_kernel():
