@@ -38,7 +38,7 @@ def profile(config: Config) -> Profile:
     check_pipeline_flags(config)  # a plan's Config may carry them without pp: a profile's may not
     if is_torchtitan(config.target):  # torchtitan parallelizes it on its own meshes (one device: fsdp=1)
         prof = profile_torchtitan(config if config.mesh is not None else replace(config, mesh="fsdp=1"))
-        return _predicted(_fitted_rank(prof, prof.memory.rank_peak.bytes if prof.memory.rank_peak else None))
+        return _predicted(_fitted_rank(prof, prof.memory.fit_bytes, prof.memory.fit_basis))
     if config.mesh is None:
         model, args, kwargs, inputs_for = load_model(config)
         try:
