@@ -44,7 +44,7 @@ def test_without_torchtitan_installed(monkeypatch):
     # flags whose part of the job torchtitan's config decides are refused, not ignored
     (["torchtitan:llama3:llama3_debugmodel", "--dtype", "bf16"], "--dtype with a torchtitan target"),
     (["torchtitan:llama3:llama3_debugmodel", "--optimizer", "sgd"], "--optimizer with a torchtitan target"),
-    (["torchtitan:llama3:llama3_debugmodel", "--checkpoint", "layers.*"], "--activation_checkpoint.mode"),
+    (["torchtitan:llama3:llama3_debugmodel", "--checkpoint", "layers.*"], "activation-checkpoint:full"),
     (["torchtitan:llama3:llama3_debugmodel", "--runtime"], "--runtime with a torchtitan target"),
 ])
 def test_usage_errors_are_one_line(args, needle):

@@ -90,8 +90,8 @@ OWNED = (("kwargs", "-k/--kwargs", "--model... (the model spec's flavor: another
          ("loss_output", "--loss-output", "--loss..."),
          ("optimizer", "--optimizer", "--optimizer..."),
          ("optim_args", "--optim-arg", "--optimizer..."),
-         ("checkpoint", "--checkpoint", "--activation_checkpoint.mode"),
-         ("checkpoint_policy", "--checkpoint-policy", "--activation_checkpoint.mode"),
+         ("checkpoint", "--checkpoint", "activation-checkpoint:full|selective|none"),
+         ("checkpoint_policy", "--checkpoint-policy", "activation-checkpoint:full|selective|none"),
          ("hf_class", "--hf-class", "another CONFIG"),
          ("pp_split", "--pp-split", "--parallelism.pipeline_parallel_split_points"))
 
