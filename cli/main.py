@@ -39,7 +39,8 @@ COMMANDS = {
                          "activation checkpointing of the repeated blocks off and on) by predicted throughput, among "
                          "those that fit, and say why the others were rejected."),
     "profile": ("profile_cmd", "Profile MODEL on fake tensors: PATH.py:Name or package.module:Name (an nn.Module class "
-                               "or factory), or hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config)."),
+                               "or factory), hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config), or "
+                               "torchtitan:MODULE:CONFIG (a torchtitan job, its overrides after --)."),
 }
 
 

@@ -111,7 +111,7 @@ HF_CLASS = click.option("--hf-class", default=None, metavar="CLASS",
                              "else AutoModelForCausalLM).")
 SEQ_LEN = click.option("--seq-len", type=int, default=None,
                        help="Sequence length of the default Hugging Face inputs (default: the config's "
-                            "maximum positions, at most 2048).")
+                            "maximum positions, at most 2048); of a torchtitan job (default: its config's).")
 
 CHECKPOINT = click.option("--checkpoint", "checkpoint", multiple=True, metavar="PATTERN",
                           help="What-if: wrap the modules whose name matches PATTERN (a glob such as 'h.*' or "
@@ -122,13 +122,15 @@ CHECKPOINT_POLICY = click.option("--checkpoint-policy", default=None, metavar="s
 COSTS = click.option("--costs", "costs", multiple=True, metavar="PATH.py",
                      help="Load cost formulas for custom ops (fxacct.costs.register); repeatable.")
 
-TARGET = click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH")
+TARGET = click.argument("target", metavar="PATH.py:NAME|MODULE:NAME|hf:PATH|torchtitan:MODULE:CONFIG")
+# after the target and --: torchtitan's own overrides of a torchtitan:MODULE:CONFIG job (--training.steps 3)
+TORCHTITAN_ARGS = click.argument("torchtitan_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHTITAN_ARGS...]")
 
 # The option groups of --help (cloup). Add an option to a group with one line in its list; a
 # command shows the groups it is decorated with (model_options: the first three).
 def _batch(**extra):
     return click.option("-b", "--batch", type=int, default=DEFAULTS.batch, show_default=True,
-                        help="Per-rank micro-batch; B in --input specs.", **extra)
+                        help="Per-rank micro-batch; B in --input specs; a torchtitan job's local batch.", **extra)
 
 
 BATCH = _batch()
@@ -188,7 +190,9 @@ def _mesh_option(**extra):
     # the dimensions from fxacct.load.mesh.DIMS, so the help lists every one the parser takes
     return click.option("--mesh", default=None, callback=_mesh, metavar="DIM=N,...",
                         help=f"Device mesh, outer to inner ({', '.join(DIMS)}): trace one rank of the model "
-                             "parallelized by PyTorch's own engine, e.g. fsdp=8,tp=8 or pp=2,fsdp=4 (default: one device).",
+                             "parallelized by PyTorch's own engine, e.g. fsdp=8,tp=8 or pp=2,fsdp=4 (default: one device). "
+                             "cp and ep: torchtitan targets only; ep is carved out of the fsdp x cp x tp ranks, as "
+                             "torchtitan does, so it does not multiply the world size.",
                         **extra)
 
 
@@ -305,7 +309,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
-              costs=(), mesh=None, alloc_conf=None, fp8=None, **_) -> Config:
+              costs=(), mesh=None, alloc_conf=None, fp8=None, torchtitan_args=(), **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size. First the checks
@@ -324,10 +328,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         loss=loss, hf_class=hf_class, seq_len=seq_len,
         checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
         alloc_conf=alloc_conf, fp8=fp8,
+        torchtitan_args=tuple(torchtitan_args),
     )
 
 
-__all__ = ["FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
+__all__ = ["TORCHTITAN_ARGS", "FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
            "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

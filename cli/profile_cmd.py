@@ -20,6 +20,7 @@ from fxacct_cli.options import (
     OUTPUT,
     OUTPUT_GROUP,
     RUNTIME_GROUP,
+    TORCHTITAN_ARGS,
     file_option,
     format_option,
     group,
@@ -101,17 +102,19 @@ PROFILE_RUNTIME = [
 
 @cli.command("profile", epilog=examples(
     "fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16 --gpu h100 --summary",
-    "fxacct profile model.py:make_model --input 'long[B,1024]<50257' --format json -o profile.json",
+    "fxacct profile torchtitan:llama3:llama3_8b --mesh fsdp=8 --batch 1 --format json -o profile.json",
     "fxacct profile hf:path/to/config.json --batch 4 --seq-len 512 --loss cross-entropy"))
 @model_options
+@TORCHTITAN_ARGS
 @mesh_options
 @group(OUTPUT_GROUP, *PROFILE_OUTPUT)
 @group(RUNTIME_GROUP, *PROFILE_RUNTIME)
 def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runtime, device, steps, warmup, inference,
                     force, trace, **options):
     """Profile MODEL on fake tensors: PATH.py:Name or package.module:Name (an nn.Module class or
-    factory), or hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config). A one-screen
-    summary, then memory, modules, top nodes and the predicted step time.
+    factory), hf:DIR_OR_CONFIG_JSON (a Hugging Face model from a local config), or
+    torchtitan:MODULE:CONFIG (a torchtitan job, its overrides after --). A one-screen summary, then
+    memory, modules, top nodes and the predicted step time.
 
     \b
     Exit codes: 0 success; 2 usage error (also an unwritable -o FILE); 3 the model failed (its
@@ -127,6 +130,9 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
         require_matplotlib()
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
+    if run_options is not None and (config.target or "").startswith("torchtitan:"):
+        raise UsageError("--runtime with a torchtitan target: fxacct does not run torchtitan jobs for real; "
+                         "run torchtitan's own training there, and drop --runtime here")
     layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
     layout.update(summary_only=summary_only, width=None if wide else terminal_width())
     if run_options is not None and config.mesh is not None:

@@ -17,12 +17,14 @@ from fxacct.load.config import Config
 from fxacct.load.hf import seq_len_note
 from fxacct.load.mesh import check_pipeline_flags
 from fxacct.load.source import guessed_input_note, load_model
+from fxacct.load.torchtitan import is_torchtitan
 from fxacct.memory import account as memory_account
 from fxacct.memory.account import Fit
 from fxacct.memory.fit_search import largest_batch
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
+from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.predict.roofline import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, fit_probe
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
@@ -33,6 +35,9 @@ def profile(config: Config) -> Profile:
     """Load config.target and account its step: on one device, or one rank of ``config.mesh``
     (under pp, stage 0's rank, carrying every stage's account)."""
     check_pipeline_flags(config)  # a plan's Config may carry them without pp: a profile's may not
+    if is_torchtitan(config.target):  # torchtitan parallelizes it on its own meshes (one device: fsdp=1)
+        prof = profile_torchtitan(config if config.mesh is not None else replace(config, mesh="fsdp=1"))
+        return _predicted(_fitted_rank(prof, prof.memory.fit_bytes, prof.memory.fit_basis))
     if config.mesh is None:
         model, args, kwargs, inputs_for = load_model(config)
         try:

@@ -18,6 +18,7 @@ from fxacct.load.flags import CAUSAL_CONVENTIONS, DEFAULTS
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
+from fxacct.load.torchtitan import is_torchtitan
 
 AMP_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -68,6 +69,7 @@ class Config:
     alloc_conf: str | None = None
     zero1: bool = False  # ZeRO-1 over --mesh dp=N: the optimizer state sharded (ZeroRedundancyOptimizer)
     fp8: str | None = None  # "tensorwise" or "rowwise": linear layers as torchao's Float8Linear (fxacct.load.fp8)
+    torchtitan_args: tuple[str, ...] = ()  # torchtitan:MODULE:CONFIG: torchtitan's own overrides (after --)
 
     def __post_init__(self):
         self._normalize()
@@ -107,6 +109,9 @@ class Config:
         self._check_zero1()
         fp8.check(self.fp8)
         self.optimizer_spec().resolve()
+        if self.torchtitan_args and not is_torchtitan(self.target):
+            raise UsageError(f"arguments after the model ({' '.join(self.torchtitan_args)}) are torchtitan's "
+                             "overrides, for torchtitan:MODULE:CONFIG targets only; drop them")
 
     def _check_zero1(self):
         """--zero1, and DDP (dp without fsdp) where it is built in: alone or with tp refused later."""
@@ -155,7 +160,7 @@ class Config:
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
         if not isinstance(self.zero1, bool):
             raise UsageError(f"Config(zero1={self.zero1!r}): give True or False")
-        for name in ("checkpoint", "costs"):
+        for name in ("checkpoint", "costs", "torchtitan_args"):
             value = getattr(self, name)
             items = (value,) if isinstance(value, str) else tuple(value)
             if not all(isinstance(v, str) for v in items):

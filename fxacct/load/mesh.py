@@ -1,8 +1,10 @@
 """The device mesh of ``--mesh dp=2,fsdp=4,tp=8``: named dimensions, outer to inner.
 
 ``dp`` replicates (DDP, or the replicate dimension of HSDP), ``fsdp`` shards parameters,
-gradients and optimizer state (FSDP2), ``tp`` is tensor parallel, ``pp`` pipeline stages. The
-world size is the product of the sizes. The canonical order (dp, fsdp, tp outermost to innermost)
+gradients and optimizer state (FSDP2), ``tp`` is tensor parallel, ``pp`` pipeline stages; ``cp``
+(context parallel: the sequence sharded) and ``ep`` (expert parallel: experts placed, tokens sent by
+all-to-all) run on torchtitan targets (fxacct.load.torchtitan). The world size is the product of the
+sizes but ep's: as torchtitan does, ep is carved out of the fsdp x cp x tp ranks. The canonical order (dp, fsdp, tp outermost to innermost)
 is required, as torchtitan lays it out: the inner dimensions are the ones placed within a node.
 """
 
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 from fxacct.errors import UsageError
 
-DIMS = ("pp", "dp", "fsdp", "tp")  # outer to inner
+DIMS = ("pp", "dp", "fsdp", "cp", "tp", "ep")  # outer to inner
+TORCHTITAN_ONLY = ("cp", "ep")  # built by torchtitan's parallelize_fn, not by fxacct's own engine
 EXAMPLE = "--mesh fsdp=8,tp=8"
 
 
@@ -23,8 +26,8 @@ class MeshSpec:
     @property
     def world_size(self) -> int:
         n = 1
-        for _, size in self.dims:
-            n *= size
+        for name, size in self.dims:
+            n *= size if name != "ep" else 1  # ep is carved out of the other ranks (module docstring)
         return n
 
     @property
@@ -48,8 +51,8 @@ def parse_mesh(text: str) -> MeshSpec:
             raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE with NAME one of "
                              f"{', '.join(DIMS)} (e.g. {EXAMPLE})")
         if name not in DIMS:
-            raise UsageError(f"--mesh {text!r}: fxacct has no mesh dimension {name!r} (expert and context "
-                             f"parallelism are not built in); the dimensions are {', '.join(DIMS)} (e.g. {EXAMPLE})")
+            raise UsageError(f"--mesh {text!r}: fxacct has no mesh dimension {name!r}; the dimensions are "
+                             f"{', '.join(DIMS)} (e.g. {EXAMPLE})")
         if not size.strip().isdigit() or int(size) < 1:
             raise UsageError(f"--mesh {text!r}: the size of {name} must be a positive integer")
         if name in dict(dims):
@@ -79,6 +82,14 @@ def check_config(config) -> None:
     """The --mesh flags of a Config (its mesh already a MeshSpec), before any tracing."""
     spec = config.mesh
     check_world(spec, config.world_size)
+    titan = (config.target or "").startswith("torchtitan:")
+    given = [d for d in TORCHTITAN_ONLY if d in spec.names]
+    if given and not titan:
+        raise UsageError(f"--mesh {spec}: {given[0]} (context and expert parallelism) is built by torchtitan's "
+                         "parallelize_fn: profile a torchtitan:MODULE:CONFIG target, or drop it")
+    if titan and config.parallelize is not None:
+        raise UsageError("--parallelize with a torchtitan target: torchtitan's own parallelize_fn parallelizes it; "
+                         "drop --parallelize")
     if config.pp_schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe, 1f1b or interleaved-1f1b")
     if config.pp_stages_per_rank is not None and (config.pp_stages_per_rank < 1 or config.pp_schedule != "interleaved-1f1b"):

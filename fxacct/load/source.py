@@ -27,6 +27,7 @@ from fxacct.load import fp8, hf
 from fxacct.load import model_spec as loading
 from fxacct.load.flags import HF_PREFIX, is_module_path  # noqa: F401  (re-exported)
 from fxacct.load.inputs import InputSpec
+from fxacct.load.torchtitan import is_torchtitan
 
 IMAGE_224 = InputSpec(None, torch.float32, ("B", 3, 224, 224))
 
@@ -46,6 +47,9 @@ class ModelSource:
 def open_source(config) -> ModelSource:
     """The ModelSource of config.target (a usage error names what is wrong and the fix)."""
     target, kwargs = config.target, dict(config.kwargs)
+    if is_torchtitan(target):  # only fxacct.api.profile builds them (fxacct.parallel.torchtitan)
+        raise UsageError(f"{target}: torchtitan targets are accounted by `fxacct profile` (with --mesh) only; "
+                         "this command does not take them yet")
     if getattr(config, "hf_class", None) is not None and not _is_hf_target(target):
         raise UsageError("--hf-class picks the class of an hf:PATH model; drop it or give hf:DIR_OR_CONFIG_JSON")
     if target.startswith(HF_PREFIX):

@@ -49,6 +49,24 @@ _OPS = {
 register_zero(*_OPS)  # no arithmetic (a reduction's adds are not model FLOPs); bytes and wire bytes below
 
 
+# context parallelism's custom ops (torch/distributed/tensor/experimental/_context_parallel/_cp_custom_ops.py):
+# one op gathers k and v along the sequence (two all_gather_single inside it), its backward reduce-
+# scatters both gradients; a fake run sees the op, not the functional collectives inside it
+_PAIRED: set = set()
+
+
+@functools.cache
+def register_cp_ops() -> None:
+    """Add cplib.flex_cp_allgather and its backward to the table, once their module has made them."""
+    import torch.distributed.tensor.experimental._context_parallel._cp_custom_ops  # noqa: F401 (defines the ops)
+
+    ops = {torch.ops.cplib.flex_cp_allgather.default: ("all_gather", None, 0, 3),
+           torch.ops.cplib.flex_cp_allgather_backward.default: ("reduce_scatter", None, 0, 3)}
+    _OPS.update(ops)
+    _PAIRED.update(ops)
+    register_zero(*ops)
+
+
 @functools.cache
 def register_fsdp_copies() -> None:
     """FSDP2's copies into and out of its all-gather and reduce-scatter buffers (torch/distributed/
@@ -88,11 +106,12 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _OPS
 
 
-def _bytes(a) -> int:
+def _bytes(a, outputs: int = 1) -> int:
+    """The bytes of a node's first ``outputs`` tensors (of each, in a list)."""
     if isinstance(a, (list, tuple)):
-        return sum(_bytes(x) for x in a)
+        return sum(_bytes(x, outputs) for x in a)
     if isinstance(a, fx.Node):
-        return sum(t.nbytes for t in tensor_metas(a.meta.get("val"))[:1])
+        return sum(t.nbytes for t in tensor_metas(a.meta.get("val"))[:outputs])
     return 0
 
 
@@ -128,8 +147,8 @@ def _group(a, groups: dict) -> tuple[str, int]:
 def describe(node: fx.Node, groups: dict) -> CollectiveNode:
     op, out_at, in_at, group_at = _OPS[node.target]
     args = node.args
-    out_bytes = _bytes(args[out_at]) if out_at is not None else _bytes(node)
-    in_bytes = _bytes(args[in_at])
+    out_bytes = _bytes(args[out_at]) if out_at is not None else _bytes(node, 2 if node.target in _PAIRED else 1)
+    in_bytes = _bytes(args[in_at]) if node.target not in _PAIRED else _bytes(list(args[:2]))  # k and v
     dim, n = _group(args[group_at], groups) if group_at is not None and group_at < len(args) else ("", 1)
     if op == "all_gather" and in_bytes and n == 1:
         n = out_bytes // in_bytes

@@ -62,23 +62,32 @@ def own_tensors(model: torch.nn.Module) -> FakeModel:
 
 def prepare(model: torch.nn.Module, spec, mesh, config, inputs: tuple = ((), {})) -> Prepared:
     """``inputs``: (args, kwargs) of the step, for DDP's warm-up step (fxacct.parallel.ddp.ready)."""
-    from torch.distributed.tensor import DTensor
-
     register_fsdp_copies()
     if config.dtype is not None:
         model.to(config.dtype)  # on meta: casts the floating parameters and buffers, allocates nothing
     with tp.shared_mesh_concatenation():
         parallelize(model, spec, mesh, config)
+    warm_up = (lambda: ddp.ready(model, *inputs)) if ddp.is_ddp(spec) and not config.parallelize else None
+    return materialize(model, warm_up=warm_up)
+
+
+def materialize(model: torch.nn.Module, shape_env=None, warm_up=None) -> Prepared:
+    """The parallelized model's parameters made fake in the capture's FakeTensorMode (with
+    ``shape_env``: values read from tensors become symbols, e.g. MoE token splits); ``warm_up``
+    runs in the mode once they are (DDP's warm-up step and bucket rebuild)."""
+    from torch.distributed.tensor import DTensor
+
+    register_fsdp_copies()
     aliases = tied_aliases(model)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     try:
         with mode:
             # to_empty from meta gives each module a new Parameter (the types differ, so no .data
             # swap), which unties a plain module's tied weights (FSDP2's own _apply keeps them): tie again
             model.to_empty(device="cpu")
             retie(model, {a: n for a, n in aliases.items() if model.get_parameter(a) is not model.get_parameter(n)})
-            if ddp.is_ddp(spec) and not config.parallelize:
-                ddp.ready(model, *inputs)
+            if warm_up is not None:
+                warm_up()
             fake = own_tensors(model)
     except Exception as e:
         raise classify(e, "materializing the parallelized model") from e

@@ -1,0 +1,234 @@
+"""torchtitan:MODULE:CONFIG targets against torchtitan's own step.
+
+The oracle runs torchtitan's own code the way its Trainer does (trainer.py::__init__ and
+_forward_backward_body): the config function through ConfigManager, the model built on meta and
+parallelized by the model spec's parallelize_fn on torchtitan's ParallelDims meshes under the fake
+process group, materialized in a FakeTensorMode, then forward, torchtitan's loss, backward and
+torchtitan's own optimizer's step, with torchtitan's flex attention run eagerly, while a dispatch
+counter (below DTensor, as CommDebugMode counts) records every collective and the process group it
+ran on. It shares with fxacct only the environment patches of fxacct.load.torchtitan.adapted
+(the device type, eager flex attention, balanced MoE routing), none of fxacct's capture.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxacct_cli.main import cli
+
+pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install 'fxacct[torchtitan]'")
+pytestmark = pytest.mark.slow  # torchtitan's import alone takes several seconds
+
+from fxacct.load.torchtitan import adapted  # noqa: E402
+
+NAMES = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
+         "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+         "all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_to_all_single": "all_to_all",
+         "alltoall_base_": "all_to_all"}
+
+
+class GroupCounter(TorchDispatchMode):
+    """(op, process-group name) of every collective dispatched below DTensor."""
+
+    supports_higher_order_operators = True  # flex attention's op passes through
+
+    def __init__(self):
+        super().__init__()
+        self.count: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "overloadpacket", None)
+        name = name.__name__ if name is not None else ""
+        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional") and name in NAMES:
+            self.count[(NAMES[name], _group_name(args))] += 1
+        if getattr(func, "namespace", None) == "cplib":  # context parallelism's k/v gather and its backward
+            self.count[("reduce_scatter" if name.endswith("backward") else "all_gather", _group_name(args))] += 1
+        return out
+
+
+def _group_name(args) -> str:
+    from torch.distributed.distributed_c10d import ProcessGroup
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            return ProcessGroup.unbox(a).group_name
+    return [a for a in args if isinstance(a, str)][-1]  # functional ops: (tensor, [reduce_op,] ..., group_name)
+
+
+def _dims_of_groups(pdims) -> dict:
+    """group name -> the set of torchtitan's single-axis mesh names (size > 1) on it; the flattened
+    batch and loss meshes only for a group that no other dimension runs on (docs/torchtitan.md)."""
+    found: dict = {}
+    for label, mesh in pdims._single_axis_meshes.items():
+        g = mesh.get_group()
+        if g.size() > 1:
+            found.setdefault(g.group_name, set()).add("fsdp" if label == "dp_shard" else label)
+    return {g: (names - {"batch", "loss"}) or names for g, names in found.items()}
+
+
+def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: int) -> Counter:
+    """Counter of (op, frozenset of mesh names) over one step of torchtitan's own code."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    with adapted(flex_as="eager"):
+        job = ConfigManager().parse_args(["--module", module, "--config", name])
+        p = job.parallelism
+        p.data_parallel_shard_degree, p.tensor_parallel_degree = dims.get("fsdp", 1), dims.get("tp", 1)
+        p.context_parallel_degree, p.expert_parallel_degree = dims.get("cp", 1), dims.get("ep", 1)
+        p.data_parallel_replicate_degree = dims.get("dp", 1)
+        p.spmd_backend = "partial_dtensor"
+        job.training.local_batch_size, job.training.seq_len = batch, seq
+        world = (p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree
+                 * p.context_parallel_degree)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            pdims = ParallelDims.from_config(p, world)
+            mc = job.model_spec.model
+            mc.update_from_config(config=job)
+            with torch.device("meta"):
+                model = mc.build()
+            model = job.model_spec.parallelize_fn(
+                model, parallel_dims=pdims, training=job.training, parallelism=p, compile_config=job.compile,
+                ac_config=job.activation_checkpoint, dump_folder=job.dump_folder)
+            loss_fn = job.loss.build(compile_config=job.compile)
+            if isinstance(loss_fn, ChunkedLossWrapper):
+                loss_fn.set_lm_head(model.lm_head)
+                model._skip_lm_head = True
+            positions = torch.arange(seq).repeat(batch, 1)
+            masks = model.get_attention_masks(positions=positions)
+            extra = {"positions": positions, "attention_masks": masks} if masks is not None else {}
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            labels = tokens.clone()
+            if pdims.cp_enabled:  # trainer.py::post_dataloading_process
+                from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+                tokens, labels, extra = prepare_context_parallel_input(
+                    tokens, labels, extra, pdims.get_mesh("cp"), torch.device("cpu"),
+                    p.context_parallel_load_balancer, p.context_parallel_ptrr_mask_key)
+            loss_kwargs = {"positions": extra["positions"]} if masks is not None else {}
+            counter = GroupCounter()
+            with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+                model.to_empty(device="cpu")
+                optimizers = job.optimizer.build(model_parts=[model])
+                with counter:
+                    pred = model(tokens, **extra)
+                    loss, _ = loss_fn(pred, labels, torch.tensor(batch * seq), **loss_kwargs)
+                    loss.backward()
+                    optimizers.step()
+            groups = _dims_of_groups(pdims)
+        finally:
+            dist.destroy_process_group()
+    return Counter({(op, frozenset(groups.get(g, {"world"}))): n for (op, g), n in counter.count.items()})
+
+
+def fxacct_collectives(target: str, mesh: str, batch: int, seq: int) -> tuple[Counter, dict]:
+    r = CliRunner().invoke(cli, ["profile", target, "--mesh", mesh, "--batch", str(batch), "--seq-len", str(seq),
+                                 "--format", "json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    counts: Counter = Counter()
+    for row in doc["collectives"]:
+        counts[(row["op"], frozenset(row["mesh_dim"].split("/")))] += row["count"]
+    return counts, doc
+
+
+def test_llama3_fsdp2_tp2_collectives_equal_torchtitans_own():
+    """The issue's floor: per op and mesh dimension, fxacct's rank equals torchtitan's step (FSDP2
+    all-gathers and reduce-scatters, TP/SP all-gathers, reduce-scatters and all-reduces with its
+    selective activation checkpointing)."""
+    ours, doc = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", "fsdp=2,tp=2", 2, 64)
+    theirs = torchtitan_collectives("llama3", "llama3_debugmodel", {"fsdp": 2, "tp": 2}, 2, 64)
+    assert ours == theirs
+    assert {dims for _, dims in theirs} == {frozenset({"fsdp"}), frozenset({"tp"})}  # both dims ran collectives
+    assert doc["totals"]["peak_train_bytes"] > doc["totals"]["param_bytes"] > 0
+
+
+def test_moe_fsdp4_ep4_all_to_all_equal_torchtitans_own():
+    """Expert parallelism carved out of the fsdp ranks: token dispatch and combine by all-to-all."""
+    ours, _ = fxacct_collectives("torchtitan:qwen3:qwen3_moe_debug", "fsdp=4,ep=4", 2, 64)
+    theirs = torchtitan_collectives("qwen3", "qwen3_moe_debug", {"fsdp": 4, "ep": 4}, 2, 64)
+    assert ours == theirs
+    assert sum(n for (op, _), n in theirs.items() if op == "all_to_all") > 0
+
+
+def test_llama3_fsdp2_cp2_collectives_equal_torchtitans_own():
+    """Context parallelism: torch's custom op gathers each layer's k and v along the sequence
+    (cplib.flex_cp_allgather, counted once per call) and its backward reduce-scatters their gradients;
+    the sequence, 256, is a whole number of cp x 128-token blocks."""
+    ours, _ = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", "fsdp=2,cp=2", 2, 256)
+    theirs = torchtitan_collectives("llama3", "llama3_debugmodel", {"fsdp": 2, "cp": 2}, 2, 256)
+    assert ours == theirs
+    assert theirs[("all_gather", frozenset({"cp"}))] > 0 and theirs[("reduce_scatter", frozenset({"cp"}))] > 0
+
+
+def test_llama3_hsdp_collectives_equal_torchtitans_own():
+    """dp=2,fsdp=2: torchtitan's HSDP, gradients all-reduced over the replicas after the reduce-scatter."""
+    ours, _ = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", "dp=2,fsdp=2", 2, 64)
+    theirs = torchtitan_collectives("llama3", "llama3_debugmodel", {"dp": 2, "fsdp": 2}, 2, 64)
+    assert ours == theirs
+    assert theirs[("all_reduce", frozenset({"dp_replicate"}))] > 0
+
+
+def test_gpu_target_runs_cudas_attention_kernel():
+    """--gpu h100: flex attention's stand-in is CUDA's flash kernel (bf16 compute under torchtitan's
+    mixed precision), in the forward and in selective checkpointing's recompute alike (the recompute
+    once met the CPU kernel where the forward had saved CUDA's, and the step failed)."""
+    r = _invoke("torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2", "--batch", "1", "--seq-len", "64",
+                "--gpu", "h100", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    ops = {n["op"] for n in json.loads(r.stdout)["nodes"]}
+    assert "aten._scaled_dot_product_flash_attention.default" in ops
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in ops
+
+
+def _invoke(*args):
+    try:
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["torchtitan:llama3:llama3_nosuch"], "has no config 'llama3_nosuch'"),
+    (["torchtitan:llama4:llama4_debugmodel"], "torchtitan has no model module 'llama4'"),
+    # 2 x cp = 4 does not divide 66 (context parallelism cuts the sequence into 2 x cp chunks)
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,cp=2", "--seq-len", "66"], "does not divide the sequence"),
+    # 4 divides 64, but torch shards the block mask in cp x 128-token blocks
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,cp=2", "--seq-len", "64"], "does not divide the sequence"),
+    (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=3,ep=3"], "does not divide the model's"),
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,ep=2"], "has none (a dense model)"),
+    (["torchtitan:llama3:llama3_debugmodel", "--", "--training.no_such_key", "3"], "did not take the overrides"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    r = _invoke(*args)
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_overrides_after_dashes_and_one_device_equal_fsdp1():
+    """torchtitan's own override (--training.seq_len after --) is the same request as --seq-len, and a
+    torchtitan target without --mesh is the same rank as --mesh fsdp=1 (tests/test_flag_parity.py)."""
+    def totals(*args):
+        r = _invoke("torchtitan:llama3:llama3_debugmodel", "--batch", "1", "--format", "json", *args)
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout)["totals"]
+
+    one = totals("--", "--training.seq_len", "32")
+    assert one == totals("--mesh", "fsdp=1", "--seq-len", "32")
+    assert one != totals("--seq-len", "64")  # the override did change the job

@@ -1,0 +1,71 @@
+"""torchtitan targets' usage errors that need no torchtitan: each a one-line exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from click.testing import CliRunner
+from helpers import target
+
+from fxacct_cli.main import cli
+
+LLAMA = target("examples/llama.py:Llama")
+
+
+def _invoke(*args):
+    try:
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+
+
+def _one_line_exit_2(r, needle: str) -> None:
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_without_torchtitan_installed(monkeypatch):
+    """sys.modules[name] = None makes `import torchtitan` raise ModuleNotFoundError, as on a machine
+    without it; the error names the extra that installs it."""
+    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    r = _invoke("torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2")
+    _one_line_exit_2(r, "pip install 'fxacct[torchtitan]'")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["torchtitan:llama3"], "torchtitan:MODULE:CONFIG"),
+    ([LLAMA, "--mesh", "fsdp=2,cp=2"], "profile a torchtitan:MODULE:CONFIG target"),
+    ([LLAMA, "--mesh", "fsdp=2,ep=2"], "profile a torchtitan:MODULE:CONFIG target"),
+    ([LLAMA, "--", "--training.steps", "3"], "for torchtitan:MODULE:CONFIG targets only"),
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "tp=2,fsdp=2"], "outer to inner"),
+    # flags whose part of the job torchtitan's config decides are refused, not ignored
+    (["torchtitan:llama3:llama3_debugmodel", "--dtype", "bf16"], "--dtype with a torchtitan target"),
+    (["torchtitan:llama3:llama3_debugmodel", "--optimizer", "sgd"], "--optimizer with a torchtitan target"),
+    (["torchtitan:llama3:llama3_debugmodel", "--checkpoint", "layers.*"], "activation-checkpoint:full"),
+    (["torchtitan:llama3:llama3_debugmodel", "--runtime"], "--runtime with a torchtitan target"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    _one_line_exit_2(_invoke(*args), needle)
+
+
+def test_other_commands_refuse_torchtitan_targets():
+    """Only profile builds a torchtitan job; plan says so in one line (exit 2)."""
+    for command in (["plan", "torchtitan:llama3:llama3_8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8"],):
+        try:
+            runner = CliRunner(mix_stderr=False)
+        except TypeError:
+            runner = CliRunner()
+        r = runner.invoke(cli, command, catch_exceptions=False)
+        _one_line_exit_2(r, "accounted by `fxacct profile`")
+
+
+def test_ep_does_not_multiply_the_world():
+    """torchtitan carves ep out of the fsdp x cp x tp ranks (parallel_dims.py::build_mesh: efsdp =
+    fsdp x tp / ep): fsdp=4,ep=4 is 4 ranks, not 16."""
+    from fxacct.load.mesh import parse_mesh
+
+    assert parse_mesh("fsdp=4,ep=4").world_size == 4
+    assert parse_mesh("pp=2,fsdp=2,cp=2,tp=2").world_size == 16
