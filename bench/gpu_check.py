@@ -7,8 +7,9 @@ neither), so ``PYTHONPATH=. python bench/gpu_check.py``. bench/gpu_check.sh wrap
    cache dir, so the user's own calibration is left alone.
 2. Runs each case under fxacct.runtime (warm-up, then timed steps under torch.profiler) and prints
    the step time predicted from the datasheet and from the calibration beside the measured one,
-   MFU, the predicted peak beside the allocator-level and op-level measured peaks, and the
-   host-to-device transfer of one batch.
+   MFU, the predicted peak beside the allocator-level and op-level measured peaks, the predicted
+   ``peak_reserved_bytes`` (fxacct's model of the CUDA caching allocator) beside
+   ``torch.cuda.max_memory_reserved()``, and the host-to-device transfer of one batch.
 
 Ratios are measured / predicted. ``--device cpu --small`` runs the same report on the CPU with small
 configs (a smoke test of this script where there is no GPU).
@@ -41,12 +42,17 @@ from fxacct.units import GiB  # noqa: E402
 SMALL = {
     "gpt2": dict(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=100),
     "mlp": dict(d_model=128, d_hidden=256, n_blocks=2),
+    "llama": dict(n_layers=2),
 }
 CASES = {
     "gpt2": ("GPT-2 124M, batch 8, T 1024, bf16 AMP, AdamW",
              fxacct.Config(target=str(ROOT / "examples/gpt2.py") + ":GPT", batch=8, amp=torch.bfloat16)),
     "mlp": ("MLP (4 blocks, 1024→4096), batch 64, fp32, AdamW",
             fxacct.Config(target=str(ROOT / "examples/mlp.py") + ":MLP", batch=64)),
+    "llama": ("Llama (8 layers, dim 2048, GQA 16/8 heads, FFN 5632, T 2048), batch 4, bf16 AMP, AdamW",
+              fxacct.Config(target=str(ROOT / "examples/llama.py") + ":Llama", batch=4, amp=torch.bfloat16,
+                            kwargs=dict(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8,
+                                        hidden=5632, max_seq=2048))),
 }
 
 
@@ -79,6 +85,9 @@ def report(title: str, r, seconds: float) -> None:
         print(f"   {name:34} {ms(pred):>12} {ms(meas):>12}  {ratio(meas, pred)}")
     for name, meas in (("peak memory, allocator", m.peak_bytes), ("peak memory, op level", m.op_level_peak_bytes)):
         print(f"   {name:34} {gib(c.predicted_peak_bytes):>12} {gib(meas):>12}  {ratio(meas, c.predicted_peak_bytes)}")
+    reserved = p.memory.reserved.peak_reserved_bytes if p.memory.reserved is not None else None
+    print(f"   {'peak memory, reserved':34} {gib(reserved):>12} {gib(m.reserved_bytes):>12}  "
+          f"{ratio(m.reserved_bytes, reserved)}")
     u = mfu(c, m)
     achieved = achieved_flops_per_s(c, m)
     print(f"   achieved {achieved / 1e12:.1f} TFLOP/s of model FLOPs; MFU "

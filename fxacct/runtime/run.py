@@ -26,6 +26,9 @@ state resident, gradients None when it begins):
   such as oneDNN buffers included) over the timed steps.
 - ``op_level_peak_bytes``: fxacct.runtime.storage_tracker over one step, what fxacct's
   ``peak_train_bytes`` predicts (aten-op level: no kernel-internal buffers, no allocator rounding).
+- ``reserved_bytes`` (CUDA only): ``torch.cuda.max_memory_reserved`` over the warm-up and timed
+  steps (segments stay reserved once made: what the caching allocator held at its high-water
+  mark, the figure torchtitan reports), what fxacct's ``peak_reserved_bytes`` predicts.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Measured:
     threads: int  # torch.get_num_threads()
     trace_events: tuple = ()  # the profiler's Chrome trace events, when asked for
     profiled_step_times: tuple = ()  # the steps under the profiler: module and node times are of their median
+    reserved_bytes: int | None = None  # CUDA: torch.cuda.max_memory_reserved (module docstring)
 
     def _median(self, field: str) -> float | None:
         values = [getattr(s, field) for s in self.step_times]
@@ -373,9 +377,10 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
             _timed_steps(step, clock, steps, prof, times, profiled, progress)
     except KeyboardInterrupt:
         interrupted = True
-    peak, source = None, "none"
+    peak, source, reserved = None, "none", None
     if cuda and times:
         peak, source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+        reserved = torch.cuda.max_memory_reserved(device)
     elif prof is not None and profiled:
         peak, source = _cpu_allocator_peak(prof, baseline), "profiler memory events + resident bytes"
     joined, trace = None, ()
@@ -393,7 +398,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
 
     name = torch.cuda.get_device_name(device) if cuda else cpu_name()
     return Measured(str(device), name, inference, warmup, steps, tuple(times), peak, source, op_peak, joined,
-                    transfer, interrupted, torch.get_num_threads(), trace, tuple(profiled))
+                    transfer, interrupted, torch.get_num_threads(), trace, tuple(profiled), reserved)
 
 
 __all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs"]
