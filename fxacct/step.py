@@ -28,6 +28,7 @@ from fxacct.predict.roofline import Prediction
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.checkpointing import CheckpointWhatIf
+from fxacct.trace.compiled import CompileSpec
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.units import format_bytes, format_count
 
@@ -132,7 +133,8 @@ def capture_options(config: Config, model: torch.nn.Module, inference: bool = Fa
         optimizer=None if inference else config.optimizer_spec(), inference=inference, amp=config.amp,
         master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup,
         loss=config.loss, causal_lm=is_causal_lm(model), checkpoint=config.checkpoint,
-        checkpoint_policy=config.checkpoint_policy, **extra)
+        checkpoint_policy=config.checkpoint_policy,
+        compile=CompileSpec(config.compile_blocks, config.compile_mode) if config.compiled else None, **extra)
 
 
 def tokens_per_example(args, kwargs, batch: int) -> int | None:

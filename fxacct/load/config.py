@@ -16,6 +16,8 @@ from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
 
 CAUSAL_CONVENTIONS = ("full", "halved")
+# torch.compile's modes (torch/__init__.py, compile's ``mode``); fxacct.trace.compiled says what each changes
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 AMP_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -59,6 +61,14 @@ class Config:
     checkpoint_policy: str | None = None  # selective checkpointing: "save-matmuls" or PATH.py:fn
     costs: tuple[str, ...] = ()  # PATH.py files of user cost formulas (fxacct.costs.register)
     pp_stages_per_rank: int | None = None  # interleaved-1f1b: pipeline stages per rank (default 2)
+    compile: bool = False  # account the step as torch.compile(model) runs it (fxacct.trace.compiled)
+    compile_blocks: tuple[str, ...] = ()  # globs: compile each matching module instead (regional)
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step is accounted compiled (--compile or --compile-blocks)."""
+        return self.compile or bool(self.compile_blocks)
 
     def __post_init__(self):
         self._normalize()
@@ -115,7 +125,7 @@ class Config:
         put("inputs", tuple(parse_input_spec(s) if isinstance(s, str) else s for s in specs))
         if not all(isinstance(s, InputSpec) for s in self.inputs):
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
-        for name in ("checkpoint", "costs"):
+        for name in ("checkpoint", "costs", "compile_blocks"):
             value = getattr(self, name)
             items = (value,) if isinstance(value, str) else tuple(value)
             if not all(isinstance(v, str) for v in items):
@@ -135,6 +145,15 @@ class Config:
         LossSpec(self.loss, self.loss_output)
         if self.seq_len is not None and self.seq_len <= 0:
             raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise UsageError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+        if self.compile_mode != "default" and not self.compiled:
+            raise UsageError("--compile-mode needs --compile or --compile-blocks PATTERN")
+        if self.compile and self.compile_blocks:
+            raise UsageError("--compile compiles the whole model and --compile-blocks each matching module: give one")
+        if self.compiled and self.checkpoint:
+            raise UsageError("--compile with --checkpoint is not supported yet (the partitioner would need "
+                             "checkpointing's recompute tags): give one of them")
         if self.checkpoint_policy is not None and not self.checkpoint:
             raise UsageError("--checkpoint-policy needs --checkpoint PATTERN (the modules it applies to)")
 

@@ -132,6 +132,9 @@ class Recorder(tp.TorchDispatchMode):
         self.recording = True
         self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
         self.in_mha = 0  # depth of F.multi_head_attention_forward calls (its bmm products are attention)
+        # (module, link, scope) for the ops of one node of a compiled graph (fxacct.trace.compiled):
+        # the graph's node knows them, the running Python does not; None: the recorder decides
+        self.override: tuple | None = None
         # every tensor tagged here, weakly: a capture clears its tags when it ends (untag), so a
         # tensor that outlives it (FSDP2's gathered parameters, a module's constant) is untagged
         # when the next capture of the same model meets it
@@ -271,6 +274,8 @@ class Recorder(tp.TorchDispatchMode):
                 link = self.group or NO_NUMBERS
             module = self.module_stack[-1]
         self.last_seq = hi
+        if self.override is not None:
+            module, link, scope = self.override
         self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope))
         self.storages.clock = index
 
