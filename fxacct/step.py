@@ -28,7 +28,7 @@ from fxacct.predict.roofline import Prediction
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.checkpointing import CheckpointWhatIf
-from fxacct.trace.compiled import CompileSpec
+from fxacct.trace.compiled import CompileSpec, CompileWhatIf
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.units import format_bytes, format_count
 
@@ -53,6 +53,7 @@ class Profile:
     warnings: tuple[str, ...] = ()
     parallel: MeshAccount | None = None  # under --mesh
     checkpoint: CheckpointWhatIf | None = None  # under --checkpoint, on one device
+    compiled: CompileWhatIf | None = None  # under --compile / --compile-blocks, on one device
     model_class: str | None = None  # the class of the model built (hf: targets: the one transformers chose)
     prediction: Prediction | None = None  # the roofline's step time, where a device model is known
 

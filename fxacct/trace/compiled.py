@@ -20,7 +20,8 @@ What differs from torch.compile. Dynamo is not run: the region's Python is trace
 AOTAutograd's make_fx, so a model with graph breaks is accounted as one graph per region (dynamo
 would partition each piece separately). Inductor's code generation (fusion, buffer reuse,
 post-grad passes) does not run; the kernels inductor would make are modelled in
-fxacct.account.fusion. Inference (no_grad) runs the region eagerly. ``compile_mode`` does not
+fxacct.trace.fusion, and a result that stays inside its fused kernel holds no bytes in the
+memory timeline (inductor allocates no buffer for it). Inference (no_grad) runs the region eagerly. ``compile_mode`` does not
 change the split: max-autotune picks other kernels for the same graph, and reduce-overhead's CUDA
 graphs keep their memory pool, which is stated, not modelled (docs/limits.md).
 """
@@ -38,6 +39,7 @@ from fxacct.errors import ModelError, UsageError, called_by_torch, first_line
 from fxacct.trace import torch_private as tp
 from fxacct.trace.checkpointing import matched_modules
 from fxacct.trace.dispatch_recorder import RECOMPUTE, Recorder
+from fxacct.trace.fusion import kernel_internal
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.trace.records import NO_NUMBERS, DerivedFromRecord
 from fxacct.trace.torch_private.compile import aot
@@ -99,9 +101,11 @@ class _GraphRun(fx.Interpreter):
     """Runs one partitioned graph op by op under the capture's recorder, each node's ops carrying
     the node's module, backward link and scope. Values are freed after their last use."""
 
-    def __init__(self, gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool):
+    def __init__(self, gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool,
+                 internal: frozenset):
         super().__init__(gm, garbage_collect_values=True)
         self.recorder, self.region, self.seq_first, self.backward = recorder, region, seq_first, backward
+        self.internal = internal
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
@@ -114,9 +118,9 @@ class _GraphRun(fx.Interpreter):
             owner = self.seq_first.get(seq, self.seq_first.get(None))
             link = DerivedFromRecord(owner) if owner is not None else None
             scope = RECOMPUTE if n.meta.get("partitioner_tag") == _IS_FORWARD else None
-            rec.override = (None, link, scope)
+            rec.override = (None, link, scope, n in self.internal)
         else:
-            rec.override = (module, NO_NUMBERS, rec.scope)
+            rec.override = (module, NO_NUMBERS, rec.scope, n in self.internal)
         try:
             out = super().run_node(n)
         finally:
@@ -129,11 +133,12 @@ class _GraphRun(fx.Interpreter):
 
 def _runner(gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool, graphs: list):
     graphs.append(gm)
+    internal = kernel_internal(gm.graph)
 
     def run(args: list):
         # boxed (AOTAutograd's convention, as inductor's code): the inputs' list is cleared, so a
         # saved tensor or input dies when the graph's last use of it has run
-        return _GraphRun(gm, recorder, region, seq_first, backward).boxed_run(args)
+        return _GraphRun(gm, recorder, region, seq_first, backward, internal).boxed_run(args)
 
     run._boxed_call = True
     return run
@@ -194,7 +199,8 @@ class CompiledRegions:
         flat_module = _Flat(region, flat, spec, out_spec)
         try:
             with tp.disable_current_modes(), fx_traceback.preserve_node_meta(), _module_meta(rec), \
-                    lib.functorch_patch(force_non_lazy_backward_lowering=True):
+                    lib.functorch_patch(force_non_lazy_backward_lowering=True), \
+                    lib.V.set_fake_mode(lib.detect_fake_mode(tensors)):
                 fn = lib.aot_module_simplified(flat_module, tensors, fw_compiler=fw, bw_compiler=bw,
                                                decompositions=lib.decompositions(), partition_fn=lib.partition_fn,
                                                keep_inference_input_mutations=True)
@@ -237,3 +243,26 @@ def compiled(model: torch.nn.Module, spec: CompileSpec | None, recorder: Recorde
         return
     with CompiledRegions(model, spec, recorder) as regions_:
         yield regions_
+
+
+@dataclass(frozen=True)
+class CompileSide:
+    """One account of the compile what-if, forward and backward of the step: activation bytes
+    autograd saves, the training peak, the kernels and the bytes they move (fxacct.predict.fusion;
+    eager: one kernel per op), the roofline's step time where a device model is known (over the
+    ops as captured, before fusion), and activation bytes per module (FQN -> bytes)."""
+
+    activation_bytes: int
+    peak_train_bytes: int | None
+    kernels: int
+    bytes_moved: int
+    predicted_step_ms: float | None
+    modules: dict
+
+
+@dataclass(frozen=True)
+class CompileWhatIf:
+    regions: tuple[str, ...]  # the modules compiled ("" the whole model)
+    mode: str
+    compiled: CompileSide
+    eager: CompileSide  # the same step without compiling (a second capture)

@@ -17,13 +17,17 @@ _NAMES = (
     ("torch._inductor.compile_fx", "partition_fn", "partition_fn"),
     ("torch._inductor.decomposition", "select_decomp_table", "decompositions"),
     ("torch._functorch.config", "patch", "functorch_patch"),
+    # inductor's joint-graph passes read the fake mode from its virtualized globals (compile_fx sets it)
+    ("torch._inductor.virtualized", "V", "V"),
+    ("torch._guards", "detect_fake_mode", "detect_fake_mode"),
 )
 _loaded: SimpleNamespace | None = None
 
 
 def aot() -> SimpleNamespace:
-    """aot_module_simplified, partition_fn, decompositions (the table's function) and
-    functorch_patch (torch._functorch.config.patch), each looked up once."""
+    """aot_module_simplified, partition_fn, decompositions (the table's function),
+    functorch_patch (torch._functorch.config.patch), V (inductor's virtualized globals) and
+    detect_fake_mode, each looked up once."""
     global _loaded
     if _loaded is None:
         found = {}
