@@ -7,13 +7,17 @@ buffers a CPU build then compiles), so fxacct models its rules (torch/_inductor/
 - views (permute, view, expand, slice, ...) are index arithmetic inside the kernels that read
   them: no kernel and no bytes of their own;
 - matrix products, convolutions and attention kernels are extern kernels (aten / oneDNN / flash
-  calls), one each, never fused (``extern_kernels.mm``; inductor's max-autotune templates may fuse
+  calls), one each, never fused, and so are the ops whose lowering stores into a realized buffer
+  (scatter, index_put, sorts and scans) (``extern_kernels.mm``; inductor's max-autotune templates may fuse
   a pointwise epilogue, which this model leaves out);
 - every other op (pointwise, reductions, norms as their decompositions, embedding's gather, random
   masks) is fusible: it joins the kernel of a fusible producer (through views) when both iterate
   over the same number of elements, or when it is a reduction over that producer's elements
   (inductor's vertical fusion of a pointwise chain into its reduction and of a reduction's
-  pointwise epilogue); producers of that size that it reads are merged into one kernel.
+  pointwise epilogue); producers of that size that it reads are merged into one kernel. A
+  reduction over outer dimensions (batch norm's statistics, a bias gradient) ends its kernel:
+  what reads its result runs in another (inductor's reduction hint: it cannot be fused in the
+  reduction's loop).
 
 Each kernel moves the bytes of the tensors it reads from outside itself and of the tensors it
 writes that something outside reads (or the graph returns), once each: its intermediates stay in
@@ -42,6 +46,11 @@ EXTERN = frozenset({
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_efficient_attention_backward.default,
     aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_cudnn_attention_backward.default,
+    # ops whose lowering writes into a realized buffer (scatter-style stores, index_put, scans, sorts):
+    # torch/_inductor/lowering.py (scatter_fallback, index_put_impl_, the scan and sort lowerings)
+    aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two,
+    aten.index_put.default, aten.index_put_.default, aten.index_add.default, aten.sort.default,
+    aten.sort.stable, aten.cumsum.default, aten.embedding_dense_backward.default,
 })
 
 
@@ -88,6 +97,7 @@ def _grouped(graph: fx.Graph, fuse: bool, keep) -> _Groups:
     g = _Groups()
     size: dict[int, int] = {}  # kernel id -> elements its loop runs over
     outs: dict[int, set] = {}  # kernel id -> element counts of what its nodes make
+    closed: set = set()  # reductions over outer dimensions: what reads them starts a kernel
     for n in graph.nodes:
         if n.op != "call_function" or not keep(n):
             continue
@@ -102,8 +112,8 @@ def _grouped(graph: fx.Graph, fuse: bool, keep) -> _Groups:
         reads = max((_numel(a) for a in inputs), default=0)
         # a producer kernel whose loop this op runs in (same size, or a reduction over its
         # elements), or whose own results have this op's size (a reduction's epilogue)
-        candidates = sorted({g.group[a] for a in inputs
-                             if a in g.group and (size[g.group[a]] in (numel, reads) or numel in outs[g.group[a]])})
+        candidates = sorted({g.group[a] for a in inputs if a in g.group and a not in closed
+                             and (size[g.group[a]] in (numel, reads) or numel in outs[g.group[a]])})
         if candidates:
             gid = candidates[0]
             for other in candidates[1:]:  # producers of the same size that it reads: one kernel
@@ -118,7 +128,26 @@ def _grouped(graph: fx.Graph, fuse: bool, keep) -> _Groups:
         g.group[n] = gid
         g.members[gid].append(n)
         outs[gid].add(numel)
+        if numel < reads and not _inner_reduction(n, inputs):
+            closed.add(n)
     return g
+
+
+def _squeezed(shape) -> tuple:
+    return tuple(d for d in shape if d != 1)
+
+
+def _inner_reduction(n: fx.Node, inputs: list) -> bool:
+    """A reduction over the innermost dimensions (a layer norm's or softmax's rows): its readers
+    run in the same outer loop, so inductor fuses them into its kernel. A reduction over outer
+    dimensions (batch norm's statistics over N, H, W; a bias gradient over the batch) must end
+    before anything reads it: its readers are another kernel."""
+    out = _tensors(n.meta.get("val"))
+    big = max((a for a in inputs if _tensors(a.meta.get("val"))), key=_numel, default=None)
+    if not out or big is None:
+        return False
+    kept = _squeezed(out[0].shape)
+    return kept == _squeezed(_tensors(big.meta.get("val"))[0].shape[:len(kept)]) if kept else False
 
 
 def kernels(graph: fx.Graph, fuse: bool = True, keep=lambda node: True) -> Kernels:
