@@ -26,7 +26,7 @@ from examples.cnn import CNN
 from examples.gpt2 import GPT
 from examples.llama import Llama
 from fxacct.errors import UsageError
-from fxacct.runtime.storage_tracker import StorageTracker
+from fxacct.runtime.storage_tracker import StorageTracker, default_loss
 from fxacct.trace.torch_private import kineto_events
 from fxacct_cli.main import cli
 
@@ -91,7 +91,7 @@ def _oracle(name: str) -> tuple[int, int]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
     def step():
-        loss = compiled(*args).float().sum()
+        loss = default_loss(compiled(*args))
         loss.backward()
         optimizer.step()
         return loss

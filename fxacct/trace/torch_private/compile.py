@@ -20,14 +20,16 @@ _NAMES = (
     # inductor's joint-graph passes read the fake mode from its virtualized globals (compile_fx sets it)
     ("torch._inductor.virtualized", "V", "V"),
     ("torch._guards", "detect_fake_mode", "detect_fake_mode"),
+    # GraphLowering.decide_layout_opt: whether inductor runs a graph's convolutions channels-last
+    ("torch._inductor.graph", "GraphLowering", "GraphLowering"),
 )
 _loaded: SimpleNamespace | None = None
 
 
 def aot() -> SimpleNamespace:
     """aot_module_simplified, partition_fn, decompositions (the table's function),
-    functorch_patch (torch._functorch.config.patch), V (inductor's virtualized globals) and
-    detect_fake_mode, each looked up once."""
+    functorch_patch (torch._functorch.config.patch), V (inductor's virtualized globals),
+    detect_fake_mode and GraphLowering, each looked up once."""
     global _loaded
     if _loaded is None:
         found = {}
