@@ -144,11 +144,18 @@ def test_compile_changes_what_is_saved_on_gpt2():
     """Without a real compile: the partitioner saves layer norm's rstd (2·128·1 fp32 = 1,024 B per
     norm, 5 norms) and recomputes its normalized output, so compiled and eager saves differ, and the
     what-if carries both sides."""
-    prof = _profile("gpt2", compile=True)
+    prof, eager = _profile("gpt2", compile=True), _profile("gpt2")
     w = prof.compiled
     assert w is not None and w.eager.activation_bytes != w.compiled.activation_bytes
     assert w.compiled.activation_bytes == prof.accounting.totals.activation_bytes
-    assert w.eager.activation_bytes == _profile("gpt2").accounting.totals.activation_bytes
+    assert w.eager.activation_bytes == eager.accounting.totals.activation_bytes
+    # model FLOPs do not depend on the split: matmul and attention (FlopCounterMode's classes,
+    # which tests/test_flops.py holds eager's to) are eager's in both phases; the backward's
+    # attention counts dQ, dK and dV only if the compiled forward knows q, k, v need gradients
+    for phase in ("forward", "backward"):
+        a, b = getattr(prof.accounting.totals, phase), getattr(eager.accounting.totals, phase)
+        assert (a.matmul, a.attention) == (b.matmul, b.attention), phase
+    assert prof.accounting.totals.backward.attention == 2 * prof.accounting.totals.forward.attention
 
 
 def test_no_dedup_gives_the_same_compiled_account():

@@ -119,6 +119,10 @@ class Capture:
     output_storages: frozenset = frozenset()  # storage ids of the forward's output tensors (training)
     # --compile: (region, forward GraphModule, backward GraphModule) AOTAutograd made per region
     compiled_graphs: tuple = ()
+    # --compile: node name -> key of the fused kernel it runs in (fxacct.trace.fusion.FREE: a view),
+    # and key -> bytes the kernel moves
+    kernel_of: dict | None = None
+    kernel_bytes: dict | None = None
 
 
 @dataclass
@@ -146,6 +150,7 @@ class _Session:
     returned_loss: bool = False
     output_storages: frozenset = frozenset()
     compiled_graphs: tuple = ()  # --compile: (region, forward GraphModule, backward GraphModule)
+    compiled: object = None  # --compile: the CompiledRegions that ran
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureOptions = CaptureOptions()) -> Capture:
@@ -251,7 +256,7 @@ def _run(session: _Session) -> None:
     if hasattr(replay, "finish"):
         replay.finish()
     if regions is not None:
-        session.compiled_graphs = tuple(regions.graphs)
+        session.compiled_graphs, session.compiled = tuple(regions.graphs), regions
 
 
 def _autocast(o: CaptureOptions):
@@ -355,7 +360,9 @@ def _finish(session: _Session) -> Capture:
         inference=session.options.inference, deaths=dict(storages.deaths),
         returned_loss=session.returned_loss, output_storages=session.output_storages,
         compiled_graphs=session.compiled_graphs,
+        **(session.compiled.by_node(builder.nodes) if session.compiled is not None else {}),
     )
+
 
 
 def _positional_leaves(model, args):

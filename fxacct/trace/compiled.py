@@ -29,6 +29,7 @@ graphs keep their memory pool, which is stated, not modelled (docs/limits.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,9 @@ from fxacct.errors import ModelError, UsageError, called_by_torch, first_line
 from fxacct.trace import torch_private as tp
 from fxacct.trace.checkpointing import matched_modules
 from fxacct.trace.dispatch_recorder import RECOMPUTE, Recorder
-from fxacct.trace.fusion import kernel_internal
+from fxacct.trace.fusion import FREE, GraphKernels, graph_kernels
 from fxacct.trace.module_hooks import global_module_hooks
-from fxacct.trace.records import NO_NUMBERS, DerivedFromRecord
+from fxacct.trace.records import NO_NUMBERS, DerivedFromRecord, iter_nested
 from fxacct.trace.torch_private.compile import aot
 
 _MODULE_KEY = "fxacct_module"  # node.meta["custom"] key AOTAutograd copies onto each traced node
@@ -102,10 +103,22 @@ class _GraphRun(fx.Interpreter):
     the node's module, backward link and scope. Values are freed after their last use."""
 
     def __init__(self, gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool,
-                 internal: frozenset):
+                 kernels: GraphKernels, kernel_of: dict, input_grad):
         super().__init__(gm, garbage_collect_values=True)
         self.recorder, self.region, self.seq_first, self.backward = recorder, region, seq_first, backward
-        self.internal = internal
+        self.kernels, self.kernel_of, self.internal = kernels, kernel_of, kernels.internal
+        # whether each forward value requires grad in the step the graph stands for (the joint
+        # graph's view, which the recorder cannot see under autograd.Function's no_grad): a
+        # backward op's cost counts only the gradients its forward op's arguments need
+        # (boxed_run binds the placeholders without run_node): a forward input's from its
+        # AOTAutograd descriptor
+        self.needs_grad: dict[fx.Node, bool] = {
+            n: input_grad is not None and input_grad(n.meta.get("desc")) for n in gm.graph.find_nodes(op="placeholder")}
+
+    def _wanted(self, n: fx.Node) -> tuple:
+        """requires_grad of each tensor argument of ``n``, in the order the recorder meets them."""
+        return tuple(self.needs_grad.get(a, False) for a in iter_nested((n.args, tuple(n.kwargs.values())), fx.Node)
+                     if any(isinstance(t, torch.Tensor) for t in _tensor_leaves(self.env.get(a))))
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
@@ -118,13 +131,20 @@ class _GraphRun(fx.Interpreter):
             owner = self.seq_first.get(seq, self.seq_first.get(None))
             link = DerivedFromRecord(owner) if owner is not None else None
             scope = RECOMPUTE if n.meta.get("partitioner_tag") == _IS_FORWARD else None
-            rec.override = (None, link, scope, n in self.internal)
+            rec.override = (None, link, scope, n in self.internal, None)
         else:
-            rec.override = (module, NO_NUMBERS, rec.scope, n in self.internal)
+            rec.override = (module, NO_NUMBERS, rec.scope, n in self.internal, self._wanted(n))
         try:
             out = super().run_node(n)
         finally:
             rec.override = None
+        if not self.backward:
+            self.needs_grad[n] = any(self.needs_grad.get(a, False) for a in n.all_input_nodes) and any(
+                t.is_floating_point() for t in _tensor_leaves(out))
+        kernel = FREE if n in self.kernels.views else self.kernels.kernel_of.get(n)
+        if kernel is not None:  # the records of a fused (or view) node: its kernel, for the fused time
+            for index in range(first, len(rec.records)):
+                self.kernel_of[index] = (id(self.kernels), kernel)
         if not self.backward and len(rec.records) > first:
             self.seq_first.setdefault(seq, first)
             self.seq_first.setdefault(None, first)  # the region's first op: owner of unlinked backward ops
@@ -165,16 +185,33 @@ def channels_last_inputs(gm: fx.GraphModule) -> int:
     return copied
 
 
-def _runner(gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool, graphs: list):
+def _input_grad(module: torch.nn.Module, tensors: list, desc) -> bool:
+    """Whether the forward graph's input with AOTAutograd's descriptor ``desc`` requires grad: a
+    parameter (ParamAOTInput: its target in ``module``) or the region's input ``idx`` (PlainAOTInput)."""
+    target, idx = getattr(desc, "target", None), getattr(desc, "idx", None)
+    if isinstance(target, str):
+        p = dict(module.named_parameters(remove_duplicate=False)).get(target)
+        return p is not None and p.requires_grad
+    return isinstance(idx, int) and idx < len(tensors) and tensors[idx].requires_grad
+
+
+def _tensor_leaves(value) -> list:
+    return [t for t in tp.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _runner(gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool, graphs: list,
+            kernel_of: dict, kernel_bytes: dict, input_grad=None):
     if not backward:
         channels_last_inputs(gm)
     graphs.append(gm)
-    internal = kernel_internal(gm.graph)
+    kernels = graph_kernels(gm.graph)
+    kernel_bytes.update({(id(kernels), k): b for k, b in kernels.bytes_of.items()})
+    kernel_bytes[(id(kernels), FREE)] = 0
 
     def run(args: list):
         # boxed (AOTAutograd's convention, as inductor's code): the inputs' list is cleared, so a
         # saved tensor or input dies when the graph's last use of it has run
-        return _GraphRun(gm, recorder, region, seq_first, backward, internal).boxed_run(args)
+        return _GraphRun(gm, recorder, region, seq_first, backward, kernels, kernel_of, input_grad).boxed_run(args)
 
     run._boxed_call = True
     return run
@@ -187,6 +224,10 @@ class CompiledRegions:
     def __init__(self, model: torch.nn.Module, spec: CompileSpec, recorder: Recorder):
         self.model, self.spec, self.recorder = model, spec, recorder
         self.graphs: list[tuple[str, fx.GraphModule, fx.GraphModule | None]] = []
+        # record index -> (graph, kernel id) of the fused kernel its node runs in (FREE: a view);
+        # (graph, kernel id) -> bytes the kernel moves
+        self.kernel_of: dict[int, tuple] = {}
+        self.kernel_bytes: dict[tuple, int] = {}
         self._regions: list[_Region] = []
 
     def __enter__(self):
@@ -197,6 +238,12 @@ class CompiledRegions:
             self._regions.append(region)
             m.forward = self._compiled_forward(region)  # an instance attribute shadows the class's forward
         return self
+
+    def by_node(self, nodes: dict) -> dict:
+        """Capture's kernel_of (node name -> kernel key) and kernel_bytes, from the graph builder's
+        nodes by record index."""
+        return {"kernel_of": {nodes[i].name: k for i, k in self.kernel_of.items() if i in nodes},
+                "kernel_bytes": dict(self.kernel_bytes)}
 
     def __exit__(self, *exc):
         for region in self._regions:
@@ -226,10 +273,11 @@ class CompiledRegions:
         name = region.name or "(root)"
 
         def fw(gm, example_inputs):
-            return _runner(gm, rec, region.name, seq_first, False, graphs)
+            return _runner(gm, rec, region.name, seq_first, False, graphs, self.kernel_of, self.kernel_bytes,
+                           functools.partial(_input_grad, flat_module, tensors))
 
         def bw(gm, example_inputs):
-            return _runner(gm, rec, region.name, seq_first, True, graphs)
+            return _runner(gm, rec, region.name, seq_first, True, graphs, self.kernel_of, self.kernel_bytes)
 
         lib = aot()
         flat_module = _Flat(region, flat, spec, out_spec)

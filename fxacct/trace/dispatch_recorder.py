@@ -132,9 +132,10 @@ class Recorder(tp.TorchDispatchMode):
         self.recording = True
         self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
         self.in_mha = 0  # depth of F.multi_head_attention_forward calls (its bmm products are attention)
-        # (module, link, scope, fused) for the ops of one node of a compiled graph
-        # (fxacct.trace.compiled): the graph's node knows them, the running Python does not; None:
-        # the recorder decides. ``fused``: the node's result stays inside its fused kernel
+        # (module, link, scope, fused, requires_grad) for the ops of one node of a compiled graph
+        # (fxacct.trace.compiled): the graph's node knows them, the running Python (a forward under
+        # no_grad inside autograd.Function) does not; None: the recorder decides. ``fused``: the
+        # node's result stays inside its fused kernel; ``requires_grad``: per tensor argument, or None
         self.override: tuple | None = None
         # every tensor tagged here, weakly: a capture clears its tags when it ends (untag), so a
         # tensor that outlives it (FSDP2's gathered parameters, a module's constant) is untagged
@@ -285,7 +286,8 @@ class Recorder(tp.TorchDispatchMode):
             module = self.module_stack[-1]
         self.last_seq = hi
         if self.override is not None:
-            module, link, scope, _ = self.override
+            module, link, scope, _, wanted = self.override
+            rg = wanted if wanted is not None and len(wanted) == len(rg) else rg
         self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope))
         self.storages.clock = index
 

@@ -37,6 +37,7 @@ import torch.fx as fx
 from fxacct.trace.aliasing import VIEW, schema_kind
 
 aten = torch.ops.aten
+FREE = "view"  # the kernel key of a view: index arithmetic inside its readers, no kernel
 EXTERN = frozenset({
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
     aten.convolution_backward.default, aten._scaled_mm.default,
@@ -157,6 +158,23 @@ def kernels(graph: fx.Graph, fuse: bool = True, keep=lambda node: True) -> Kerne
     moved = sum(_kernel_bytes(ms, g.base) for ms in g.members.values())
     moved += sum(_kernel_bytes([n], g.base) for n in g.extern)
     return Kernels(len(g.members) + len(g.extern), len(g.extern) if fuse else 0, moved)
+
+
+@dataclass(frozen=True)
+class GraphKernels:
+    """One graph's fused kernels, for the runner: kernel id of each fused node, views (no kernel),
+    the bytes each fused kernel moves, and the nodes whose results stay inside their kernel."""
+
+    kernel_of: dict  # fx.Node -> kernel id (fused nodes; extern ops are absent)
+    views: frozenset
+    bytes_of: dict  # kernel id -> bytes moved
+    internal: frozenset
+
+
+def graph_kernels(graph: fx.Graph) -> GraphKernels:
+    g = _grouped(graph, True, lambda node: True)
+    return GraphKernels(dict(g.group), frozenset(g.base), {k: _kernel_bytes(ms, g.base) for k, ms in g.members.items()},
+                        kernel_internal(graph))
 
 
 def kernel_internal(graph: fx.Graph) -> frozenset:
