@@ -12,7 +12,7 @@ ROWS = (("activations (saved)", "activation_bytes", format_bytes),
         ("training peak", "peak_train_bytes", format_bytes),
         ("kernels, forward + backward", "kernels", lambda n: f"{n:,}"),
         ("bytes moved by them", "bytes_moved", format_bytes),
-        ("predicted step (unfused ops)", "predicted_step_ms", lambda ms: f"{ms:.3g} ms"))
+        ("predicted step time", "predicted_step_ms", lambda ms: f"{ms:.3g} ms"))
 TOP_MODULES = 8  # modules shown whose saved bytes change most
 
 

@@ -332,9 +332,9 @@ def compiled(model: torch.nn.Module, spec: CompileSpec | None, recorder: Recorde
 @dataclass(frozen=True)
 class CompileSide:
     """One account of the compile what-if, forward and backward of the step: activation bytes
-    autograd saves, the training peak, the kernels and the bytes they move (fxacct.predict.fusion;
-    eager: one kernel per op), the roofline's step time where a device model is known (over the
-    ops as captured, before fusion), and activation bytes per module (FQN -> bytes)."""
+    autograd saves, the training peak, the kernels and the bytes they move (fxacct.trace.fusion;
+    eager: one kernel per op), the roofline's step time where a device model is known (compiled:
+    with the fused kernels, fxacct.predict.fused_time), and activation bytes per module (FQN -> bytes)."""
 
     activation_bytes: int
     peak_train_bytes: int | None
