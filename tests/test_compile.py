@@ -236,3 +236,5 @@ def test_cli_compile_json_section_and_mesh_refusal():
     assert section["eager"]["activation_bytes"] > section["compiled"]["activation_bytes"]
     refused = CliRunner().invoke(cli, [*args, "--compile", "--mesh", "fsdp=1"])
     assert refused.exit_code == 2 and "one device" in refused.output and "Traceback" not in refused.output
+    refused = CliRunner().invoke(cli, [*args, "--compile", "--runtime"])  # a real run is eager
+    assert refused.exit_code == 2 and "--runtime runs the model eagerly" in refused.output
