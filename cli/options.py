@@ -18,7 +18,7 @@ import cloup
 
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
-from fxacct.load.flags import CAUSAL_CONVENTIONS, DEFAULTS, LOSSES, check_request, parse_kwarg
+from fxacct.load.flags import CAUSAL_CONVENTIONS, COMPILE_MODES, DEFAULTS, LOSSES, check_request, parse_kwarg
 from fxacct.load.mesh import parse_mesh
 from fxacct.load.output_path import check_writable
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
@@ -119,6 +119,15 @@ CHECKPOINT = click.option("--checkpoint", "checkpoint", multiple=True, metavar="
 CHECKPOINT_POLICY = click.option("--checkpoint-policy", default=None, metavar="save-matmuls|PATH.py:fn",
                                  help="Selective checkpointing with --checkpoint: save the matmul outputs, or "
                                       "a policy function for create_selective_checkpoint_contexts (default: plain checkpointing).")
+COMPILE = click.option("--compile", "compile_model", is_flag=True,
+                       help="Account the step as torch.compile(model) runs it: the saved tensors and recompute "
+                            "of inductor's partitioner; side by side with eager.")
+COMPILE_BLOCKS = click.option("--compile-blocks", "compile_blocks", multiple=True, metavar="PATTERN",
+                              help="Compile each module whose name matches PATTERN (a glob such as 'layers.*'), "
+                                   "as torchtitan compiles each block; repeatable.")
+COMPILE_MODE = click.option("--compile-mode", type=click.Choice(COMPILE_MODES), default="default", show_default=True,
+                            help="torch.compile's mode, with --compile or --compile-blocks (it does not change the "
+                                 "partition; docs/limits.md).")
 COSTS = click.option("--costs", "costs", multiple=True, metavar="PATH.py",
                      help="Load cost formulas for custom ops (fxacct.costs.register); repeatable.")
 
@@ -149,6 +158,7 @@ MODEL_AND_INPUTS = [
     LOSS, HF_CLASS, SEQ_LEN,
     CHECKPOINT,
     CHECKPOINT_POLICY,
+    COMPILE, COMPILE_BLOCKS, COMPILE_MODE,
     COSTS,
     click.option("--tokens-per-example", type=int, default=None,
                  help="Tokens per example for per-token figures and 6·N·D (default: the first integer input's length)."),
@@ -309,7 +319,8 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               causal_attention, tokens_per_example, optimizer, optim_items, amp, master_weights, gpu,
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
-              costs=(), mesh=None, alloc_conf=None, fp8=None, torchtitan_args=(), **_) -> Config:
+              costs=(), mesh=None, alloc_conf=None, fp8=None, torchtitan_args=(), compile_model=False,
+              compile_blocks=(), compile_mode="default", **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size. First the checks
@@ -329,10 +340,11 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
         alloc_conf=alloc_conf, fp8=fp8,
         torchtitan_args=tuple(torchtitan_args),
+        compile=compile_model, compile_blocks=tuple(compile_blocks), compile_mode=compile_mode,
     )
 
 
 __all__ = ["TORCHTITAN_ARGS", "FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
            "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
-           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
+           "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COMPILE", "COMPILE_BLOCKS", "COMPILE_MODE", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

@@ -25,9 +25,13 @@ from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.torchtitan import profile_torchtitan
+from fxacct.predict.fused_time import fused_step_ms
 from fxacct.predict.roofline import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, fit_probe
+from fxacct.trace import fusion
+from fxacct.trace.capture import BACKWARD, FORWARD
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
+from fxacct.trace.compiled import CompileSide, CompileWhatIf
 
 
 @with_frozen_heap
@@ -68,7 +72,10 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
         prof = replace(prof, memory=_with_fit(prof.memory, model, config, inputs_for))
     if config.checkpoint:
         prof = replace(prof, checkpoint=_checkpoint_whatif(model, args, kwargs or {}, config, prof, inputs_for))
-    return _predicted(prof)
+    prof = _predicted(prof)
+    if config.compiled:
+        prof = replace(prof, compiled=_compile_whatif(model, args, kwargs or {}, config, prof))
+    return prof
 
 
 def _one_device_notes(prof: Profile) -> Profile:
@@ -125,6 +132,35 @@ def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, input
         eager = replace(eager, memory=_with_fit(eager.memory, model, plain, inputs_for))
     return CheckpointWhatIf(config.checkpoint, tuple(matched_modules(model, config.checkpoint)),
                             config.checkpoint_policy, side(prof), side(eager))
+
+
+def _compile_whatif(model, args, kwargs, config: Config, prof: Profile) -> CompileWhatIf:
+    """--compile: the same step eager (a second capture), beside the compiled one."""
+    eager = _predicted(account_step(replace(config, compile=False, compile_blocks=(), compile_mode="default"),
+                                    OneDevice(model, tuple(args), kwargs), with_inference=False))
+    graphs = prof.capture.compiled_graphs
+    regions = tuple(name for name, _, _ in graphs)
+
+    def inside(module: str) -> bool:
+        return any(r == "" or module == r or module.startswith(r + ".") for r in regions)
+
+    def step_ops(p: Profile, compiled_ops: bool):
+        def keep(node) -> bool:
+            cost = node.meta.get("fxacct")
+            return (cost is not None and cost.phase in (FORWARD, BACKWARD)
+                    and not (compiled_ops and inside(cost.module)))
+        return fusion.kernels(p.capture.graph, fuse=False, keep=keep)
+
+    def side(p: Profile, k, fused: bool = False) -> CompileSide:
+        pred = None if p.prediction is None else (fused_step_ms(
+            p.prediction, p.capture.graph, p.capture.kernel_of, p.capture.kernel_bytes) if fused else p.prediction.step_ms)
+        peak = p.memory.rank_peak.bytes if p.memory.rank_peak is not None else None
+        return CompileSide(p.accounting.totals.activation_bytes, peak, k.kernels, k.bytes_moved, pred,
+                           {m.module: m.activation_bytes for m in p.accounting.modules})
+
+    fused, rest = fusion.region_kernels(graphs), step_ops(prof, True)
+    both = fusion.Kernels(fused.kernels + rest.kernels, fused.extern, fused.bytes_moved + rest.bytes_moved)
+    return CompileWhatIf(regions, config.compile_mode, side(prof, both, True), side(eager, step_ops(eager, False)))
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:

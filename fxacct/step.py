@@ -31,6 +31,7 @@ from fxacct.predict.roofline import Prediction
 from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.checkpointing import CheckpointWhatIf
+from fxacct.trace.compiled import CompileSpec, CompileWhatIf
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.units import format_bytes, format_count
 
@@ -55,6 +56,7 @@ class Profile:
     warnings: tuple[str, ...] = ()
     parallel: MeshAccount | None = None  # under --mesh
     checkpoint: CheckpointWhatIf | None = None  # under --checkpoint, on one device
+    compiled: CompileWhatIf | None = None  # under --compile / --compile-blocks, on one device
     model_class: str | None = None  # the class of the model built (hf: targets: the one transformers chose)
     prediction: Prediction | None = None  # the roofline's step time, where a device model is known
 
@@ -136,7 +138,8 @@ def capture_options(config: Config, model: torch.nn.Module, inference: bool = Fa
         master_weights=config.master_weights, cuda=config.gpu is not None, dedup=config.dedup,
         loss=config.loss, causal_lm=is_causal_lm(model), checkpoint=config.checkpoint,
         checkpoint_policy=config.checkpoint_policy,
-        defer=(fp8.float8_tensor_type(),) if config.fp8 else (), **extra)
+        defer=(fp8.float8_tensor_type(),) if config.fp8 else (),
+        compile=CompileSpec(config.compile_blocks, config.compile_mode) if config.compiled else None, **extra)
 
 
 def tokens_per_example(args, kwargs, batch: int) -> int | None:

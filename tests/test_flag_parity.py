@@ -56,6 +56,7 @@ FLAGS = {
     "gpu-h100": (("--gpu", "h100"), "activation_bytes"),  # GPU kernel rules: what attention saves
     "causal-halved": (("--causal-attention", "halved"), "forward_flops"),
     "input-requires-grad": (("--input-requires-grad",), "backward_flops"),  # on MLP: token inputs take no grad
+    "compile": (("--compile",), "activation_bytes"),  # the partitioner saves other tensors than eager
 }
 
 # The account's figures a path must not change (by_class dicts included): FLOPs by phase and class,
@@ -116,6 +117,13 @@ def test_mesh_of_one_gives_the_one_device_account(runs, model, flag, mesh):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: --master-weights with --mesh {mesh}:"), lines
         assert "--amp bf16" in lines[0], lines
+        return
+    if flag == "compile":
+        result = runs(*command(model, flag, mesh))
+        # --compile is accounted on one device only so far (docs/limits.md): a one-line usage error
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--compile" in lines[0] and "one device" in lines[0], lines
         return
     one = totals(runs, *command(model, flag, None))
     ranked = totals(runs, *command(model, flag, mesh))

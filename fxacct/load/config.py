@@ -14,7 +14,7 @@ from fxacct.errors import UsageError
 from fxacct.interconnects import network
 from fxacct.load import fp8
 from fxacct.load.alloc_conf import AllocConf, from_environment
-from fxacct.load.flags import CAUSAL_CONVENTIONS, DEFAULTS
+from fxacct.load.flags import CAUSAL_CONVENTIONS, COMPILE_MODES, DEFAULTS
 from fxacct.load.inputs import InputSpec, parse_input_spec
 from fxacct.load.mesh import MeshSpec, check_config, parse_mesh
 from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_optim_arg
@@ -70,6 +70,14 @@ class Config:
     zero1: bool = False  # ZeRO-1 over --mesh dp=N: the optimizer state sharded (ZeroRedundancyOptimizer)
     fp8: str | None = None  # "tensorwise" or "rowwise": linear layers as torchao's Float8Linear (fxacct.load.fp8)
     torchtitan_args: tuple[str, ...] = ()  # torchtitan:MODULE:CONFIG: torchtitan's own overrides (after --)
+    compile: bool = False  # account the step as torch.compile(model) runs it (fxacct.trace.compiled)
+    compile_blocks: tuple[str, ...] = ()  # globs: compile each matching module instead (regional)
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step is accounted compiled (--compile or --compile-blocks)."""
+        return self.compile or bool(self.compile_blocks)
 
     def __post_init__(self):
         self._normalize()
@@ -160,7 +168,7 @@ class Config:
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
         if not isinstance(self.zero1, bool):
             raise UsageError(f"Config(zero1={self.zero1!r}): give True or False")
-        for name in ("checkpoint", "costs", "torchtitan_args"):
+        for name in ("checkpoint", "costs", "torchtitan_args", "compile_blocks"):
             value = getattr(self, name)
             items = (value,) if isinstance(value, str) else tuple(value)
             if not all(isinstance(v, str) for v in items):
@@ -180,6 +188,18 @@ class Config:
         LossSpec(self.loss, self.loss_output)
         if self.seq_len is not None and self.seq_len <= 0:
             raise UsageError(f"--seq-len must be a positive integer, got {self.seq_len}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise UsageError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+        if self.compile_mode != "default" and not self.compiled:
+            raise UsageError("--compile-mode needs --compile or --compile-blocks PATTERN")
+        if self.compile and self.compile_blocks:
+            raise UsageError("--compile compiles the whole model and --compile-blocks each matching module: give one")
+        if self.compiled and (self.mesh is not None or self.world_size > 1):
+            raise UsageError("--compile (--compile-blocks) is accounted on one device only so far: drop --mesh / "
+                             "--world-size, or drop --compile")
+        if self.compiled and self.checkpoint:
+            raise UsageError("--compile with --checkpoint is not supported yet (the partitioner would need "
+                             "checkpointing's recompute tags): give one of them")
         if self.checkpoint_policy is not None and not self.checkpoint:
             raise UsageError("--checkpoint-policy needs --checkpoint PATTERN (the modules it applies to)")
 

@@ -18,6 +18,8 @@ from fxacct.errors import UsageError
 
 HF_PREFIX = "hf:"
 _MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# torch.compile's modes (torch/__init__.py, compile's ``mode``); fxacct.trace.compiled says what each changes
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CAUSAL_CONVENTIONS = ("full", "halved")
 SUM, CROSS_ENTROPY, MSE, MODEL = "sum", "cross-entropy", "mse", "model"
 LOSSES = (SUM, CROSS_ENTROPY, MSE, MODEL)
@@ -111,6 +113,6 @@ def check_request(target: str | None, dtype=None, amp=None, gpu: str | None = No
     check_target(target)
 
 
-__all__ = ["HF_PREFIX", "CAUSAL_CONVENTIONS", "SUM", "CROSS_ENTROPY", "MSE", "MODEL", "LOSSES", "DEFAULT_DEPTH",
+__all__ = ["HF_PREFIX", "CAUSAL_CONVENTIONS", "COMPILE_MODES", "SUM", "CROSS_ENTROPY", "MSE", "MODEL", "LOSSES", "DEFAULT_DEPTH",
            "DEFAULT_TOP", "Defaults", "DEFAULTS", "split_assignment", "parse_kwarg", "model_file", "hf_config_file",
            "is_module_path", "check_target", "check_request"]

@@ -10,6 +10,7 @@ from fxacct.costs.registry import FLOP_CLASSES, Flops
 from fxacct.dtypes import dtype_name
 from fxacct.report.checkpoint_text import checkpoint_json
 from fxacct.report.collectives import add_to_document
+from fxacct.report.compile_text import compile_json
 from fxacct.report.runtime_json import predicted
 from fxacct.report.runtime_json import runtime as runtime_json
 from fxacct.step import Profile
@@ -83,6 +84,7 @@ def _document(p: Profile) -> dict:
         "unsupported_ops": dict(a.unsupported_ops),
         "warnings": list(p.warnings),
         "checkpoint": checkpoint_json(p.checkpoint),
+        "compile": compile_json(p.compiled),
     }
 
 

@@ -8,6 +8,7 @@ from fxacct.dtypes import dtype_name
 from fxacct.load.flags import DEFAULT_DEPTH, DEFAULT_TOP
 from fxacct.report.checkpoint_text import checkpoint_section
 from fxacct.report.collectives import render_collectives
+from fxacct.report.compile_text import compile_section
 from fxacct.report.memory_text import render_memory
 from fxacct.report.runtime_text import predicted_section, runtime_section
 from fxacct.report.summary_text import render_summary, uncosted_ops
@@ -127,6 +128,8 @@ def render_text(p: Profile, depth: int = DEFAULT_DEPTH, top: int = DEFAULT_TOP, 
              f"modules (depth {depth}, inclusive):", modules_table(p, depth, width), ""]
     if p.checkpoint is not None:
         parts += [checkpoint_section(p.checkpoint), ""]
+    if p.compiled is not None:
+        parts += [compile_section(p.compiled), ""]
     if top > 0:
         parts += [f"top {top} node{'s' if top != 1 else ''} by forward+backward FLOPs:", nodes_table(p, top, width),
                   ""]

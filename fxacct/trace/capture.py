@@ -36,6 +36,7 @@ from fxacct.errors import FxacctError, ModelError, classify, describe_exception
 from fxacct.load.specs import OptimizerSpec
 from fxacct.trace import torch_private as tp
 from fxacct.trace.checkpointing import checkpointed
+from fxacct.trace.compiled import CompileSpec, compiled
 from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases)
     BACKWARD,
     FORWARD,
@@ -85,6 +86,7 @@ class CaptureOptions:
     checkpoint: tuple[str, ...] = ()  # fxacct.trace.checkpointing: module globs to checkpoint
     checkpoint_policy: str | None = None
     defer: tuple = ()  # tensor subclasses whose ops are recorded as they desugar (--fp8: torchao's float8 tensor)
+    compile: CompileSpec | None = None  # fxacct.trace.compiled: the step as torch.compile splits it
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ class Capture:
     deaths: dict | None = None
     returned_loss: bool = False  # the output carried a loss of its own (fxacct.trace.loss.returned_loss)
     output_storages: frozenset = frozenset()  # storage ids of the forward's output tensors (training)
+    # --compile: (region, forward GraphModule, backward GraphModule) AOTAutograd made per region
+    compiled_graphs: tuple = ()
+    # --compile: node name -> key of the fused kernel it runs in (fxacct.trace.fusion.FREE: a view),
+    # and key -> bytes the kernel moves
+    kernel_of: dict | None = None
+    kernel_bytes: dict | None = None
 
 
 @dataclass
@@ -142,6 +150,8 @@ class _Session:
     loss: torch.Tensor | None = None
     returned_loss: bool = False
     output_storages: frozenset = frozenset()
+    compiled_graphs: tuple = ()  # --compile: (region, forward GraphModule, backward GraphModule)
+    compiled: object = None  # --compile: the CompiledRegions that ran
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, options: CaptureOptions = CaptureOptions()) -> Capture:
@@ -221,7 +231,8 @@ def _replay_for(session: _Session):
     # --checkpoint: no training replay. A replayed block stands in for a run of the module the
     # checkpoint wrapper surrounds, so torch.utils.checkpoint's frame would see the saved tensors
     # of one traced block against a recompute of each (CheckpointError); every block is traced.
-    if o.dedup and o.backward and not o.checkpoint:
+    # --compile: a compiled region runs its graphs, not its submodules: there are no block calls to replay
+    if o.dedup and o.backward and not o.checkpoint and o.compile is None:
         return TrainReplay(session.recorder, session.storages, find_runs(session.model), session.saved)
     return contextlib.nullcontext()
 
@@ -235,7 +246,7 @@ def _run(session: _Session) -> None:
             swapped(model, session.fake, training=not o.inference), \
             torch.autograd.graph.saved_tensors_hooks(session.saved.pack, session.saved.unpack), \
             AttentionScope(rec), (CudaRules() if o.cuda else contextlib.nullcontext()), replay, \
-            checkpointed(model, o.checkpoint, o.checkpoint_policy):
+            checkpointed(model, o.checkpoint, o.checkpoint_policy), compiled(model, o.compile, rec) as regions:
         with torch.no_grad() if o.inference else contextlib.nullcontext(), _autocast(o), hf_eager(model):
             box = [model(*session.fake_args, **session.fake_kwargs)]  # _train_step drops it
         if o.inference:
@@ -245,6 +256,8 @@ def _run(session: _Session) -> None:
         session.storages.open = False  # what is still alive now lives to the end of the step
     if hasattr(replay, "finish"):
         replay.finish()
+    if regions is not None:
+        session.compiled_graphs, session.compiled = tuple(regions.graphs), regions
 
 
 def _autocast(o: CaptureOptions):
@@ -347,7 +360,10 @@ def _finish(session: _Session) -> Capture:
         master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in session.masters),
         inference=session.options.inference, deaths=dict(storages.deaths),
         returned_loss=session.returned_loss, output_storages=session.output_storages,
+        compiled_graphs=session.compiled_graphs,
+        **(session.compiled.by_node(builder.nodes) if session.compiled is not None else {}),
     )
+
 
 
 def _positional_leaves(model, args):

@@ -132,6 +132,11 @@ class Recorder(tp.TorchDispatchMode):
         self.recording = True
         self.scope: str | None = None  # "attention" inside scaled_dot_product_attention
         self.in_mha = 0  # depth of F.multi_head_attention_forward calls (its bmm products are attention)
+        # (module, link, scope, fused, requires_grad) for the ops of one node of a compiled graph
+        # (fxacct.trace.compiled): the graph's node knows them, the running Python (a forward under
+        # no_grad inside autograd.Function) does not; None: the recorder decides. ``fused``: the
+        # node's result stays inside its fused kernel; ``requires_grad``: per tensor argument, or None
+        self.override: tuple | None = None
         # every tensor tagged here, weakly: a capture clears its tags when it ends (untag), so a
         # tensor that outlives it (FSDP2's gathered parameters, a module's constant) is untagged
         # when the next capture of the same model meets it
@@ -189,6 +194,13 @@ class Recorder(tp.TorchDispatchMode):
                 delattr(t, TAG)
         self.tagged = []
 
+    def _fused_away(self, out) -> None:
+        """The storages of a result that lives inside a fused kernel hold no bytes: inductor never
+        allocates them (fxacct.trace.fusion.kernel_internal)."""
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.storages.real[self.storages.id_of(t)] = (t.dtype, 0)
+
     def refs(self, a, rg: list):
         """``a`` with each tensor replaced by its Ref; whether each required grad goes to ``rg``."""
         def one(t: torch.Tensor) -> Ref:
@@ -231,6 +243,8 @@ class Recorder(tp.TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace in _NOT_RECORDED or not self.recording:
             return out
+        if self.override is not None and self.override[3]:
+            self._fused_away(out)
         fix = _KERNEL_DTYPES.get(func)
         if fix is not None:
             fix(self.storages, args, out)
@@ -271,6 +285,9 @@ class Recorder(tp.TorchDispatchMode):
                 link = self.group or NO_NUMBERS
             module = self.module_stack[-1]
         self.last_seq = hi
+        if self.override is not None:
+            module, link, scope, _, wanted = self.override
+            rg = wanted if wanted is not None and len(wanted) == len(rg) else rg
         self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope))
         self.storages.clock = index
 
