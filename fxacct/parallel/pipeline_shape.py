@@ -47,9 +47,9 @@ def same_figures(a, b) -> bool:
     """Two stage Profiles agree on every figure the plan reads and the pipeline replays: the op
     sequence of the trace (targets, output shapes, phases), the totals, the memory account and
     peaks, the collectives by op and phase, and the predicted times."""
-    def ops(prof):
-        return [(n.op, str(n.target), str(n.meta.get("val", "")), getattr(n.meta.get("trace"), "phase", None))
-                for n in prof.capture.graph.nodes]
+    def ops(prof):  # a placeholder's target is its parameter's name (layers_20_...): its meta says the rest
+        return [(n.op, "" if n.op == "placeholder" else str(n.target), str(n.meta.get("val", "")),
+                 getattr(n.meta.get("trace"), "phase", None)) for n in prof.capture.graph.nodes]
 
     def collectives(prof):
         par = prof.parallel

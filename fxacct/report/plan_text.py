@@ -58,5 +58,5 @@ def plan_json(result) -> dict:
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
          "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
          "checkpoint": c.layout.checkpoint, "peak_bytes": c.peak_bytes,
-         "step_ms": None if c.step_s is None else 1e3 * c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
+         "step_ms": None if c.step_s is None else 1e3 * c.step_s, "model_flops": c.model_flops, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
          "source": c.source, "fits": c.fits, "dominated": c.dominated, "rejected": c.rejected} for c in result.candidates]}

@@ -43,6 +43,9 @@ class Candidate:
     rejected: str | None = None  # why it does not fit or cannot run, None if it does
     dominated: str | None = None  # fits, but a layout of its group is faster (not traced)
     over_bytes: int | None = None  # peak − capacity when over memory (a lower bound from the screen)
+    # forward + backward matmul and attention FLOPs of one step: A × the traced micro-step's, with
+    # pp summed over the pipeline's stages (one replica of the model); None where nothing was traced
+    model_flops: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -150,7 +153,7 @@ class Planner:
         peak = p.peak_bytes + (p.grad_bytes if a > 1 else 0)
         # a micro-steps of forward and backward, then one optimizer step
         step = a * (p.step_s - p.optimizer_s) + p.optimizer_s
-        return self._judge(lay, peak, step, p.tokens_per_example, a * p.model_flops / step, source)
+        return self._judge(lay, peak, step, p.tokens_per_example, a * p.model_flops, source)
 
     def _pipeline_candidate(self, lay: Layout, pipe: PipePoint, source: str) -> Candidate:
         if not pipe.timed:
@@ -163,12 +166,13 @@ class Planner:
         # slowest micro-step for GPipe and 1F1B), then one optimizer step, the slowest rank's
         step = max(a * (s - o) for s, o in zip(pipe.step_s, pipe.optimizer_s)) / (1 - pipe.bubble_fraction) + \
             max(pipe.optimizer_s)
-        flops = a * sum(pipe.model_flops) / len(pipe.model_flops) / step
-        return self._judge(lay, pipe.peak_bytes, step, pipe.tokens_per_example, flops, source)
+        return self._judge(lay, pipe.peak_bytes, step, pipe.tokens_per_example, a * sum(pipe.model_flops), source,
+                           len(pipe.model_flops))
 
-    def _judge(self, lay, peak: int, step_s: float, tokens: int, flops_per_s: float, source: str) -> Candidate:
+    def _judge(self, lay, peak: int, step_s: float, tokens: int, flops: int, source: str, ranks: int = 1) -> Candidate:
+        """``flops``: the step's over ``ranks`` GPUs (a pipeline's stages), for MFU a GPU's share."""
         c = Candidate(lay, peak, step_s, self.global_batch * tokens / step_s if tokens else None,
-                      flops_per_s / self.peak_flops, source)
+                      flops / ranks / step_s / self.peak_flops, source, model_flops=flops)
         if peak > self.capacity:
             least = " at least" if source == "screen" else ""  # the screen's peak is a lower bound
             return replace(c, rejected=f"over memory by{least} {format_bytes(peak - self.capacity)} "
