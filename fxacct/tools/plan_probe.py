@@ -135,10 +135,14 @@ class Planner:
         cfg = self.layout_config(lay)
         blocks = self.facts.blocks
         try:
-            if lay.pp > 1:
-                if full or not pipeline_screens(blocks, lay.pp):
-                    return self._pipeline_candidate(lay, self._pipeline(cfg, None), "traced")
-                return self._pipeline_candidate(lay, screen_pipeline(cfg, blocks, lay.pp, self._pipeline), "screen")
+            if lay.pp > 1:  # the screen only rejects: its peak, a lower bound, can be far below a pipeline's
+                # (a stage that keeps its blocks' gathered weights between micro-batches grows by them at a
+                # moment that is not the peak at 3 or 4 blocks a stage)
+                if not full and pipeline_screens(blocks, lay.pp):
+                    c = self._pipeline_candidate(lay, screen_pipeline(cfg, blocks, lay.pp, self._pipeline), "screen")
+                    if c.over_memory or c.rejected:
+                        return c
+                return self._pipeline_candidate(lay, self._pipeline(cfg, None), "traced")
             if full:
                 return self._candidate(lay, self._trace(cfg, None), "traced")
             source = "traced" if blocks <= SCREEN_BLOCKS + 1 else "screen"
