@@ -31,7 +31,7 @@ M × the slowest stage's micro-step (its optimizer left out) ÷ (1 − the sched
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fxacct.errors import UsageError
 from fxacct.heap import with_frozen_heap
