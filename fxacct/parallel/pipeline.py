@@ -68,12 +68,12 @@ def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=
     return part
 
 
-def resolve_points(config, stages: int):
+def resolve_points(config, stages: int, loader=load_model):
     """The FQNs where stages begin (None with a --pp-split function); automatic ones balance the
     repeated blocks' FLOPs in a one-device trace of the whole model."""
     if is_function(config.pp_split):
         return None
-    model, args, kwargs, _ = load_model(config)
+    model, args, kwargs, _ = loader(config)
     found = {id(b) for b in repeated_blocks(model)}
     blocks = [n for n, m in model.named_modules() if id(m) in found]
 
@@ -189,7 +189,7 @@ def profile_pipeline(config, loader=load_model, reuse_stages: bool = False):
                          f"({blocks}): {fix}")
     check_microbatches(config.pp_schedule, ranks, m)
     orders = simulate(config.pp_schedule, ranks, m, v)
-    points = resolve_points(config, stages)
+    points = resolve_points(config, stages, loader)
     parts = _stage_inputs(config, stages, points, loader)
     profs = _profile_stages(config, stages, points, parts, loader, reuse_stages)
     flows = [traffic([r for _, _, r, _ in parts], s) for s in range(stages)]
