@@ -159,9 +159,10 @@ def search(planner: Planner, layouts: list[Layout], jobs: int = 1, cache_dir=Non
             out.update(_search_mesh(planner, mesh_groups))
         return out, pruned
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(meshes)), mp_context=ctx, initializer=_start,
-                                                initargs=(planner.config, planner.gpus, planner.global_batch,
-                                                          cache_dir)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(meshes)), mp_context=ctx, initializer=_start,
+                                                  initargs=(planner.config, planner.gpus, planner.global_batch,
+                                                            cache_dir))
+    try:
         futures = {pool.submit(_work, mesh_groups): mesh for mesh, mesh_groups in meshes.items()}
         done = {}
         for fut in concurrent.futures.as_completed(futures):
@@ -172,6 +173,10 @@ def search(planner: Planner, layouts: list[Layout], jobs: int = 1, cache_dir=Non
                 planner.probes.append(p)
                 if planner.on_probe is not None:
                     planner.on_probe(p)
+    except BaseException:  # an interrupt or a worker's error: start no other mesh, wait for none
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     for mesh in meshes:  # in mesh order, whatever order the workers finished in
         out.update(done[mesh])
     return out, pruned
