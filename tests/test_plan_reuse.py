@@ -138,3 +138,22 @@ def test_plan_prints_and_carries_its_counts():
     head = r.stdout.splitlines()[0]
     settled = total - traced - reused - pruned
     assert head.endswith(f"12 layouts: {traced} traced, {reused} reused, 6 pruned, {settled} settled by their group")
+
+
+def test_a_trace_is_named_the_same_in_another_process(tmp_path):
+    """The disk cache serves reruns, other processes: a trace's file name (a hash of its Config,
+    the files it names, fxacct's source and torch's version) holds no address or other value of
+    one process."""
+    import subprocess
+    import sys
+
+    from fxacct.tools.plan_cache import TraceCache
+
+    code = ("import fxacct; from fxacct.tools.plan_cache import TraceCache; "
+            f"c = fxacct.Config(target={LLAMA!r}, gpu='h100', mesh='fsdp=4', parallelize={PARALLELIZE!r}, "
+            "kwargs={'n_layers': 2}, find_max_batch=False, loss='cross-entropy'); "
+            f"print(TraceCache({str(tmp_path)!r})._path(c, ('point', 3)).name)")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
+    here = TraceCache(tmp_path)._path(replace(llama(kwargs={"n_layers": 2}), batch=1), ("point", 3)).name
+    assert other == here
+    assert TraceCache(tmp_path)._path(llama(kwargs={"n_layers": 3}), ("point", 3)).name != here
