@@ -86,7 +86,7 @@ class Planner:
         self.ckpt = config.checkpoint or ((f"{self.facts.container}.*",) if self.facts.container else ())
         self.cache: dict[tuple, Point | PipePoint] = {}
         self.disk, self.on_probe = disk, on_probe
-        self.ran = 0  # traces run by this planner (not found in memory or on disk)
+        self.ran = 0  # traces run (or begun) by this planner, not found in memory or on disk
         self.probes: list[Probe] = []
 
     def layout_config(self, lay: Layout):
@@ -104,8 +104,8 @@ class Planner:
             return self.cache[key]
         got = self.disk.get(cfg, part) if self.disk is not None else None
         if got is None:
+            self.ran += 1  # before it runs: a trace that raises (a usage error of the layout) was run too
             got = run()
-            self.ran += 1
             if self.disk is not None:
                 self.disk.put(cfg, part, got)
         self.cache[key] = got
