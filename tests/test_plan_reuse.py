@@ -157,3 +157,13 @@ def test_a_trace_is_named_the_same_in_another_process(tmp_path):
     here = TraceCache(tmp_path)._path(replace(llama(kwargs={"n_layers": 2}), batch=1), ("point", 3)).name
     assert other == here
     assert TraceCache(tmp_path)._path(llama(kwargs={"n_layers": 3}), ("point", 3)).name != here
+
+
+@pytest.mark.slow  # spawns two worker processes
+def test_a_pooled_search_gives_the_plan_of_one_process():
+    """--jobs 2 (a spawned worker per mesh) and --jobs 1 (this process) judge every layout alike:
+    the same candidates in the same order, the same counts."""
+    cfg = llama(kwargs={"n_layers": 2})
+    one, two = plan(cfg, 4, 8, jobs=1), plan(cfg, 4, 8, jobs=2)
+    assert two.candidates == one.candidates
+    assert (two.layouts, two.traced, two.reused, two.pruned) == (one.layouts, one.traced, one.reused, one.pruned)
