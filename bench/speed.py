@@ -23,6 +23,13 @@ batches printed, which must agree): target < 4 s.
 Issue 9 (``--only llama2-70b-mesh``): examples/llama.py at Llama-2-70B dimensions (T=4096) under
 ``--mesh fsdp=8,tp=8`` with its own ``parallelize``, paired against the same model's
 single-device profile (both through ``fxacct.profile``, as the CLI runs them): target ≤ 1.5.
+
+Issue 25 (``--only plan-70b``): ``fxacct plan`` on that shape with tensor and pipeline parallel
+layouts (64 H100s, 8 a node, global batch 512, its ``parallelize`` and ``pipeline_stage``), a
+whole process without the disk cache (``--no-cache``), ``--jobs`` as given (default: the cores):
+wall and CPU seconds (the workers' included), the layouts traced, reused and pruned, and whether
+the top layout fits on a full trace. Target: under 180 s wall on an idle 2-core machine. No
+reference to pair with (the command did not finish in 900 s before); ``--pairs`` runs it again.
 """
 
 from __future__ import annotations
@@ -86,6 +93,13 @@ print(p.accounting.totals.model_flops)
 '''
 MESH = "fsdp=8,tp=8"
 
+PLAN_CASE = "plan-70b"
+PLAN_ARGS = ["plan", "examples/llama.py:Llama", "-k", "vocab_size=32000", "-k", "dim=8192", "-k", "n_layers=80",
+             "-k", "n_heads=64", "-k", "n_kv_heads=8", "-k", "hidden=28672", "-k", "max_seq=4096",
+             "--parallelize", "examples/llama.py:parallelize", "--pp-split", "examples/llama.py:pipeline_stage",
+             "--loss", "cross-entropy", "--gpus", "64", "--gpu", "h100", "--gpus-per-node", "8",
+             "--global-batch", "512", "--no-cache", "--format", "json"]
+
 
 def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
     """(CPU seconds, peak RSS bytes, FLOPs printed) of one whole process."""
@@ -106,8 +120,9 @@ def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b", MESH_CASE, "startup", "hf-small"),
-                    default=None)
+    ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b", MESH_CASE, "startup", "hf-small",
+                                       PLAN_CASE), default=None)
+    ap.add_argument("--jobs", type=int, default=None, help=f"{PLAN_CASE}: fxacct plan --jobs (default: the cores)")
     args = ap.parse_args()
     if args.only == "startup":
         return startup_main(args.pairs)
@@ -116,6 +131,8 @@ def main() -> None:
     cases = [("llama2-7b", 2048), ("llama2-70b", 4096), ("hf-llama2-70b", 2048)]
     if args.only == MESH_CASE:  # opt-in: two 70B profiles per pair
         return mesh_main(args.pairs)
+    if args.only == PLAN_CASE:  # opt-in: minutes per run
+        return plan_main(args.pairs, args.jobs)
     rows = []
     for shape, T in cases:
         if args.only and shape != args.only:
@@ -250,6 +267,30 @@ def hf_small_main(pairs: int) -> None:
             print(f"{name:<22} {statistics.median(walls):>13.2f} {statistics.median(cpus):>12.2f} {ref_name:>10} "
                   f"{statistics.median(ref_walls):>10.2f} {statistics.median(ref_cpus):>9.2f} "
                   f"{statistics.median(ratios):>24.3f}  {shown}")
+
+
+def plan_main(runs: int, jobs: int | None) -> None:
+    """Issue 25: the 70B plan with tp and pp layouts, a whole process per run."""
+    import json
+    import time
+
+    cmd = [sys.executable, "-m", "fxacct_cli", *PLAN_ARGS] + (["--jobs", str(jobs)] if jobs else [])
+    print(f"{'case':<10} {'wall s':>8} {'CPU s':>8} {'layouts':>8} {'traced':>7} {'reused':>7} {'pruned':>7} "
+          f"{'traces':>7}  top layout")
+    for _ in range(runs):
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{PLAN_CASE} failed (exit {os.waitstatus_to_exitcode(status)})")
+        doc = json.loads(out)
+        top = doc["layouts"][0]
+        verdict = f"{top['mesh']} mb {top['micro_batch']} ({top['source']}, {'fits' if top['fits'] else 'no fit'})"
+        print(f"{PLAN_CASE:<10} {wall:>8.1f} {usage.ru_utime + usage.ru_stime:>8.1f} {doc['layouts_total']:>8} "
+              f"{doc['layouts_traced']:>7} {doc['layouts_reused']:>7} {doc['layouts_pruned']:>7} {doc['traces']:>7}  "
+              f"{verdict}")
 
 
 if __name__ == "__main__":

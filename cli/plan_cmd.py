@@ -7,8 +7,9 @@ import json
 import click
 
 from fxacct.errors import UsageError
-from fxacct.report.plan_text import plan_json, render_plan
-from fxacct.tools.plan import check_job, plan
+from fxacct.report.plan_text import plan_json, progress_line, render_plan
+from fxacct.tools.plan import check_job, default_jobs, plan
+from fxacct.tools.plan_cache import default_cache_dir
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (
     BATCH,
@@ -37,9 +38,14 @@ from fxacct_cli.options import (
 @mesh_options(hide=(MESH, MICROBATCHES))
 @group("Plan", click.option("--gpus", type=int, required=True, help="GPUs in the job (required)."),
        click.option("--global-batch", type=int, required=True,
-                    help="Examples per step over the whole job (required)."), CONFIRM)
+                    help="Examples per step over the whole job (required)."), CONFIRM,
+       click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
+                    help="Worker processes, one mesh's traces each (default: the cores this process may use)."),
+       click.option("--no-cache", is_flag=True,
+                    help="Keep no traces on disk (default: plan/ in fxacct's cache dir, $FXACCT_CACHE_DIR or "
+                         "$XDG_CACHE_HOME/fxacct or ~/.cache/fxacct; safe to delete)."))
 @group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
-def plan_command(fmt, gpus, global_batch, confirm, output, **options):
+def plan_command(fmt, gpus, global_batch, confirm, jobs, no_cache, output, **options):
     """Rank the layouts of --gpus GPUs for MODEL (pp with --pp-split, fsdp, tp, micro-batch,
     activation checkpointing of the repeated blocks off and on) by predicted throughput, among those
     that fit, and say why the others were rejected.
@@ -54,7 +60,8 @@ def plan_command(fmt, gpus, global_batch, confirm, output, **options):
                              "--global-batch)")
     check_job(gpus, global_batch)  # before the Config: its mesh is fsdp={gpus}
     config = with_mesh(to_config(**{**options, "mesh": None}), **{**options, "mesh": f"fsdp={gpus}"})
-    result = plan(config, gpus, global_batch, confirm)
+    result = plan(config, gpus, global_batch, confirm, jobs or default_jobs(),
+                  None if no_cache else default_cache_dir(), lambda p: click.echo(progress_line(p), err=True))
     text = (json.dumps(plan_json(result), indent=2) + "\n") if fmt == "json" else \
         render_plan(result, gpus, global_batch, config.gpu, terminal_width())
     write_output(text, output)

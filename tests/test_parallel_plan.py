@@ -163,13 +163,13 @@ def test_plan_cli_table_fits_the_width_and_json():
     args = ["plan", LLAMA, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--parallelize", PARALLELIZE]
     r = CliRunner().invoke(cli, args, catch_exceptions=False, env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
-    lines = r.output.splitlines()
+    lines = r.stdout.splitlines()
     assert lines[0].startswith("fxacct plan: 4 × h100, global batch 8, 2 repeated blocks; ")
     assert max(len(line) for line in lines[1:]) <= 80
     ranked = [line.split()[1] for line in lines[3:] if line.split()[0].isdigit()]
     assert set(ranked) == {"fsdp=2,tp=2", "fsdp=4"}
     r = CliRunner().invoke(cli, args + ["--format", "json"], catch_exceptions=False)
-    doc = json.loads(r.output)
+    doc = json.loads(r.stdout)
     assert doc["schema"] == "fxacct.plan/1"
     assert doc["blocks"] == 2 and doc["layouts"][0]["fits"] and doc["layouts"][0]["source"] == "traced"
     assert {row["mesh"] for row in doc["layouts"]} == {"fsdp=4", "fsdp=2,tp=2", "tp=4"}

@@ -164,3 +164,40 @@ def test_autocast_probe_leaves_no_cached_casts_for_the_traced_block(replayed):
     assert len(weight_casts) == 7  # wq, wk, wv, wo, w1, w2, w3: each cast once in block 0's traced forward
     assert_same_account(a, b)
     assert a.parallel.rows == b.parallel.rows
+
+
+@pytest.mark.parametrize("rel,kwargs,mesh,par", [
+    (LLAMA, dict(n_layers=3), "fsdp=2,tp=2", "examples/llama.py:parallelize"),
+    (LIST_LLAMA, dict(n_layers=3, hidden=96), "fsdp=4", "tests/models/llama_list.py:parallelize"),
+    (GPT, GPT_KW, "fsdp=2", None),
+])
+def test_foreach_step_on_shards_equals_the_dtensor_step(monkeypatch, rel, kwargs, mesh, par):
+    """With --gpu (foreach, CUDA's default) the optimizer steps the DTensor parameters' local shards
+    (fxacct.trace.optim_step.on_shards) instead of the DTensors: the oracle is the DTensor step
+    itself (on_shards switched off), whose recorded local ops must be the same, op for op, with the
+    same account and peaks."""
+    from fxacct.trace import optim_step
+
+    used = []
+    real = optim_step.on_shards
+
+    def spy(params):
+        out = real(params)
+        used.append(out is not params)
+        return out
+
+    def run():
+        return fxacct.profile(fxacct.Config(target=target(rel), batch=2, kwargs=dict(kwargs), mesh=mesh, gpu="h100",
+                                            parallelize=target(par) if par else None, find_max_batch=False))
+
+    monkeypatch.setattr(optim_step, "on_shards", spy)
+    shards = run()
+    assert used == [True]  # the shards were stepped
+    monkeypatch.setattr(optim_step, "on_shards", lambda params: params)
+    dtensors = run()
+    assert_same_account(shards, dtensors)
+    ops = [[str(n.target) for n in p.capture.graph.nodes if n.meta.get("trace") and
+            n.meta["trace"].phase == "optimizer"] for p in (shards, dtensors)]
+    assert ops[0] == ops[1] and any("_foreach_" in op for op in ops[0])
+    assert shards.memory.optimizer_bytes == dtensors.memory.optimizer_bytes > 0
+    assert shards.parallel.time.optimizer_s == dtensors.parallel.time.optimizer_s > 0

@@ -35,6 +35,7 @@ from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.pipeline_collectives import rank_rows
 from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate, step_seconds
+from fxacct.parallel.pipeline_shape import same_figures, stage_shape
 from fxacct.parallel.pipeline_split import (
     MODEL_INPUT,
     StageInput,
@@ -67,12 +68,12 @@ def _split(config, model, stage: int, stages: int, points=None, args=(), kwargs=
     return part
 
 
-def resolve_points(config, stages: int):
+def resolve_points(config, stages: int, loader=load_model):
     """The FQNs where stages begin (None with a --pp-split function); automatic ones balance the
     repeated blocks' FLOPs in a one-device trace of the whole model."""
     if is_function(config.pp_split):
         return None
-    model, args, kwargs, _ = load_model(config)
+    model, args, kwargs, _ = loader(config)
     found = {id(b) for b in repeated_blocks(model)}
     blocks = [n for n, m in model.named_modules() if id(m) in found]
 
@@ -84,14 +85,14 @@ def resolve_points(config, stages: int):
     return split_points(model, config.pp_split, stages, cost)
 
 
-def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[StageInput]]]:
+def _stage_inputs(config, stages: int, points, loader=load_model) -> list[tuple[tuple, dict, list[StageInput]]]:
     """(args, kwargs, what it receives) per stage, on meta: stage 0 the model's inputs, a later
     stage the tensors it receives (several where the forward passes several: a Hugging Face Llama
     passes its hidden states with RoPE's cos and sin and the attention mask). A stage that reads
     from further back than the stage before (that Llama cut in three: cos, sin and the mask go
     from stage 0 to stage 2) is a skip connection torch's pipelining cannot run: refused."""
     def fresh():  # the model on meta in the step's dtype, and its inputs
-        model, args, kwargs, _ = load_model(config)
+        model, args, kwargs, _ = loader(config)
         if config.dtype is not None:
             model.to(config.dtype)
         return model, args, kwargs
@@ -108,14 +109,15 @@ def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[S
                     "PipelineStage cannot receive from further back, and Pipe.build_stage runs no backward through "
                     "such a skip connection); use fewer stages, or --pp-split PATH.py:fn whose stages pass along "
                     "what later ones read")
-        return [(args, kwargs, [])] + [(tuple(i.tensor for i in r), {}, r) for r in received[1:]]
-    parts, received = [], []  # --pp-split PATH.py:fn: each stage takes the previous one's outputs
+        return [(args, kwargs, [], None)] + [(tuple(i.tensor for i in r), {}, r, None) for r in received[1:]]
+    parts, received, shapes = [], [], []  # --pp-split PATH.py:fn: each stage takes the previous one's outputs
     for s in range(stages):
         if s:  # a split function may cut the model it is given
             model, args, kwargs = fresh()
         part = _split(config, model, s, stages, None, args, kwargs)
         inputs, kw = (args, kwargs) if s == 0 else (tuple(i.tensor for i in received), {})
         parts.append((inputs, kw, received))
+        shapes.append(stage_shape(part, inputs, kw, config.checkpoint))
         if s == stages - 1:  # the last stage's output goes to the loss: any form the loss takes
             break
         try:
@@ -127,7 +129,7 @@ def _stage_inputs(config, stages: int, points) -> list[tuple[tuple, dict, list[S
         if not received:
             raise UsageError(f"pipeline stage {s} passes no tensor to the next stage ({type(out).__name__}): "
                              "a stage's forward returns what the next stage takes")
-    return parts
+    return [(*part, shape) for part, shape in zip(parts, shapes)]
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,13 @@ def traffic(received: list[list[StageInput]], s: int) -> Traffic:
                    sum(i.nbytes for i in bwd_recv))
 
 
-def profile_pipeline(config):
+def profile_pipeline(config, loader=load_model, reuse_stages: bool = False):
     """The PipelineAccount of --mesh pp=P: one StageAccount per rank (its stages, V of them under
-    interleaved 1F1B: stages r, r + P, ...), each stage traced for one micro-batch."""
+    interleaved 1F1B: stages r, r + P, ...), each stage traced for one micro-batch. ``loader``: as
+    fxacct.parallel.profile.profile_parallel's (the planner's screen passes a truncated model).
+    ``reuse_stages`` (the planner's, which reads figures only): stages of one shape (StageShape) are
+    traced twice, and where the two accounts agree (same_figures) the later ones of that shape
+    take the second's Profile, module names and all, instead of a trace of their own."""
     spec = config.mesh
     if spec.size("tp") > 1 and not is_function(config.pp_split):
         raise UsageError(f"--mesh {spec}: an automatic or FQN split cuts stages with torch.export (pipeline()), and "
@@ -169,7 +175,7 @@ def profile_pipeline(config):
     ranks, m = spec.size("pp"), config.microbatches or spec.size("pp")
     v = per_rank(config.pp_schedule, config.pp_stages_per_rank)
     stages = ranks * v
-    whole = load_model(config)[0]
+    whole = loader(config)[0]
     blocks = len(repeated_blocks(whole))
     asked = f"pp={ranks}" + (f" with {v} stages per rank" if v > 1 else "")
     if blocks == 0 and not config.pp_split:  # the automatic split cuts between repeated blocks
@@ -183,10 +189,10 @@ def profile_pipeline(config):
                          f"({blocks}): {fix}")
     check_microbatches(config.pp_schedule, ranks, m)
     orders = simulate(config.pp_schedule, ranks, m, v)
-    points = resolve_points(config, stages)
-    parts = _stage_inputs(config, stages, points)
-    profs = [_profile_stage(config, s, stages, points, args, kwargs) for s, (args, kwargs, _) in enumerate(parts)]
-    flows = [traffic([r for _, _, r in parts], s) for s in range(stages)]
+    points = resolve_points(config, stages, loader)
+    parts = _stage_inputs(config, stages, points, loader)
+    profs = _profile_stages(config, stages, points, parts, loader, reuse_stages)
+    flows = [traffic([r for _, _, r, _ in parts], s) for s in range(stages)]
     accounts = tuple(_rank_account(profs, flows, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
     return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, type(whole).__name__,
@@ -205,20 +211,38 @@ def _step_seconds(config, profs, ranks: int, m: int, v: int) -> float | None:
     return span + optimizer
 
 
-def _profile_stage(config, s: int, stages: int, points, args, kwargs):
+def _profile_stages(config, stages: int, points, parts, loader, reuse: bool) -> list:
+    """Each stage's Profile (profile_pipeline's ``reuse_stages``: a proven shape's later stages reuse)."""
+    profs, seen, proven = [], {}, {}
+    for s, (args, kwargs, _, shape) in enumerate(parts):
+        key = (shape, s == stages - 1)
+        done = seen.get(key, []) if reuse and shape is not None else []
+        if len(done) >= 2 and proven[key]:
+            profs.append(done[-1])
+            continue
+        prof = _profile_stage(config, s, stages, points, args, kwargs, loader)
+        if reuse and shape is not None:
+            seen.setdefault(key, []).append(prof)
+            if len(seen[key]) == 2:
+                proven[key] = same_figures(*seen[key])
+        profs.append(prof)
+    return profs
+
+
+def _profile_stage(config, s: int, stages: int, points, args, kwargs, loader=load_model):
     """Stage s's Profile for one micro-batch (on the rest of the mesh, if any)."""
     # a received activation requires grad where the stage that made it gave it one (StageInput)
     cfg = config.stage(without_pp(config.mesh))
     if s < stages - 1:  # the loss is the last stage's; an earlier one receives its output's gradient
         cfg = replace(cfg, loss="sum", loss_output=None)  # (a sum's backward: a gradient, no loss op)
 
-    def loader(c):
-        model, full_args, full_kwargs, _ = load_model(c)
+    def load_stage(c):
+        model, full_args, full_kwargs, _ = loader(c)
         return _split(config, model, s, stages, points, full_args, full_kwargs), args, kwargs, None
 
     if cfg.mesh is not None:
-        return profile_parallel(cfg, loader)
-    model, _, _, _ = loader(cfg)
+        return profile_parallel(cfg, load_stage)
+    model, _, _, _ = load_stage(cfg)
     return account_step(cfg, OneDevice(model, args, kwargs))
 
 

@@ -28,16 +28,35 @@ def render_plan(result, gpus: int, global_batch: int, gpu: str, width: int | Non
     cands = result.candidates
     rows = [_row(i, c) for i, c in enumerate(cands)]
     head = (f"fxacct plan: {gpus} × {gpu}, global batch {global_batch}, {result.blocks} repeated blocks; "
-            f"{result.traces} traces")
+            f"{result.traces} traces; {counts(result)}")
     table = fit_table(HEADERS, rows, width, text_columns=(10, 1), optional=(9, 8, 6),
                       colalign=("left", "left") + ("right",) * 8 + ("left",))
     return "\n".join([wrap_lines(head, width), table, wrap_lines(LEGEND, width)]) + "\n"
 
 
+def counts(result) -> str:
+    """How the layouts were judged: with a trace of their own, from traces already run, pruned
+    before any trace, and the rest settled by the search from their group's (no probe)."""
+    settled = result.layouts - result.traced - result.reused - result.pruned
+    return (f"{result.layouts} layouts: {result.traced} traced, {result.reused} reused, {result.pruned} pruned, "
+            f"{settled} settled by their group")
+
+
+def progress_line(probe) -> str:
+    """One probed layout, as the plan goes (stderr)."""
+    c = probe.candidate
+    lay = c.layout
+    verdict = "fits" if c.fits else (c.dominated or c.rejected)
+    return (f"plan: {lay.mesh} mb {lay.micro_batch} ×{lay.accumulation} ckpt {'on' if lay.checkpoint else 'off'}: "
+            f"{probe.how} in {probe.seconds:.1f} s, {SOURCES[c.source]}: {verdict}")
+
+
 def plan_json(result) -> dict:
-    return {"schema": PLAN_SCHEMA, "blocks": result.blocks, "traces": result.traces, "layouts": [
+    return {"schema": PLAN_SCHEMA, "blocks": result.blocks, "traces": result.traces,
+            "layouts_total": result.layouts, "layouts_traced": result.traced, "layouts_reused": result.reused,
+            "layouts_pruned": result.pruned, "layouts": [
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
          "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
          "checkpoint": c.layout.checkpoint, "peak_bytes": c.peak_bytes,
-         "step_ms": None if c.step_s is None else 1e3 * c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
+         "step_ms": None if c.step_s is None else 1e3 * c.step_s, "model_flops": c.model_flops, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
          "source": c.source, "fits": c.fits, "dominated": c.dominated, "rejected": c.rejected} for c in result.candidates]}

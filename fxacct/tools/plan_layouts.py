@@ -8,7 +8,8 @@ micro-batches).
 
 Rejected before tracing, each by an exact argument: tp not dividing a head count the model
 declares (tensor parallelism splits heads); the global batch not dividing over the fsdp ranks;
-more pipeline stages than repeated blocks; and the parameters alone above the GPU: the ranks
+more pipeline stages than repeated blocks; a pipeline with nothing else (its stages are
+traced on one device, which has no mesh time to rank it by); and the parameters alone above the GPU: the ranks
 hold every parameter between them, so some rank holds at least (parameter bytes) ÷ N.
 """
 
@@ -94,6 +95,8 @@ def exact_rejection(layout: Layout, facts: ModelFacts, model, gpus: int, global_
         return f"the global batch {global_batch} does not divide over {layout.fsdp} data-parallel ranks"
     if layout.pp > max(facts.blocks, 1):
         return f"pp={layout.pp} is more stages than the model's {facts.blocks} repeated blocks"
+    if layout.pp > 1 and layout.fsdp == layout.tp == 1:  # fxacct.parallel.pipeline: such a stage is one device
+        return "pp without fsdp or tp: plan times a stage as a rank of a mesh"
     try:
         check_heads(model, MeshSpec((("tp", layout.tp),)))
     except UsageError as e:

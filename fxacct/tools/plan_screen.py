@@ -56,10 +56,42 @@ def point(prof) -> Point:
                  totals.tokens_per_example or 0, t.optimizer_s)
 
 
-def extrapolate(a: Point, b: Point, k: int, blocks: int) -> Point:
-    """f(blocks) from f(k) = a and f(k + 1) = b (the rule of the module docstring)."""
-    n = blocks - k
-    return Point(**{f.name: getattr(a, f.name) + n * (getattr(b, f.name) - getattr(a, f.name)) for f in fields(Point)})
+@dataclass(frozen=True)
+class PipePoint:
+    """A pipeline layout's figures (the planner's view of a PipelineAccount): per stage, in order."""
+
+    peak_bytes: int  # the largest rank's, the whole step replayed (fxacct.parallel.pipeline_memory)
+    step_s: tuple[float, ...]  # each stage's micro-step, its optimizer step included
+    optimizer_s: tuple[float, ...]
+    model_flops: tuple[int, ...]
+    tokens_per_example: int
+    bubble_fraction: float  # the schedule's: the same at any block count
+    timed: bool  # every stage carries a mesh time (pp with fsdp or tp)
+
+
+def pipe_point(pipe) -> PipePoint:
+    """The figures of a PipelineAccount (with --gpu)."""
+    stages = pipe.stages
+    timed = all(s.profile.parallel is not None and s.profile.parallel.time is not None for s in stages)
+    times = [s.profile.parallel.time for s in stages] if timed else []
+    return PipePoint(pipe.peak_bytes, tuple(t.step_s for t in times), tuple(t.optimizer_s for t in times),
+                     tuple(s.profile.accounting.totals.model_flops for s in stages),
+                     stages[0].profile.accounting.totals.tokens_per_example or 0, pipe.bubble_fraction, timed)
+
+
+def _line(a, b, n: int):
+    """a + n·(b − a), elementwise over tuples."""
+    if isinstance(a, tuple):
+        return tuple(_line(x, y, n) for x, y in zip(a, b))
+    return a + n * (b - a)
+
+
+def extrapolate(a, b, k: int, blocks: int):
+    """f(blocks) from f(k) = a and f(k + 1) = b (the rule of the module docstring), for a Point,
+    or a PipePoint with ``blocks`` and k per stage (its schedule's figures are the same at any k)."""
+    keep = {"tokens_per_example", "bubble_fraction", "timed"} if isinstance(a, PipePoint) else set()
+    return type(a)(**{f.name: getattr(a, f.name) if f.name in keep else
+                      _line(getattr(a, f.name), getattr(b, f.name), blocks - k) for f in fields(a)})
 
 
 def block_container(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]] | None:
@@ -106,4 +138,21 @@ def screen(config, blocks: int, trace) -> Point:
     return extrapolate(a, b, k, blocks)
 
 
-__all__ = ["Point", "point", "extrapolate", "truncate", "screen", "SCREEN_BLOCKS"]
+def pipeline_screens(blocks: int, stages: int) -> bool:
+    """Whether a pipeline of ``stages`` is screened: with at least 2·(k + 1) blocks a stage (the
+    two screens trace k and k + 1 a stage, together no more than one full trace)."""
+    return blocks // stages >= 2 * (SCREEN_BLOCKS + 1)
+
+
+def screen_pipeline(config, blocks: int, stages: int, trace) -> PipePoint:
+    """A pipeline layout's PipePoint from two pipelines of the model cut to k and k + 1 blocks a
+    stage (stages × k blocks, which the --pp-split function divides evenly), extrapolated to
+    blocks ÷ stages a stage (rounded down where they do not divide: each figure then a lower
+    bound, as the peak is anyway, the module docstring); ``trace(config, loader) -> PipePoint``."""
+    k = SCREEN_BLOCKS
+    a, b = trace(config, truncated_loader(stages * k)), trace(config, truncated_loader(stages * (k + 1)))
+    return extrapolate(a, b, k, blocks // stages)
+
+
+__all__ = ["Point", "PipePoint", "point", "pipe_point", "extrapolate", "truncate", "screen", "screen_pipeline",
+           "pipeline_screens", "SCREEN_BLOCKS"]
