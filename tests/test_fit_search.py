@@ -17,7 +17,7 @@ from helpers import config
 import fxacct
 from fxacct.devices import get_device
 from fxacct.load.source import load_model
-from fxacct.memory.fit_search import MAX_FIT_TRACES, Probe, bracket_search, largest_batch
+from fxacct.memory.fit_search import FLAT_DOUBLINGS, MAX_FIT_TRACES, Probe, bracket_search, largest_batch
 from fxacct.step import OneDevice, fit_bytes
 
 CAPACITY = 81559 * 2**20  # an H100's driver-reported bytes (fxacct.devices)
@@ -118,7 +118,13 @@ def _old_search(cfg: fxacct.Config):
         return fit_bytes(replace(cfg, batch=batch), OneDevice(model, tuple(a), kw))
 
     gpu = get_device(cfg.gpu)
-    return bracket_search(bytes_at, cfg.batch, bytes_at(cfg.batch), gpu.capacity_reported)
+    first = bytes_at(cfg.batch)
+    # reserved bytes (a GPU target) grow by whole segments: where they stay flat from B to 2B the
+    # slope is drawn to the first doubling that grows, as largest_batch does (FLAT_DOUBLINGS)
+    second = 2 * cfg.batch
+    while bytes_at(second) <= first and second < cfg.batch * 2**FLAT_DOUBLINGS:
+        second *= 2
+    return bracket_search(bytes_at, cfg.batch, first, gpu.capacity_reported, second=second)
 
 
 @pytest.mark.slow  # each model traced ~15 times by the oracle
