@@ -159,20 +159,20 @@ def test_real_pipeline_run_with_tensor_parallel_stages_matches_the_rank_accounts
 def test_the_real_runs_counter_does_not_read_the_accounts_op_table(tmp_path):
     """The real run counts collectives from torch's own registry (CommDebugMode's), not from the op
     table the account reads (fxacct.parallel.collectives._OPS): a collective the account has no
-    entry for (a broadcast) is still counted, under a name of its own, with its 4·8 = 32 bytes."""
+    entry for (a reduce to one rank) is still counted, under a name of its own, with its 4·8 = 32 bytes."""
     import torch
     import torch.distributed as dist
 
     from fxacct.parallel.collectives import _OPS
     from fxacct.runtime.gloo_run import CollectiveCounter
 
-    assert not any("broadcast" in str(op) for op in _OPS)
+    assert not any(str(op).startswith("c10d.reduce_.") for op in _OPS)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         counter = CollectiveCounter()
         with counter:
-            dist.broadcast(torch.ones(8), src=0)
+            dist.reduce(torch.ones(8), dst=0)
             dist.all_reduce(torch.ones(4, dtype=torch.float64))
     finally:
         dist.destroy_process_group()
-    assert counter.found == {"broadcast": [1, 32], "all_reduce": [1, 32]}
+    assert counter.found == {"reduce": [1, 32], "all_reduce": [1, 32]}

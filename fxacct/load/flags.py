@@ -91,10 +91,14 @@ def is_module_path(target: str) -> bool:
     return bool(sep) and bool(_MODULE_PATH.match(path)) and not path.endswith(".py") and name.isidentifier()
 
 
+TORCHTITAN_PREFIX = "torchtitan:"  # fxacct.load.torchtitan.PREFIX
+
+
 def check_target(target: str | None) -> None:
     """The checks of a model spec that need no import: a ``PATH.py:Name`` file or an ``hf:`` config
-    that is not there (``package.module:Name`` is checked when it is imported)."""
-    if target is None:
+    that is not there (``package.module:Name`` is checked when it is imported, and
+    ``torchtitan:MODULE:CONFIG`` by fxacct.load.torchtitan, which needs torchtitan)."""
+    if target is None or target.startswith(TORCHTITAN_PREFIX):
         return
     if target.startswith(HF_PREFIX):
         hf_config_file(target[len(HF_PREFIX):])

@@ -18,8 +18,9 @@ import io
 import logging
 
 from fxacct.errors import UsageError
+from fxacct.load.flags import TORCHTITAN_PREFIX
 
-PREFIX = "torchtitan:"
+PREFIX = TORCHTITAN_PREFIX
 INSTALL = "pip install 'fxacct[torchtitan]'"
 # fxacct's mesh dimension -> torchtitan's ParallelismConfig field (torchtitan/config/configs.py)
 DEGREES = {"pp": "pipeline_parallel_degree", "dp": "data_parallel_replicate_degree",
