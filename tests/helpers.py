@@ -180,3 +180,17 @@ def assert_same_account(a, b) -> None:
     assert a.memory.by_dtype == b.memory.by_dtype
     assert a.memory.peak_train == b.memory.peak_train
     assert a.memory.peak_inference == b.memory.peak_inference
+
+
+def invoke_profile(*args):
+    """``fxacct profile ARGS`` through click's runner, stderr apart from stdout where click allows."""
+    from click.testing import CliRunner
+
+    from fxacct_cli.main import cli
+
+    try:
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from helpers import ROOT
+from helpers import ROOT, invoke_profile
 
 from fxacct_cli.main import cli
 
@@ -15,12 +15,7 @@ LLAMA = str(ROOT / "examples/llama.py") + ":Llama"
 PAR = str(ROOT / "examples/llama.py") + ":parallelize"
 
 
-def _invoke(*args):
-    try:
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+_invoke = invoke_profile
 
 
 def test_json_has_mesh_collectives_and_wire_total():

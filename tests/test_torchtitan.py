@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
+from helpers import invoke_profile
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -195,12 +196,7 @@ def test_gpu_target_runs_cudas_attention_kernel():
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in ops
 
 
-def _invoke(*args):
-    try:
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+_invoke = invoke_profile
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -6,19 +6,14 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from helpers import target
+from helpers import invoke_profile, target
 
 from fxacct_cli.main import cli
 
 LLAMA = target("examples/llama.py:Llama")
 
 
-def _invoke(*args):
-    try:
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
+_invoke = invoke_profile
 
 
 def _one_line_exit_2(r, needle: str) -> None:
