@@ -16,9 +16,8 @@ end of each step. Step and phase times are low medians over the plain steps (eac
 step's value); module and node times are those of the median profiled step (fxacct.runtime.join),
 so they add up within it, and include the profiler's overhead (a few µs per op).
 
-Peak memory, two figures, both for a steady-state step (parameters, buffers, inputs and optimizer
-state resident, gradients None when it begins):
-
+Peak memory of a steady-state step (parameters, buffers, inputs and optimizer state resident,
+gradients None when it begins):
 - ``peak_bytes``, allocator level. CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps
   (the caching allocator's bytes in use, rounded to its 512-byte blocks, cuBLAS workspaces
   included). CPU: the bytes resident when the timed steps begin plus the highest running sum of
@@ -26,9 +25,7 @@ state resident, gradients None when it begins):
   such as oneDNN buffers included) over the timed steps.
 - ``op_level_peak_bytes``: fxacct.runtime.storage_tracker over one step, what fxacct's
   ``peak_train_bytes`` predicts (aten-op level: no kernel-internal buffers, no allocator rounding).
-- ``reserved_bytes`` (CUDA only): ``torch.cuda.max_memory_reserved`` over the warm-up and timed
-  steps (segments stay reserved once made: what the caching allocator held at its high-water
-  mark, the figure torchtitan reports), what fxacct's ``peak_reserved_bytes`` predicts.
+- ``reserved_bytes`` (CUDA): ``torch.cuda.max_memory_reserved``, what ``peak_reserved_bytes`` predicts.
 """
 
 from __future__ import annotations
