@@ -11,16 +11,15 @@ then allocated, caches and kernels are warm); then the timed steps, plain (no pr
 own loop runs); then as many under ``torch.profiler`` with CPU (and CUDA) activities, memory profiling and a range
 per module call; and one more step, untimed, under the storage tracker.
 
-Timing: ``time.perf_counter`` around each phase on CPU; CUDA events on CUDA, synchronized at the
-end of each step. Step and phase times are low medians over the plain steps (each an actual
-step's value); module and node times are those of the median profiled step (fxacct.runtime.join),
-so they add up within it, and include the profiler's overhead (a few µs per op).
+Timing: ``time.perf_counter`` around each phase on CPU; CUDA events on CUDA, synchronized at the end
+of each step. Step and phase times are low medians over the plain steps (each an actual step's value);
+module and node times are those of the median profiled step (fxacct.runtime.join), so they add up
+within it, and include the profiler's overhead (a few µs per op).
 
 Peak memory of a steady-state step (parameters, buffers, inputs and optimizer state resident,
 gradients None when it begins):
 - ``peak_bytes``, allocator level. CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps
-  (the caching allocator's bytes in use, rounded to its 512-byte blocks, cuBLAS workspaces
-  included). CPU: the bytes resident when the timed steps begin plus the highest running sum of
+  (the caching allocator's bytes in use, rounded to its 512-byte blocks, cuBLAS workspaces included). CPU: the bytes resident when the timed steps begin plus the highest running sum of
   the profiler's memory events (every allocation and free of the CPU allocator, kernel scratch
   such as oneDNN buffers included) over the timed steps.
 - ``op_level_peak_bytes``: fxacct.runtime.storage_tracker over one step, what fxacct's
