@@ -91,8 +91,10 @@ class CollectiveCounter(tp.TorchDispatchMode):
 # The op-level peak in program order is the floor of what a tracked step shows: a collective's
 # buffers that gloo's worker thread lets go of late (after the main thread has allocated on) only
 # add to it (seen here: +54,336 and +68,608 B over 2,098,552 B in 2 of 5 runs of GPT-2 at fsdp=4,
-# the other runs equal to the byte), so the least of a few tracked steps is the rank's peak.
-TRACKED_STEPS = 3
+# the other runs equal to the byte), so the least of a few tracked steps is the rank's peak. Three
+# were once all disturbed on one rank of a Hugging Face Llama at fsdp=2 in a full CI run (+49,664 B
+# over 1,813,532 B, every other run equal within 2%): five
+TRACKED_STEPS = 5
 
 
 class AllReduceBuffers(tp.TorchDispatchMode):
