@@ -14,20 +14,27 @@ ROWS = (("activations (saved)", "activation_bytes", format_bytes),
         ("largest batch (--gpu)", "max_batch", lambda n: f"{n:,}"))
 
 
-def _change(d: int, fmt) -> str:
+def signed_change(d: int, fmt) -> str:
     """The change in its row's own unit, signed: '-1.50 MiB', '+12.3M', '0 B'."""
     return f"+{fmt(d)}" if d > 0 else fmt(d)
 
 
-def checkpoint_section(w) -> str:
-    """``w``: a fxacct.trace.checkpointing.CheckpointWhatIf."""
+def side_by_side(spec, before, after) -> list[list[str]]:
+    """A what-if table's rows: (label, field, format) of ``spec`` read from both sides, with the
+    signed change; a field neither side has is left out, one side's absence shown as '—'."""
     rows = []
-    for label, field, fmt in ROWS:
-        a, b = getattr(w.eager, field), getattr(w.checkpointed, field)
+    for label, field, fmt in spec:
+        a, b = getattr(before, field), getattr(after, field)
         if a is None and b is None:
             continue
         rows.append([label, "—" if a is None else fmt(a), "—" if b is None else fmt(b),
-                     "—" if a is None or b is None else _change(b - a, fmt)])
+                     "—" if a is None or b is None else signed_change(b - a, fmt)])
+    return rows
+
+
+def checkpoint_section(w) -> str:
+    """``w``: a fxacct.trace.checkpointing.CheckpointWhatIf."""
+    rows = side_by_side(ROWS, w.eager, w.checkpointed)
     policy = f", policy {w.policy}" if w.policy else ""
     title = (f"activation checkpointing what-if ({', '.join(w.patterns)}: {len(w.modules)} module"
              f"{'s' if len(w.modules) != 1 else ''} wrapped{policy}):")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from fxacct.report.checkpoint_text import side_by_side, signed_change
 from fxacct.report.tables import tabulate
 from fxacct.units import format_bytes
 
@@ -16,24 +17,14 @@ ROWS = (("activations (saved)", "activation_bytes", format_bytes),
 TOP_MODULES = 8  # modules shown whose saved bytes change most
 
 
-def _change(d, fmt) -> str:
-    return f"+{fmt(d)}" if d > 0 else fmt(d)
-
-
 def compile_section(w) -> str:
     """``w``: a fxacct.trace.compiled.CompileWhatIf."""
-    rows = []
-    for label, field, fmt in ROWS:
-        a, b = getattr(w.eager, field), getattr(w.compiled, field)
-        if a is None and b is None:
-            continue
-        rows.append([label, "—" if a is None else fmt(a), "—" if b is None else fmt(b),
-                     "—" if a is None or b is None else _change(b - a, fmt)])
+    rows = side_by_side(ROWS, w.eager, w.compiled)
     names = sorted(set(w.eager.modules) | set(w.compiled.modules),
                    key=lambda m: -abs(w.compiled.modules.get(m, 0) - w.eager.modules.get(m, 0)))
     for m in [m for m in names if w.compiled.modules.get(m, 0) != w.eager.modules.get(m, 0)][:TOP_MODULES]:
         a, b = w.eager.modules.get(m, 0), w.compiled.modules.get(m, 0)
-        rows.append([f"  saved in {m or '(root)'}", format_bytes(a), format_bytes(b), _change(b - a, format_bytes)])
+        rows.append([f"  saved in {m or '(root)'}", format_bytes(a), format_bytes(b), signed_change(b - a, format_bytes)])
     what = "the whole model" if w.regions == ("",) else f"{len(w.regions)} module{'s' if len(w.regions) != 1 else ''}"
     title = f"torch.compile what-if ({what} compiled, mode {w.mode}; inductor's partitioner, fusion modelled):"
     table = tabulate(rows, headers=["", "eager", "compiled", "change"], colalign=("left", "right", "right", "right"))
