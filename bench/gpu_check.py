@@ -33,7 +33,8 @@ import torch  # noqa: E402
 import fxacct  # noqa: E402
 from fxacct.devices import DEVICES  # noqa: E402
 from fxacct.predict import calibration  # noqa: E402
-from fxacct.predict.roofline import from_gpu, predict_profile  # noqa: E402
+from fxacct.predict.fused_time import predict_profile  # noqa: E402
+from fxacct.predict.roofline import from_gpu  # noqa: E402
 from fxacct.runtime import RuntimeOptions, run  # noqa: E402
 from fxacct.runtime.compare import achieved_flops_per_s, mfu  # noqa: E402
 from fxacct.tools import calibrate  # noqa: E402

@@ -8,6 +8,7 @@ failed; 4 an internal error of fxacct (a bug to report). Every error is one line
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 
@@ -130,7 +131,36 @@ def write_output(text: str, path: str | None) -> None:
 
 
 def main() -> None:
-    cli()
+    """The console script: run the command, flush what it wrote, and leave without the interpreter's
+    teardown. Unloading torch, transformers and their extension modules at exit costs 0.5-1 s of
+    wall time on a 2-core machine (measured: `import torch, transformers` with and without
+    os._exit), a fifth of a small model's whole answer; every command has finished its work (files
+    written atomically, worker pools shut down by their `with` blocks) before this point."""
+    code = run()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # a reader that closed the pipe, or a closed stream
+            code = code or 1
+    os._exit(code)
 
 
-__all__ = ["cli", "main", "write_output", "examples"]
+def run() -> int:
+    """Run the command line in sys.argv; its exit code."""
+    try:
+        cli()
+    except SystemExit as e:
+        return exit_code(e.code)
+    return 0
+
+
+def exit_code(code: object) -> int:
+    """What SystemExit(code) would make the process return: None is 0, an int itself, a message
+    is printed to stderr and is 1 (as the interpreter does)."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+__all__ = ["cli", "main", "run", "write_output", "examples"]

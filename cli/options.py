@@ -121,10 +121,10 @@ CHECKPOINT_POLICY = click.option("--checkpoint-policy", default=None, metavar="s
                                       "a policy function for create_selective_checkpoint_contexts (default: plain checkpointing).")
 COMPILE = click.option("--compile", "compile_model", is_flag=True,
                        help="Account the step as torch.compile(model) runs it: the saved tensors and recompute "
-                            "of inductor's partitioner; side by side with eager.")
+                            "of inductor's partitioner; side by side with eager (one device: use --compile-blocks under --mesh).")
 COMPILE_BLOCKS = click.option("--compile-blocks", "compile_blocks", multiple=True, metavar="PATTERN",
                               help="Compile each module whose name matches PATTERN (a glob such as 'layers.*'), "
-                                   "as torchtitan compiles each block; repeatable.")
+                                   "as torchtitan compiles each block (also under --mesh); repeatable.")
 COMPILE_MODE = click.option("--compile-mode", type=click.Choice(COMPILE_MODES), default="default", show_default=True,
                             help="torch.compile's mode, with --compile or --compile-blocks (it does not change the "
                                  "partition; docs/limits.md).")

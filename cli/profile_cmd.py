@@ -135,9 +135,13 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
                          "run torchtitan's own training there, and drop --runtime here")
     layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
     layout.update(summary_only=summary_only, width=None if wide else terminal_width())
-    if run_options is not None and config.compiled:
-        raise UsageError("--runtime runs the model eagerly, so it cannot check a --compile account: "
-                         "drop --runtime, or drop --compile to check the eager account")
+    if run_options is not None and config.compiled and (config.mesh is not None or config.checkpoint):
+        raise UsageError(f"--runtime with --compile and {'--mesh' if config.mesh is not None else '--checkpoint'}: "
+                         "the real check compiles on one device without checkpointing; drop --runtime (the tests "
+                         "check those accounts against real compiled runs), or drop that flag")
+    if run_options is not None and config.compiled and run_options.warmup < 1:
+        raise UsageError(f"--warmup {run_options.warmup} with --compile: the first step compiles the model, so "
+                         "no timed step may be it; give --warmup 1 or more")
     if run_options is not None and config.mesh is not None:
         return _mesh_runtime(config, run_options, fmt, output, layout)
     if run_options is not None:

@@ -25,8 +25,7 @@ from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.torchtitan import profile_torchtitan
-from fxacct.predict.fused_time import fused_step_ms
-from fxacct.predict.roofline import predict_profile
+from fxacct.predict.fused_time import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, fit_probe
 from fxacct.trace import fusion
 from fxacct.trace.capture import BACKWARD, FORWARD
@@ -151,16 +150,15 @@ def _compile_whatif(model, args, kwargs, config: Config, prof: Profile) -> Compi
                     and not (compiled_ops and inside(cost.module)))
         return fusion.kernels(p.capture.graph, fuse=False, keep=keep)
 
-    def side(p: Profile, k, fused: bool = False) -> CompileSide:
-        pred = None if p.prediction is None else (fused_step_ms(
-            p.prediction, p.capture.graph, p.capture.kernel_of, p.capture.kernel_bytes) if fused else p.prediction.step_ms)
+    def side(p: Profile, k) -> CompileSide:
+        pred = None if p.prediction is None else p.prediction.step_ms  # compiled: the fused kernels' (predict_profile)
         peak = p.memory.rank_peak.bytes if p.memory.rank_peak is not None else None
         return CompileSide(p.accounting.totals.activation_bytes, peak, k.kernels, k.bytes_moved, pred,
                            {m.module: m.activation_bytes for m in p.accounting.modules})
 
     fused, rest = fusion.region_kernels(graphs), step_ops(prof, True)
     both = fusion.Kernels(fused.kernels + rest.kernels, fused.extern, fused.bytes_moved + rest.bytes_moved)
-    return CompileWhatIf(regions, config.compile_mode, side(prof, both, True), side(eager, step_ops(eager, False)))
+    return CompileWhatIf(regions, config.compile_mode, side(prof, both), side(eager, step_ops(eager, False)))
 
 
 def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:

@@ -166,7 +166,7 @@ def target_gpt():
 
 
 def test_real_runs_checkpoint_the_same_modules():
-    from fxacct.runtime.run import build_model
+    from fxacct.runtime.build import build_model
 
     model, _ = build_model(config("GPT", batch=B, checkpoint=("h.*",)), torch.device("cpu"))
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == ["h.0", "h.1"]

@@ -78,15 +78,19 @@ MODELS = {"gpt2": _gpt, "llama": _llama, "cnn-batchnorm": _cnn, "mlp-gelu-dropou
 
 @functools.cache
 def _oracle(name: str) -> tuple[int, int]:
-    """(saved bytes, training peak bytes) of a real compiled CPU step of MODELS[name], one compile.
+    """(saved bytes, training peak bytes) of a real compiled CPU step of MODELS[name], one compile."""
+    model, args = MODELS[name]()
+    return _measured(model, torch.compile(model), args)
+
+
+def _measured(model: nn.Module, compiled, args) -> tuple[int, int]:
+    """(saved bytes, training peak bytes) of real steps of ``compiled`` (``model`` compiled, whole or in parts).
 
     The peak: torch.profiler's memory events (every allocation and free of the CPU allocator, in
     order) over one steady-state step (forward, the ``.float().sum()`` loss, backward, AdamW), on
     top of the bytes alive before it (parameters, optimizer state, inputs). A dispatch-level
     tracker cannot be the oracle here: inductor allocates its buffers without the dispatcher
     (``empty_strided_cpu``), and dynamo runs the model eagerly under a non-infra dispatch mode."""
-    model, args = MODELS[name]()
-    compiled = torch.compile(model)
     saved, _ = eager_saved_bytes(compiled, args)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
@@ -218,8 +222,9 @@ def test_usage_errors_name_the_fix():
         fxacct.Config(compile_mode="max-autotune")
     with pytest.raises(UsageError, match="give one"):
         fxacct.Config(compile=True, compile_blocks=("h.*",))
-    with pytest.raises(UsageError, match="one device"):
+    with pytest.raises(UsageError, match="--compile-blocks PATTERN instead"):
         fxacct.Config(compile=True, mesh="fsdp=1")
+    fxacct.Config(compile=True, checkpoint=("h.*",))  # they compose (test_compile_checkpoint.py)
     with pytest.raises(UsageError, match="--compile-blocks 'nope.*' matches no module"):
         _profile("mlp-gelu-dropout", compile_blocks=("nope.*",))
 
@@ -235,6 +240,73 @@ def test_cli_compile_json_section_and_mesh_refusal():
     assert section["compiled"]["activation_bytes"] == doc["totals"]["activation_bytes"]
     assert section["eager"]["activation_bytes"] > section["compiled"]["activation_bytes"]
     refused = CliRunner().invoke(cli, [*args, "--compile", "--mesh", "fsdp=1"])
-    assert refused.exit_code == 2 and "one device" in refused.output and "Traceback" not in refused.output
+    assert refused.exit_code == 2 and "--compile-blocks PATTERN instead" in refused.output and "Traceback" not in refused.output
     refused = CliRunner().invoke(cli, [*args, "--compile", "--runtime"])  # a real run is eager
     assert refused.exit_code == 2 and "--runtime runs the model eagerly" in refused.output
+
+
+# --compile with --checkpoint: the oracle wraps each block as torchtitan does (torch's
+# checkpoint_wrapper, non-reentrant, RNG state not preserved), then compiles each wrapped block
+# (torchtitan's order) or the whole model; dynamo turns each checkpoint into
+# tag_activation_checkpoint and inductor's partitioner decides the saves from the tags.
+CHECKPOINTED = {  # case: (model, blocks, --checkpoint-policy, compile_blocks or whole)
+    "gpt2-dropout whole, plain": ("gpt2-dropout", "h.*", None, ()),
+    "gpt2-dropout blocks, save-matmuls": ("gpt2-dropout", "h.*", "save-matmuls", ("h.*",)),
+    "llama blocks, torchtitan per-op SAC": ("llama", "layers.*", "examples/llama.py:torchtitan_sac", ("layers.*",)),
+}
+MODELS["gpt2-dropout"] = lambda: (torch.manual_seed(0), GPT(**GPT_SMALL, dropout=0.1),
+                                  (torch.randint(0, 1000, (2, 128)),))[1:]
+
+
+@functools.cache
+def _checkpointed_oracle(case: str) -> tuple[int, int]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from fxacct.trace.checkpointing import policy_function
+
+    name, pattern, policy, blocks = CHECKPOINTED[case]
+    model, args = MODELS[name]()
+    chosen = policy_function(policy if policy is None or policy == "save-matmuls" else target(policy))
+    container = getattr(model, pattern.split(".")[0])
+    for key, block in list(container.named_children()):
+        if chosen is None:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            factory = chosen if policy != "save-matmuls" else (lambda: chosen)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
+                                         context_fn=lambda f=factory: create_selective_checkpoint_contexts(f()))
+        if blocks:
+            wrapped.compile()
+        container.register_module(key, wrapped)
+    return _measured(model, model if blocks else torch.compile(model), args)
+
+
+def _checkpointed_profile(case: str, compiled: bool = True) -> fxacct.Profile:
+    name, pattern, policy, blocks = CHECKPOINTED[case]
+    policy = policy if policy is None or policy == "save-matmuls" else target(policy)
+    compile_flags = dict(compile_blocks=blocks, compile=not blocks) if compiled else {}
+    return _profile(name, checkpoint=(pattern,), checkpoint_policy=policy, **compile_flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CHECKPOINTED))
+def test_compile_with_checkpoint_equals_a_real_compiled_checkpointed_step(case):
+    """Activation bytes exact; the peak within 5% where each checkpointed block is compiled on its
+    own (torchtitan's recipe). Measured here: GPT-2 with dropout, compiled whole with each block
+    checkpointed, saves 1,037,376 B (the RNG state of each recomputed dropout, 5,056 B, among
+    them); the same blocks checkpointed eagerly, or compiled without the checkpoint, save other
+    amounts, and a checkpoint tag that leaked past its block (recomputing the final norm too)
+    saved 932,736 B against 473,984 B without dropout. Compiled whole, inductor's scheduler runs
+    the backward's recompute of several blocks early, so the real peak is above the account's
+    (14.59 MB against 11.11 MB here: docs/limits.md), and only the saves are held exact."""
+    expected, measured_peak = _checkpointed_oracle(case)
+    prof = _checkpointed_profile(case)
+    assert prof.accounting.totals.activation_bytes == expected
+    name, _, _, blocks = CHECKPOINTED[case]
+    if blocks:
+        assert abs(prof.memory.peak_train.bytes - measured_peak) <= 0.05 * measured_peak, (
+            prof.memory.peak_train.bytes, measured_peak)
+    assert prof.accounting.totals.recompute_flops > 0
+    assert expected != _checkpointed_profile(case, compiled=False).accounting.totals.activation_bytes
+    assert expected != _profile(name, compile_blocks=blocks, compile=not blocks).accounting.totals.activation_bytes

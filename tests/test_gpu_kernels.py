@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from helpers import ROOT, meta_input, on_meta, profile_meta
 
 from fxacct.devices import DEVICES, get_device
+from fxacct.predict.fused_time import predict_profile
 from fxacct.predict.gpu_kernels import attention_backend, attention_rate, gemm_quantization, published_curve
-from fxacct.predict.roofline import COMPUTE, MEMORY, from_gpu, predict_profile
+from fxacct.predict.roofline import COMPUTE, MEMORY, from_gpu
 from fxacct_cli.main import cli
 
 H100 = get_device("h100")

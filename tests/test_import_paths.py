@@ -194,7 +194,7 @@ def test_loss_flag_is_checked():
 
 
 def test_runtime_builds_the_same_model_for_all_three_forms(llama_json):
-    from fxacct.runtime.run import build_model, make_inputs
+    from fxacct.runtime.build import build_model, make_inputs
 
     cpu = torch.device("cpu")
     configs = [

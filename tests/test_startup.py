@@ -24,16 +24,12 @@ HEAVY = ("torch", "transformers", "networkx")
 # first line that imports torch is named even though the ones after it would inherit torch
 CHILD = r"""
 import contextlib, io, json, sys
-from fxacct_cli.main import main
+from fxacct_cli.main import run
 for args in json.loads(sys.argv[1]):
     err = io.StringIO()
     sys.argv = ["fxacct", *args]
-    code = None
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code
+        code = run()  # main() without its os._exit
     print(json.dumps({"args": args, "code": code, "stderr": err.getvalue(),
                       "loaded": [m for m in HEAVY if m in sys.modules]}))
 """.replace("HEAVY", repr(HEAVY))
@@ -103,3 +99,22 @@ def test_parse_dtype_still_gives_torch_dtypes(name, dtype):
     from fxacct.dtypes import parse_dtype
 
     assert parse_dtype(name) is dtype
+
+
+def test_the_console_script_flushes_its_output_and_keeps_the_exit_code():
+    """main() leaves through os._exit (no interpreter teardown): what a command printed to a pipe
+    arrives whole, and the exit code is the command's."""
+    done = subprocess.run([sys.executable, "-m", "fxacct_cli", "profile", MLP, "--format", "json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["model_class"] == "MLP"
+    done = subprocess.run([sys.executable, "-m", "fxacct_cli", "profile", "nope.py:M"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "nope.py" in done.stderr, done.stderr
+
+
+def test_exit_code_reads_system_exit_as_the_interpreter_does(capsys):
+    from fxacct_cli.main import exit_code
+
+    assert (exit_code(None), exit_code(0), exit_code(3)) == (0, 0, 3)
+    assert exit_code("stopped: reason") == 1 and capsys.readouterr().err == "stopped: reason\n"

@@ -194,12 +194,9 @@ class Config:
             raise UsageError("--compile-mode needs --compile or --compile-blocks PATTERN")
         if self.compile and self.compile_blocks:
             raise UsageError("--compile compiles the whole model and --compile-blocks each matching module: give one")
-        if self.compiled and (self.mesh is not None or self.world_size > 1):
-            raise UsageError("--compile (--compile-blocks) is accounted on one device only so far: drop --mesh / "
-                             "--world-size, or drop --compile")
-        if self.compiled and self.checkpoint:
-            raise UsageError("--compile with --checkpoint is not supported yet (the partitioner would need "
-                             "checkpointing's recompute tags): give one of them")
+        if self.compile and self.mesh is not None:
+            raise UsageError("--compile under --mesh would trace FSDP2's and DTensor's hooks into one graph: compile "
+                             "each block with --compile-blocks PATTERN instead, as torchtitan does")
         if self.checkpoint_policy is not None and not self.checkpoint:
             raise UsageError("--checkpoint-policy needs --checkpoint PATTERN (the modules it applies to)")
 

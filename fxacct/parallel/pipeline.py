@@ -47,7 +47,8 @@ from fxacct.parallel.pipeline_split import (
     stage_module,
 )
 from fxacct.parallel.profile import profile_parallel
-from fxacct.predict.roofline import for_config, predict_profile
+from fxacct.predict.fused_time import predict_profile
+from fxacct.predict.roofline import for_config
 from fxacct.step import OneDevice, account_step
 from fxacct.trace import torch_private as tp
 

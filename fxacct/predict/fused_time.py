@@ -1,41 +1,81 @@
-"""The roofline step time of a compiled step (--compile): inductor's kernels instead of its ops.
+"""The prediction of a profile (predict_profile), and for a compiled step (--compile,
+--compile-blocks) inductor's kernels instead of its ops.
 
 A node of a compiled region that the fusion model (fxacct.trace.fusion) puts in a fused kernel
 pays no time of its own: each kernel pays once, ``op_seconds`` of the FLOPs of its ops (all
 classes, as fxacct.costs counts them) and of the bytes it moves (what it reads from outside and
-writes for outside, each tensor once), plus one per-op overhead of its phase; a view inside a
+writes for outside, each tensor once), on a GPU of the table at its achievable rates
+(fxacct.predict.gpu_kernels.op_time), plus one per-op overhead of its phase; a view inside a
 compiled region is index arithmetic (no time). Every other op (extern kernels, the loss, the
 optimizer, eager code outside the regions) keeps the roofline time fxacct.predict.roofline gave it.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.fx as fx
 
 from fxacct.costs.registry import Flops
-from fxacct.predict.roofline import Prediction, op_seconds
+from fxacct.predict import gpu_kernels
+from fxacct.predict.roofline import DeviceModel, Prediction, assemble, for_config, op_seconds, predict
 from fxacct.trace.fusion import FREE
 from fxacct.trace.records import tensor_metas
 
 
-def fused_step_ms(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes: dict) -> float:
-    """The step time in ms with the compiled regions' fused kernels (module docstring)."""
+def fused_node_seconds(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes: dict) -> dict[str, float]:
+    """{node: seconds} with the compiled regions' fused kernels (module docstring): each kernel's
+    time on the last of its nodes, its other nodes and views 0, every other op its own time. The
+    mesh's critical path (fxacct.parallel.timing) takes it as it takes the per-op times."""
     device = prediction.device
     nodes = {n.name: n for n in graph.nodes}
-    seconds = 0.0
-    kernels: dict[tuple, list] = {}  # key -> [Flops, dtype, phase]
+    seconds: dict[str, float] = {}
+    kernels: dict[tuple, list] = {}  # key -> [Flops, dtype, phase, last node]
     for op in prediction.ops:
         key = kernel_of.get(op.node)
         if key is None:
-            seconds += op.seconds
+            seconds[op.node] = seconds.get(op.node, 0.0) + op.seconds
             continue
+        seconds.setdefault(op.node, 0.0)
         if key[1] == FREE:
             continue
         node = nodes[op.node]
         metas = tensor_metas(node.meta.get("val"))
-        entry = kernels.setdefault(key, [Flops(), metas[0].dtype if metas else None, op.phase])
-        entry[0] = entry[0] + node.meta["fxacct"].flops
-    for key, (flops, dtype, phase) in kernels.items():
-        kernel_s, _ = op_seconds(flops, kernel_bytes[key], dtype, device)
-        seconds += kernel_s + device.overhead(phase)
-    return 1e3 * seconds
+        entry = kernels.setdefault(key, [Flops(), metas[0].dtype if metas else None, op.phase, node])
+        entry[0], entry[3] = entry[0] + node.meta["fxacct"].flops, node
+    for key, (flops, dtype, phase, last) in kernels.items():
+        if device.gpu is not None:  # a GPU of the table: the kernel at its achievable rates
+            kernel_s = gpu_kernels.op_time(last, flops, kernel_bytes[key], dtype, device.gpu).seconds
+        else:
+            kernel_s, _ = op_seconds(flops, kernel_bytes[key], dtype, device)
+        seconds[last.name] += kernel_s + device.overhead(phase)
+    return seconds
+
+
+def fused(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes: dict) -> Prediction:
+    """``prediction`` with each op's time as fused_node_seconds gives it (a fused kernel's time on
+    its last node, launch overhead included)."""
+    seconds = fused_node_seconds(prediction, graph, kernel_of, kernel_bytes)
+    device = prediction.device
+    ops = []
+    for op in prediction.ops:
+        if op.node in kernel_of:
+            paid = seconds[op.node] > 0  # the last node of its kernel: the kernel's launch
+            op = replace(op, seconds=seconds[op.node], overhead_s=device.overhead(op.phase) if paid else 0.0,
+                         calls=1 if paid else 0)
+        ops.append(op)
+    return assemble(device, graph, ops)
+
+
+def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | None:
+    """The prediction for a fxacct.Profile on ``device`` (default: for_config(profile.config));
+    None when there is no device model (a CPU that was never calibrated). A compiled step
+    (--compile, --compile-blocks) runs its regions as fused kernels."""
+    device = device or for_config(profile.config)
+    if device is None:
+        return None
+    cap = profile.capture
+    state = frozenset(s.key for s in cap.optimizer_state)
+    peak = profile.memory.rank_peak
+    prediction = predict(cap.graph, device, state, peak.bytes if peak is not None else None)
+    return fused(prediction, cap.graph, cap.kernel_of, cap.kernel_bytes) if cap.kernel_of else prediction

@@ -350,38 +350,30 @@ def predict(graph: fx.Graph, device: DeviceModel, state_storages: frozenset = fr
     of the optimizer state (capture.optimizer_state keys); ``working_set_bytes``: the step's
     footprint, which picks the bandwidth (module docstring; None: the DRAM figure)."""
     bandwidth = device.bandwidth(working_set_bytes) if working_set_bytes else device.bandwidth_bytes_per_s
-    ops, by_phase = [], {p: 0.0 for p in PHASES}
+    ops = [_op_time(node, node.meta["fxacct"], device, state_storages, bandwidth) for node in graph.nodes
+           if node.op == "call_function" and node.meta.get("fxacct") is not None]
+    return assemble(device, graph, ops)
+
+
+def assemble(device: DeviceModel, graph: fx.Graph, ops) -> Prediction:
+    """The Prediction of ``ops`` (OpTimes of ``graph``'s nodes, in program order): their seconds
+    summed by phase, by owning forward node and by module (inclusive)."""
+    by_phase = {p: 0.0 for p in PHASES}
     by_node: dict[str, list[float]] = {}
     module_of: dict[str, str] = {}
     for node in graph.nodes:
         cost = node.meta.get("fxacct")
-        if cost is None:
-            continue
-        if cost.owner == node.name:
+        if cost is not None and cost.owner == node.name:
             by_node[node.name] = [0.0, 0.0]
             module_of[node.name] = cost.module
-        if node.op != "call_function":
-            continue
-        op = _op_time(node, cost, device, state_storages, bandwidth)
+    for op in ops:
         by_phase[op.phase] += op.seconds
         if op.owner is not None:
             by_node[op.owner][0 if op.phase == FORWARD else 1] += op.seconds
-        ops.append(op)
     by_module = inclusive((module_of[name], tuple(v)) for name, v in by_node.items())
     return Prediction(device, tuple(ops), by_phase, {k: tuple(v) for k, v in by_node.items()}, by_module)
 
 
-def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | None:
-    """The prediction for a fxacct.Profile on ``device`` (default: for_config(profile.config));
-    None when there is no device model (a CPU that was never calibrated) or no backward graph."""
-    device = device or for_config(profile.config)
-    if device is None:
-        return None
-    state = frozenset(s.key for s in profile.capture.optimizer_state)
-    peak = profile.memory.rank_peak
-    return predict(profile.capture.graph, device, state, peak.bytes if peak is not None else None)
-
-
-__all__ = ["DeviceModel", "Prediction", "OpTime", "predict", "predict_profile", "for_config", "for_local",
+__all__ = ["DeviceModel", "Prediction", "OpTime", "predict", "assemble", "for_config", "for_local",
            "from_gpu", "from_calibration", "gpu_key", "op_seconds", "op_bytes", "PHASES", "COMPUTE", "MEMORY",
            "FREE", "INIT"]

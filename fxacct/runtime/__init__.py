@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from fxacct import api
 from fxacct.load.config import Config
 from fxacct.load.run_options import RuntimeOptions
-from fxacct.predict.roofline import Prediction, for_local, predict_profile
+from fxacct.predict.fused_time import predict_profile
+from fxacct.predict.roofline import Prediction, for_local
 from fxacct.runtime.compare import Comparison, compare
 from fxacct.runtime.run import Measured, measure
 from fxacct.runtime.setup import check_fits, prediction_config, resolve_device, validate

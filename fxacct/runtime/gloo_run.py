@@ -29,7 +29,7 @@ from fxacct.parallel.engine import device_mesh, parallelize
 from fxacct.parallel.pipeline import _split, resolve_points
 from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
 from fxacct.parallel.pipeline_split import is_function
-from fxacct.runtime.run import build_model, make_inputs
+from fxacct.runtime.build import build_model, make_inputs
 from fxacct.runtime.storage_tracker import StorageTracker
 from fxacct.trace import torch_private as tp
 from fxacct.trace.loss import training_loss

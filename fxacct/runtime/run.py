@@ -1,8 +1,8 @@
 """Measure: the real model on a real device, under torch.profiler.
 
 The model is built as the account builds it (fxacct.load.source: a file, an importable module or a Hugging Face
-config), on the device (random init, seed 0), its linear layers converted by ``--fp8``, cast to ``--dtype`` if given;
-the inputs come from the ``--input`` specs (random values, integers below ``<N``), the model's own
+config), on the device (random init, seed 0), its linear layers converted by ``--fp8``, cast to ``--dtype`` if given,
+its regions compiled in place with ``--compile`` / ``--compile-blocks`` (by the first warm-up step); the inputs come from the ``--input`` specs (random values, integers below ``<N``), the model's own
 ``example_inputs(batch)`` or the spec form's defaults, on the device. Each step is what fxacct accounts: forward
 (under autocast with ``--amp``) and the loss (fxacct.trace.loss, ``--loss``; its target drawn once, at the first
 step, and kept like an input), ``loss.backward()``, the optimizer's ``step()`` and ``zero_grad(set_to_none=True)``;
@@ -23,7 +23,8 @@ gradients None when it begins):
   the profiler's memory events (every allocation and free of the CPU allocator, kernel scratch
   such as oneDNN buffers included) over the timed steps.
 - ``op_level_peak_bytes``: fxacct.runtime.storage_tracker over one step, what fxacct's
-  ``peak_train_bytes`` predicts (aten-op level: no kernel-internal buffers, no allocator rounding).
+  ``peak_train_bytes`` predicts (aten-op level: no kernel-internal buffers, no allocator rounding);
+  none for a compiled step, whose buffers inductor allocates below the dispatcher.
 - ``reserved_bytes`` (CUDA): ``torch.cuda.max_memory_reserved``, what ``peak_reserved_bytes`` predicts.
 """
 
@@ -43,20 +44,16 @@ import torch
 from torch.autograd.profiler import record_function
 
 from fxacct.errors import FxacctError, ModelError, classify, first_line
-from fxacct.load import fp8
-from fxacct.load import source as sources
 from fxacct.load.config import Config
 from fxacct.load.hf import is_causal_lm
 from fxacct.predict.calibration import cpu_name
+from fxacct.runtime.build import SEED, build_model, make_inputs
 from fxacct.runtime.join import MODULE_PREFIX, STEP, Join, join
 from fxacct.runtime.storage_tracker import StorageTracker
 from fxacct.runtime.transfer import Transfer, measure_transfer
 from fxacct.trace import torch_private as tp
-from fxacct.trace.checkpointing import wrap
 from fxacct.trace.loss import LossSpec, target_spec, training_loss
 from fxacct.trace.module_hooks import global_module_hooks
-
-SEED = 0
 
 
 @dataclass(frozen=True)
@@ -115,46 +112,6 @@ def median_step(times: list[StepTime]) -> int:
     """The index of the step whose time is the (low) median: the step per-module figures are of."""
     order = sorted(range(len(times)), key=lambda i: times[i].step_s)
     return order[(len(order) - 1) // 2]
-
-
-def build_model(config: Config, device: torch.device):
-    """(model with random weights on device, its ModelSource): the same model the account traces,
-    for every spec form (fxacct.load.source)."""
-    source = sources.open_source(config)
-    torch.manual_seed(SEED)
-    try:
-        model = source.build(device)
-    except torch.cuda.OutOfMemoryError as e:
-        raise ModelError(f"out of memory building {source.name} on {device} ({first_line(e)}); "
-                         "use a smaller model or free the device") from e
-    fp8.convert(model, config.fp8)  # --fp8: the Float8Linear layers the account traced
-    if config.dtype is not None:
-        model.to(config.dtype)
-    if config.checkpoint:  # --checkpoint: the real run checkpoints the modules the capture did
-        wrap(model, config.checkpoint, config.checkpoint_policy)
-    return model, source
-
-
-def make_inputs(config: Config, model, source, device: torch.device):
-    """(args, kwargs) of real tensors on device: the --input specs, else example_inputs(batch),
-    else the spec form's defaults (fxacct.load.source.inputs)."""
-    torch.manual_seed(SEED)
-    args, kwargs = sources.inputs(source, model, config, config.batch, device)
-
-    def prepare(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        t = t.to(device)
-        if t.is_floating_point():
-            if config.dtype is not None:
-                t = t.to(config.dtype)
-            if config.input_requires_grad:
-                t.requires_grad_(True)
-        return t
-
-    args = tp.tree_map(prepare, tuple(args))
-    kwargs = tp.tree_map(prepare, dict(kwargs))
-    return args, kwargs
 
 
 def loss_spec(config: Config, model) -> LossSpec:
@@ -385,7 +342,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
         if keep_trace:
             trace = _chrome_trace(prof)
     op_peak = None
-    if not interrupted:
+    if not interrupted and not config.compiled:  # compiled: no op level to track (module docstring)
         try:
             with _model_errors(device, config.batch):
                 op_peak = _op_level_peak(step, progress)
@@ -397,4 +354,4 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
                     transfer, interrupted, torch.get_num_threads(), trace, tuple(profiled), reserved)
 
 
-__all__ = ["Measured", "StepTime", "measure", "build_model", "make_inputs"]
+__all__ = ["Measured", "StepTime", "measure"]

@@ -10,7 +10,8 @@ import torch
 
 from fxacct.api import profile_module
 from fxacct.load.config import Config
-from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration, predict_profile
+from fxacct.predict.fused_time import predict_profile
+from fxacct.predict.roofline import FREE, INIT, LOSS, from_calibration
 from fxacct.tools import microbench
 
 # The small step on every thread against one thread: measured on the 2-core CI machine, idle

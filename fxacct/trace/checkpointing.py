@@ -17,11 +17,13 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import itertools
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.utils import checkpoint as ckpt
 
 from fxacct.errors import UsageError
@@ -91,6 +93,37 @@ def _context_fn(policy):
     return functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
 
 
+def _always_prefer_recompute(ctx, op, *args, **kwargs):
+    return ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_graph_ids = itertools.count(1)
+
+
+def _tagged(forward, policy, args, kwargs):
+    """A checkpointed call inside a compiled region (fxacct.trace.compiled), as torch.compile runs
+    it: dynamo turns ``checkpoint`` into the ``tag_activation_checkpoint`` higher-order op, whose
+    implementation under AOTAutograd (torch/_higher_order_ops/wrap.py,
+    ``tag_activation_checkpoint_impl``) traces the region once through non-reentrant
+    checkpointing with a selective context (the user's policy, or one that prefers to recompute
+    every op), numbered with a graph id, RNG state not stashed and no early stop. The context tags
+    each traced node with its policy and the id (torch/utils/checkpoint.py,
+    ``_CachingTorchDispatchMode``), and inductor's partitioner, not autograd, then decides what
+    the forward saves and what the backward recomputes."""
+    base = _context_fn(policy if policy is not None else _always_prefer_recompute)
+    graph_id = next(_graph_ids)
+
+    def context_fn():
+        forward_ctx, recompute_ctx = base()
+        forward_ctx.ac_graph_id = graph_id
+        return forward_ctx, recompute_ctx
+
+    # as the implementation: the tags the context leaves in fx's current meta end with the region
+    with fx_traceback.preserve_node_meta():
+        return ckpt.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, early_stop=False,
+                               context_fn=context_fn, **kwargs)
+
+
 def _wrapped(forward, policy):
     context_fn = _context_fn(policy)
 
@@ -98,6 +131,8 @@ def _wrapped(forward, policy):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
+        if tp.aot_tracing(forward, args, kwargs):
+            return _tagged(forward, policy, args, kwargs)
         modes = tuple(tp.function_mode_stack())
 
         def under_forward_modes(*a, **kw):

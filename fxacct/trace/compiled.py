@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +69,24 @@ def regions(model: torch.nn.Module, spec: CompileSpec) -> list[str]:
         raise UsageError(str(e).replace("--checkpoint", "--compile-blocks")) from None
 
 
+def compile_in_place(model: torch.nn.Module, spec: CompileSpec) -> None:
+    """A real run's model compiled as the capture accounts it (fxacct.runtime.run): each region
+    compiled in place by ``nn.Module.compile`` (inductor, torch.compile's mode), the whole model
+    for the region ""."""
+    modules = dict(model.named_modules())
+    for name in regions(model, spec):
+        modules[name].compile(mode=None if spec.mode == "default" else spec.mode)
+
+
 @dataclass
 class _Region:
     """One compiled module while a capture runs: its AOTAutograd callable per input signature."""
 
     name: str
     module: torch.nn.Module
-    forward: object  # the instance's own forward
+    forward: object  # the forward the region runs (an instance attribute already set, as --checkpoint's, or the class's)
     compiled: dict
+    own: object = None  # the instance attribute ``forward`` before (None: none), restored on exit
 
 
 class _Flat(torch.nn.Module):
@@ -120,6 +131,17 @@ class _GraphRun(fx.Interpreter):
         return tuple(self.needs_grad.get(a, False) for a in iter_nested((n.args, tuple(n.kwargs.values())), fx.Node)
                      if any(isinstance(t, torch.Tensor) for t in _tensor_leaves(self.env.get(a))))
 
+    def call_function(self, target, args, kwargs):
+        """The RNG wrappers run their op as itself (recorded like any op); the saved state is a new
+        tensor the size of the generator's state (``torch.get_rng_state()``: a copy), as the graph
+        traced it."""
+        if target is _RUN_AND_SAVE_RNG:
+            out = args[0](*args[1:], **kwargs)  # first: the op's record is the one its backward links to
+            return torch.empty(_RNG_STATE_SHAPE, dtype=torch.uint8), out
+        if target is _RUN_WITH_RNG:
+            return args[1](*args[2:], **kwargs)
+        return super().call_function(target, args, kwargs)
+
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
             return super().run_node(n)
@@ -152,6 +174,14 @@ class _GraphRun(fx.Interpreter):
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
+# The partitioner's wrappers of a random op it recomputes in the backward (torch/_functorch/
+# partitioners.py, functionalize_rng_ops; torch/_prims/rng_prims.py): the forward runs the op and
+# returns the generator's state beside its result, the backward runs the op again from that state.
+_RUN_AND_SAVE_RNG = torch.ops.higher_order.run_and_save_rng_state
+_RUN_WITH_RNG = torch.ops.higher_order.run_with_rng_state
+# what torch.get_rng_state() returns on this CPU, the state the CPU wrapper copies (its
+# CPUGeneratorImpl's mt19937 state: 5,056 B); a CUDA generator's is its Philox seed and offset
+_RNG_STATE_SHAPE = tuple(torch.get_rng_state().shape)
 
 
 def channels_last_inputs(gm: fx.GraphModule) -> int:
@@ -199,10 +229,34 @@ def _tensor_leaves(value) -> list:
     return [t for t in tp.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def rng_wrapper_meta(forward: fx.GraphModule, backward: fx.GraphModule | None = None) -> None:
+    """Give the partitioner's RNG wrappers the meta of the op each wraps (seq_nr, module, the
+    forward tag), which ``functionalize_rng_ops`` (torch/_functorch/partitioners.py) does not copy
+    onto them: the forward's wrapper takes it from its result (``getitem(wrapper, 1)``, which
+    carries the op's meta), the backward's from the forward's wrapper whose state it reads. The
+    partitioner makes both in one loop, so the k-th state the forward returns is the k-th
+    ``rng_state_output_*`` input of the backward."""
+    saves = list(forward.graph.find_nodes(op="call_function", target=_RUN_AND_SAVE_RNG))
+    for n in saves:
+        result = next((u for u in n.users if u.target is operator.getitem and u.args[1] == 1), None)
+        if result is not None:
+            n.meta = {**result.meta, **n.meta}
+    if backward is None:
+        return
+    returned = [a.args[0] for a in forward.graph.output_node().args[0]
+                if isinstance(a, fx.Node) and a.target is operator.getitem and a.args[0] in saves]
+    states = [p for p in backward.graph.find_nodes(op="placeholder") if p.name.startswith("rng_state_output")]
+    for wrapper, state in zip(returned, states):
+        for user in state.users:
+            user.meta = {**{k: v for k, v in wrapper.meta.items() if k in ("seq_nr", "custom")},
+                         "partitioner_tag": _IS_FORWARD, **user.meta}
+
+
 def _runner(gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict, backward: bool, graphs: list,
             kernel_of: dict, kernel_bytes: dict, input_grad=None):
     if not backward:
         channels_last_inputs(gm)
+    rng_wrapper_meta(*graphs, gm) if backward and graphs else rng_wrapper_meta(gm)
     graphs.append(gm)
     kernels = graph_kernels(gm.graph)
     kernel_bytes.update({(id(kernels), k): b for k, b in kernels.bytes_of.items()})
@@ -234,7 +288,7 @@ class CompiledRegions:
         modules = dict(self.model.named_modules())
         for name in regions(self.model, self.spec):
             m = modules[name]
-            region = _Region(name, m, m.forward, {})
+            region = _Region(name, m, m.forward, {}, m.__dict__.get("forward"))
             self._regions.append(region)
             m.forward = self._compiled_forward(region)  # an instance attribute shadows the class's forward
         return self
@@ -247,7 +301,10 @@ class CompiledRegions:
 
     def __exit__(self, *exc):
         for region in self._regions:
-            del region.module.forward
+            if region.own is None:
+                del region.module.forward
+            else:
+                region.module.forward = region.own
         self._regions = []
 
     def _compiled_forward(self, region: _Region):

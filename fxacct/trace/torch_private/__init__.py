@@ -174,6 +174,11 @@ def _checkpoint_recompute_codes() -> frozenset:
 
 _RECOMPUTE_CODES = _checkpoint_recompute_codes()
 
+# Whether AOTAutograd (a make_fx proxy mode) is tracing now: torch.utils.checkpoint's own test,
+# under which its selective-checkpoint dispatch mode tags graph nodes for the partitioner instead
+# of caching and recomputing (torch/utils/checkpoint.py, _CachingTorchDispatchMode).
+aot_tracing = _require(_checkpoint, "_is_compiling", "torch.utils.checkpoint")
+
 
 def in_checkpoint_recompute() -> bool:
     """Whether torch.utils.checkpoint is recomputing a forward on this thread's Python stack now
