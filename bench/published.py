@@ -8,7 +8,7 @@ for memory per GPU and tokens/s per GPU. A benchmark of the device model, not a 
 
 The rows are the test: no constant of fxacct's device model (the GPU table, the kernel rates, the
 interconnects, the allocator) is fitted to them; each comes from a cited source (docs/). A row
-whose setting fxacct cannot run yet (torch.compile, float8, context parallel) is listed as such.
+whose setting fxacct cannot run yet is listed as such, with the flag it needs.
 
 Source of every published figure: pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``
 (Llama 3.1 8B/70B/405B, torch and torchtitan of 2024-12, Grand Teton: 8 H100 per host on NVLink,

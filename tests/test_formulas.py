@@ -566,6 +566,8 @@ def test_scans_scatters_and_embedding_bags():
         assert _cost_shapes(op, args) == Flops(other=18)  # one add per source element
         if op.overloadpacket in (aten.index_put, aten.index_put_, aten._index_put_impl_):
             assert _cost_shapes(op, args[:3] + (False,)) == ZERO  # a scatter copy: no arithmetic
+    # inductor's embedding backward: values added into their rows where the mask holds, one add each
+    assert _cost_shapes(aten._unsafe_masked_index_put_accumulate.default, (x, (3,), [(3,)], src)) == Flops(other=18)
     for op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default):
         # 3 bags × 5 indices: 15 rows of 8 added (120), then one pass over the (3, 8) output
         HIT.add(_key(op))

@@ -44,5 +44,6 @@ register_zero(
     aten.randint, aten.rand_like, aten.randn_like, aten.randint_like, aten.randperm, aten.eye,
     aten.linspace, aten.logspace, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full,
     aten.new_empty_strided, aten.bernoulli, aten.tensor, aten._efficientzerotensor,
+    torch.ops.prims.iota,  # arange as inductor's decompositions write it (torch/_refs: arange -> prims.iota)
     creation=True,
 )

@@ -78,6 +78,13 @@ def index_put(x_shape, indices, values_shape, accumulate=False, *args, out_shape
     return Flops(other=numel(values_shape) if accumulate else 0)
 
 
+@register(aten._unsafe_masked_index_put_accumulate)
+def masked_index_put_accumulate(x_shape, mask_shape, indices, values_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # inductor's decomposition of embedding's backward (torch/_decomp: index_put_ with accumulate
+    # where the mask holds): one add per value, as index_put's accumulate
+    return Flops(other=numel(values_shape))
+
+
 def _window(kernel_size, dims: int) -> int:
     # kernel_size is int[dims]; a single value stands for every spatial dimension
     k = [int(v) for v in kernel_size]
