@@ -18,7 +18,8 @@ from helpers import SMALL_EXAMPLES, config
 
 import fxacct
 from fxacct.devices import DEVICES
-from fxacct.predict.roofline import from_gpu, predict_profile
+from fxacct.predict.fused_time import predict_profile
+from fxacct.predict.roofline import from_gpu
 from fxacct.runtime import RuntimeOptions
 from fxacct.runtime import run as runtime_run
 

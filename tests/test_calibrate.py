@@ -14,7 +14,8 @@ from helpers import ROOT
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.predict import calibration
-from fxacct.predict.roofline import for_config, for_local, from_calibration, predict_profile
+from fxacct.predict.fused_time import predict_profile
+from fxacct.predict.roofline import for_config, for_local, from_calibration
 from fxacct.tools import calibrate
 from fxacct.tools import calibrate_overhead as overhead
 from fxacct_cli.main import cli

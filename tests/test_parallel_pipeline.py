@@ -342,7 +342,7 @@ def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
     test_parallel_gloo), beside the largest rank's and the one-micro-batch figure it once gave
     alone, and its step time is the whole step's, with the pipeline's tokens: M · B · T = 4 · 2 · 64
     = 512 tokens a step (it once gave one micro-batch of stage 0, with no throughput)."""
-    from fxacct.predict.roofline import predict_profile
+    from fxacct.predict.fused_time import predict_profile
     from fxacct.report.summary_text import exact_bytes, render_summary
 
     cfg = fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh="pp=2", pp_split=target(SPLIT),
@@ -410,7 +410,7 @@ def test_pipeline_whole_step_time_under_gpu():
     """--mesh pp=2 --gpu h100: the whole step is the schedule run with each stage's roofline time per
     micro-batch, then the slowest rank's optimizer. Bounds that hold for any two stages: each rank
     computes its M micro-batches, and the step is at most M + P − 1 slots of the slower stage."""
-    from fxacct.predict.roofline import predict_profile
+    from fxacct.predict.fused_time import predict_profile
 
     cfg = fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh="pp=2", microbatches=4, gpu="h100")
     prof = fxacct.profile(cfg)

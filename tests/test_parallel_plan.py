@@ -17,7 +17,7 @@ import fxacct
 from fxacct import devices
 from fxacct.load.source import load_model
 from fxacct.parallel.profile import profile_parallel
-from fxacct.predict.roofline import predict_profile
+from fxacct.predict.fused_time import predict_profile
 from fxacct.tools.plan import plan
 from fxacct.tools.plan_layouts import Layout, enumerate_layouts
 from fxacct.tools.plan_screen import extrapolate, point, truncate, truncated_loader

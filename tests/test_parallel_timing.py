@@ -256,7 +256,7 @@ def test_step_time_bounds_and_json(fsdp_tp):
     t = p.parallel.time
     assert t.compute_s <= t.step_s <= sum(t.streams.values()) + 1e-12
     assert sum(r.predicted_ms for r in p.parallel.rows) == pytest.approx(1e3 * t.comm_s)
-    from fxacct.predict.roofline import predict_profile
+    from fxacct.predict.fused_time import predict_profile
     from fxacct.report import document
     from fxacct.report.summary_text import render_summary
 

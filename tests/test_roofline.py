@@ -16,6 +16,7 @@ from helpers import ROOT, config, meta_input, on_meta, profile_meta
 import fxacct
 from fxacct.costs.registry import Flops
 from fxacct.devices import DEVICES, MiB, get_device
+from fxacct.predict.fused_time import predict_profile
 from fxacct.predict.roofline import (
     COMPUTE,
     FREE,
@@ -27,7 +28,6 @@ from fxacct.predict.roofline import (
     from_gpu,
     gpu_key,
     op_seconds,
-    predict_profile,
 )
 from fxacct.units import GB, GiB
 from fxacct_cli.main import cli
