@@ -23,10 +23,9 @@ from fxacct.trace.fusion import FREE
 from fxacct.trace.records import tensor_metas
 
 
-def fused_node_seconds(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes: dict) -> dict[str, float]:
+def _node_seconds(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes: dict) -> dict[str, float]:
     """{node: seconds} with the compiled regions' fused kernels (module docstring): each kernel's
-    time on the last of its nodes, its other nodes and views 0, every other op its own time. The
-    mesh's critical path (fxacct.parallel.timing) takes it as it takes the per-op times."""
+    time on the last of its nodes, its other nodes and views 0, every other op its own time."""
     device = prediction.device
     nodes = {n.name: n for n in graph.nodes}
     seconds: dict[str, float] = {}
@@ -53,9 +52,10 @@ def fused_node_seconds(prediction: Prediction, graph: fx.Graph, kernel_of: dict,
 
 
 def fused(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes: dict) -> Prediction:
-    """``prediction`` with each op's time as fused_node_seconds gives it (a fused kernel's time on
-    its last node, launch overhead included)."""
-    seconds = fused_node_seconds(prediction, graph, kernel_of, kernel_bytes)
+    """``prediction`` with each op's time as _node_seconds gives it (a fused kernel's time on its
+    last node, launch overhead included); the mesh's critical path (fxacct.parallel.timing) takes
+    its op times as it takes the per-op ones."""
+    seconds = _node_seconds(prediction, graph, kernel_of, kernel_bytes)
     device = prediction.device
     ops = []
     for op in prediction.ops:
