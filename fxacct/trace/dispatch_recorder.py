@@ -320,11 +320,12 @@ class SavedTracker:
         self.wrapped: set[int] = set()
 
     def pack(self, t: torch.Tensor):
-        if tp.local(t) is not t:
-            self.wrapped.add(self.storages.id_of(tp.local(t)))
-        sid = self.storages.id_of(t)
+        local = tp.local(t)  # a DTensor's bytes are its local shard's (its wrapper holds none)
+        sid = self.storages.id_of(local)
+        if local is not t:
+            self.wrapped.add(sid)
         if sid not in self.excluded and sid not in self.saved:
-            dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
+            dtype, nbytes = self.storages.real.get(sid, (local.dtype, local.untyped_storage().nbytes()))
             self.saved[sid] = (nbytes, dtype)
         return t, t._version
 
