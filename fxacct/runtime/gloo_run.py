@@ -198,6 +198,10 @@ def _rank_main(rank, world, port, config, out, steps, warmup):
         measured = _measure(rank, config, steps, warmup)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(measured, f)
+        # every rank's gloo work done before any rank tears its group down: a rank that destroyed it
+        # while the other's last sends were in flight aborted once in a full CI run ("terminate
+        # called without an active exception", SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
