@@ -13,8 +13,8 @@ from fxacct.devices import get_device
 from fxacct.parallel.links import collective_choice, links_for, nccl_bytes, placement
 from fxacct.parallel.nccl_model import Group
 from fxacct.parallel.streams import critical_path
-from fxacct.predict.fused_time import fused
-from fxacct.predict.roofline import for_config, gpu_key, matmul_dtype, predict
+from fxacct.predict.fused_time import predict_capture
+from fxacct.predict.roofline import for_config, gpu_key, matmul_dtype
 from fxacct.trace.dispatch_recorder import OPTIMIZER
 
 
@@ -73,11 +73,7 @@ def step_schedule(cap, peak, spec, config, nodes):
         if choice.protocol:
             key = f"{choice.algorithm}/{choice.protocol}"
             algorithms[key] = algorithms.get(key, 0) + 1
-    state = frozenset(s.key for s in cap.optimizer_state)
-    prediction = predict(cap.graph, for_config(config), state, peak)
-    if cap.kernel_of:  # --compile-blocks: the compiled regions run as inductor's fused kernels
-        prediction = fused(prediction, cap.graph, cap.kernel_of, cap.kernel_bytes)
-    predicted = prediction.ops
+    predicted = predict_capture(cap, for_config(config), peak).ops  # --compile-blocks: fused kernels
     compute = {o.node: o.seconds for o in predicted if o.node not in comm}
     optimizer = sum(o.seconds for o in predicted if o.phase == OPTIMIZER and o.node not in comm)
     return critical_path(cap.graph, {**compute, **comm}), comm, algorithms, links, optimizer

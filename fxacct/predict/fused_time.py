@@ -67,15 +67,20 @@ def fused(prediction: Prediction, graph: fx.Graph, kernel_of: dict, kernel_bytes
     return assemble(device, graph, ops)
 
 
+def predict_capture(cap, device: DeviceModel, working_set_bytes: int | None) -> Prediction:
+    """The roofline over a Capture's graph on ``device``; a compiled step's regions (--compile,
+    --compile-blocks) as fused kernels. One device's profile and a rank's step schedule
+    (fxacct.parallel.timing) both predict through it."""
+    state = frozenset(s.key for s in cap.optimizer_state)
+    prediction = predict(cap.graph, device, state, working_set_bytes)
+    return fused(prediction, cap.graph, cap.kernel_of, cap.kernel_bytes) if cap.kernel_of else prediction
+
+
 def predict_profile(profile, device: DeviceModel | None = None) -> Prediction | None:
     """The prediction for a fxacct.Profile on ``device`` (default: for_config(profile.config));
-    None when there is no device model (a CPU that was never calibrated). A compiled step
-    (--compile, --compile-blocks) runs its regions as fused kernels."""
+    None when there is no device model (a CPU that was never calibrated)."""
     device = device or for_config(profile.config)
     if device is None:
         return None
-    cap = profile.capture
-    state = frozenset(s.key for s in cap.optimizer_state)
     peak = profile.memory.rank_peak
-    prediction = predict(cap.graph, device, state, peak.bytes if peak is not None else None)
-    return fused(prediction, cap.graph, cap.kernel_of, cap.kernel_bytes) if cap.kernel_of else prediction
+    return predict_capture(profile.capture, device, peak.bytes if peak is not None else None)

@@ -197,7 +197,10 @@ def _runner(gm: fx.GraphModule, recorder: Recorder, region: str, seq_first: dict
             kernel_of: dict, kernel_bytes: dict, input_grad=None):
     if not backward:
         channels_last_inputs(gm)
-    rng_wrapper_meta(*graphs, gm) if backward and graphs else rng_wrapper_meta(gm)
+    if backward:  # the forward was compiled first (force_non_lazy_backward_lowering): graphs[0]
+        rng_wrapper_meta(graphs[0], gm)
+    else:
+        rng_wrapper_meta(gm)
     graphs.append(gm)
     kernels = graph_kernels(gm.graph)
     kernel_bytes.update({(id(kernels), k): b for k, b in kernels.bytes_of.items()})
