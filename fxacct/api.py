@@ -25,6 +25,7 @@ from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.torchtitan import profile_torchtitan
+from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
 from fxacct.step import OneDevice, Profile, account_step, fit_probe
 from fxacct.trace import fusion
@@ -39,6 +40,8 @@ def profile(config: Config) -> Profile:
     (under pp, stage 0's rank, carrying every stage's account)."""
     check_pipeline_flags(config)  # a plan's Config may carry them without pp: a profile's may not
     if is_torchtitan(config.target):  # torchtitan parallelizes it on its own meshes (one device: fsdp=1)
+        if config.mesh is not None and config.mesh.size("pp") > 1:
+            return _predicted(_pipeline(config, profile_torchtitan_pipeline))
         prof = profile_torchtitan(config if config.mesh is not None else replace(config, mesh="fsdp=1"))
         return _predicted(_fitted_rank(prof, prof.memory.fit_bytes, prof.memory.fit_basis))
     if config.mesh is None:
@@ -99,10 +102,11 @@ def _fitted_rank(prof: Profile, peak: int | None, basis: str) -> Profile:
     return replace(prof, memory=replace(prof.memory, fit=Fit.on(get_device(prof.config.gpu), peak, basis=basis)))
 
 
-def _pipeline(config: Config) -> Profile:
-    """--mesh pp=P: stage 0's Profile (one micro-batch), carrying every rank's (PipelineAccount);
-    the fit holds the largest rank's peak over the whole step."""
-    pipe = profile_pipeline(config)
+def _pipeline(config: Config, build=profile_pipeline) -> Profile:
+    """--mesh pp=P: stage 0's Profile (one micro-batch), carrying every rank's (PipelineAccount, from
+    ``build``: fxacct's own stages, or a torchtitan job's); the fit holds the largest rank's peak over
+    the whole step."""
+    pipe = build(config)
     first = pipe.stages[0].profile
     par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
     par = ParallelAccount(config.mesh, 0, (), (), pipeline=pipe) if par is None else replace(

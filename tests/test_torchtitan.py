@@ -12,6 +12,7 @@ ran on. It shares with fxacct only the environment patches of fxacct.load.torcht
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 
@@ -34,7 +35,7 @@ from fxacct.load.torchtitan import adapted  # noqa: E402
 NAMES = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
          "all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_to_all_single": "all_to_all",
-         "alltoall_base_": "all_to_all"}
+         "alltoall_base_": "all_to_all", "send": "send", "recv_": "recv"}
 
 
 class GroupCounter(TorchDispatchMode):
@@ -136,9 +137,84 @@ def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: 
     return Counter({(op, frozenset(groups.get(g, {"world"}))): n for (op, g), n in counter.count.items()})
 
 
-def fxacct_collectives(target: str, mesh: str, batch: int, seq: int) -> tuple[Counter, dict]:
+def torchtitan_pipeline_collectives(module: str, name: str, dims: dict, batch: int, seq: int, micro: int,
+                                    rank: int = 0) -> Counter:
+    """Counter of (op, frozenset of mesh names) over one step of torchtitan's own pipeline on ``rank``:
+    trainer.py's pipelining_fn (pipeline_parallel.py::pipeline_llm: its stage split, parallelize_fn per
+    part and schedule), then the schedule's step over the local batch in micro-batches of ``micro``.
+
+    One patch: the schedule's first step votes over p2p whether the stages' shapes are given
+    (schedules.py::_warmup_p2p reads the vote with ``.item()``, which a fake tensor has no value for);
+    the oracle gives each stage its shapes by hand (a first stage takes [micro, seq] int64 tokens,
+    the others the [micro, seq, dim] hidden states in the mixed-precision dtype, requiring grad) and
+    sets STATIC mode, as a user passing input_args/output_args to PipelineStage does. The second
+    step is counted (the first builds the schedule's buffers)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.trainer import TORCH_DTYPE_MAP
+
+    def static(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    warmup = schedules._PipelineSchedule._warmup_p2p
+    with adapted(flex_as="eager"):
+        job = ConfigManager().parse_args(["--module", module, "--config", name])
+        p = job.parallelism
+        p.pipeline_parallel_degree, p.data_parallel_shard_degree = dims["pp"], dims.get("fsdp", 1)
+        p.data_parallel_replicate_degree = dims.get("dp", 1)
+        p.spmd_backend = "partial_dtensor"
+        p.pipeline_parallel_microbatch_size = micro
+        job.training.local_batch_size, job.training.seq_len = batch, seq
+        world = p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        schedules._PipelineSchedule._warmup_p2p = static
+        try:
+            pdims = ParallelDims.from_config(p, world)
+            mc = job.model_spec.model
+            mc.update_from_config(config=job)
+            with torch.device("meta"):
+                model = mc.build()
+            loss_fn = job.loss.build(compile_config=job.compile)
+            schedule, parts, first, last = job.model_spec.pipelining_fn(
+                model, parallel_dims=pdims, training=job.training, parallelism=p, compile_config=job.compile,
+                ac_config=job.activation_checkpoint, dump_folder=job.dump_folder, device=torch.device("cpu"),
+                model_config=mc, parallelize_fn=job.model_spec.parallelize_fn, loss_fn=loss_fn)
+            if last and isinstance(loss_fn, ChunkedLossWrapper):  # trainer.py: the last stage's lm_head
+                loss_fn.set_lm_head(parts[-1].lm_head)
+                parts[-1]._skip_lm_head = True
+            dtype = TORCH_DTYPE_MAP[job.training.mixed_precision_param]
+            hidden = torch.empty(micro, seq, mc.dim, dtype=dtype, device="meta", requires_grad=True)
+            tokens_meta = torch.empty(micro, seq, dtype=torch.long, device="meta")
+            for stage in schedule._stages:
+                stage._user_meta = _StageMeta(inputs=extract_tensor_metas((tokens_meta if stage.is_first else hidden,)),
+                                              outputs=extract_tensor_metas((hidden,)))
+            counter = GroupCounter()
+            with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+                for part in parts:
+                    part.to_empty(device="cpu")
+                tokens = torch.zeros(batch, seq, dtype=torch.long)
+                positions = torch.arange(seq).repeat(batch, 1)
+                extra = {"positions": positions, "attention_masks": parts[0].get_attention_masks(positions=positions)}
+                for counted in (False, True):
+                    counter.count.clear()
+                    with counter if counted else contextlib.nullcontext():
+                        schedule.step(*((tokens,) if first else ()), **extra, target=tokens.clone() if last else None,
+                                      losses=[] if last else None, return_outputs=False,
+                                      loss_kwargs={"global_valid_tokens": torch.tensor(batch * seq)})
+            groups = _dims_of_groups(pdims)
+        finally:
+            schedules._PipelineSchedule._warmup_p2p = warmup
+            dist.destroy_process_group()
+    return Counter({(op, frozenset(groups.get(g, {"world"}))): n for (op, g), n in counter.count.items()})
+
+
+def fxacct_collectives(target: str, mesh: str, batch: int, seq: int, *more: str) -> tuple[Counter, dict]:
     r = CliRunner().invoke(cli, ["profile", target, "--mesh", mesh, "--batch", str(batch), "--seq-len", str(seq),
-                                 "--format", "json"], catch_exceptions=False)
+                                 "--format", "json", *more], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout[r.stdout.index("{"):])
     counts: Counter = Counter()
@@ -176,6 +252,27 @@ def test_llama3_fsdp2_cp2_collectives_equal_torchtitans_own():
     assert theirs[("all_gather", frozenset({"cp"}))] > 0 and theirs[("reduce_scatter", frozenset({"cp"}))] > 0
 
 
+@pytest.mark.parametrize("mesh", ["pp=2", "pp=2,fsdp=2", "pp=2,dp=2,fsdp=2"])
+def test_llama3_pipeline_collectives_equal_torchtitans_own(mesh):
+    """pp=2 with 4 micro-batches under the config's own schedule (llama3_debugmodel: Interleaved1F1B,
+    two stages per rank): each rank's sends and receives, and the FSDP2 collectives of rank 0's
+    stages as the schedule drives them, equal torchtitan's pipeline step on that rank."""
+    dims = dict(d.split("=") for d in mesh.split(","))
+    dims = {k: int(v) for k, v in dims.items()}
+    ours, doc = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", mesh, 4, 64, "--microbatches", "4")
+    pipe = doc["pipeline"]
+    assert (pipe["schedule"], pipe["stages_per_rank"], pipe["microbatches"]) == ("interleaved-1f1b", 2, 4)
+    for rank, stage in enumerate(pipe["stages"]):
+        rank_of_stage = rank * dims.get("dp", 1) * dims.get("fsdp", 1)  # pp is torchtitan's outermost mesh dim
+        theirs = torchtitan_pipeline_collectives("llama3", "llama3_debugmodel", dims, 4, 64, 1, rank_of_stage)
+        pp = frozenset({"pp"})
+        assert (stage["sends"], stage["recvs"]) == (theirs.pop(("send", pp)), theirs.pop(("recv", pp)))
+        if rank == 0:  # the collectives table is rank 0's
+            assert ours == theirs
+    # what a stage sends per micro-batch: the [1, 64, 256] bf16 hidden states (or their gradient)
+    assert pipe["stages"][0]["send_bytes"] == 12 * 64 * 256 * 2
+
+
 def test_llama3_hsdp_collectives_equal_torchtitans_own():
     """dp=2,fsdp=2: torchtitan's HSDP, gradients all-reduced over the replicas after the reduce-scatter."""
     ours, _ = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", "dp=2,fsdp=2", 2, 64)
@@ -209,6 +306,13 @@ _invoke = invoke_profile
     (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=3,ep=3"], "does not divide the model's"),
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,ep=2"], "has none (a dense model)"),
     (["torchtitan:llama3:llama3_debugmodel", "--", "--training.no_such_key", "3"], "did not take the overrides"),
+    # the schedule is torchtitan's to say; one torch has but fxacct does not replay
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2", "--batch", "4", "--pp-schedule", "gpipe"],
+     "--pp-schedule with a torchtitan target"),
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2", "--batch", "4", "--",
+      "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "is not one fxacct replays"),
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2,tp=2", "--batch", "4"], "tp inside torchtitan's pipeline"),
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2", "--batch", "3"], "does not divide --batch 3"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     r = _invoke(*args)
@@ -228,3 +332,25 @@ def test_overrides_after_dashes_and_one_device_equal_fsdp1():
     one = totals("--", "--training.seq_len", "32")
     assert one == totals("--mesh", "fsdp=1", "--seq-len", "32")
     assert one != totals("--seq-len", "64")  # the override did change the job
+
+
+def test_pipeline_stages_hold_the_whole_models_parameters_and_model_flops(monkeypatch):
+    """torchtitan's cut of llama3_debugmodel into 4 stages (pp=2, interleaved, two per rank) loses and
+    repeats nothing: the stages' parameters sum to the whole model's, and their matmul and attention
+    FLOPs over 4 micro-batches of 1 equal the one-device step's at local batch 4 (both linear in the
+    batch), forward and backward."""
+    import fxacct.parallel.torchtitan_pipeline as titan_pipeline
+    from fxacct.load.config import Config
+    from fxacct.parallel.torchtitan import profile_torchtitan
+
+    stages = []
+    assemble = titan_pipeline.assemble
+    monkeypatch.setattr(titan_pipeline, "assemble", lambda config, profs, *rest: stages.extend(profs) or
+                        assemble(config, profs, *rest))
+    target = "torchtitan:llama3:llama3_debugmodel"
+    titan_pipeline.profile_torchtitan_pipeline(Config(target=target, mesh="pp=2", batch=4, microbatches=4, seq_len=64))
+    whole = profile_torchtitan(Config(target=target, mesh="fsdp=1", batch=4, seq_len=64)).accounting.totals
+    parts = [p.accounting.totals for p in stages]
+    assert len(parts) == 4
+    assert sum(t.params for t in parts) == whole.params
+    assert sum(t.model_flops for t in parts) * 4 == whole.model_flops

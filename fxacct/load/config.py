@@ -124,7 +124,8 @@ class Config:
     def _check_zero1(self):
         """--zero1, and DDP (dp without fsdp) where it is built in: alone or with tp refused later."""
         m = self.mesh
-        if m is not None and m.size("pp") > 1 and m.size("dp") > 1 and m.size("fsdp") == 1:
+        if m is not None and m.size("pp") > 1 and m.size("dp") > 1 and m.size("fsdp") == 1 \
+                and not is_torchtitan(self.target):  # torchtitan's parallelize_fn builds its own
             raise UsageError(f"--mesh {m}: DDP (dp without fsdp) inside pipeline stages is not built in; use "
                              f"--mesh pp={m.size('pp')},dp={m.size('dp')},fsdp=S (HSDP in each stage) or your own --parallelize")
         if not self.zero1:

@@ -94,7 +94,9 @@ OWNED = (("kwargs", "-k/--kwargs", "--model... (the model spec's flavor: another
          ("checkpoint", "--checkpoint", "activation-checkpoint:full|selective|none"),
          ("checkpoint_policy", "--checkpoint-policy", "activation-checkpoint:full|selective|none"),
          ("hf_class", "--hf-class", "another CONFIG"),
-         ("pp_split", "--pp-split", "--parallelism.pipeline_parallel_split_points"))
+         ("pp_split", "--pp-split", "--parallelism.module_fqns_per_model_part"),
+         ("pp_schedule", "--pp-schedule", "--parallelism.pipeline_parallel_schedule"),
+         ("pp_stages_per_rank", "--pp-stages-per-rank", "--parallelism.pipeline_parallel_layers_per_stage"))
 
 
 def check_flags(config) -> None:

@@ -189,14 +189,22 @@ def profile_pipeline(config, loader=load_model, reuse_stages: bool = False):
         raise UsageError(f"--mesh {asked} asks for more pipeline stages than the model has repeated blocks "
                          f"({blocks}): {fix}")
     check_microbatches(config.pp_schedule, ranks, m)
-    orders = simulate(config.pp_schedule, ranks, m, v)
     points = resolve_points(config, stages, loader)
     parts = _stage_inputs(config, stages, points, loader)
     profs = _profile_stages(config, stages, points, parts, loader, reuse_stages)
-    flows = [traffic([r for _, _, r, _ in parts], s) for s in range(stages)]
+    return assemble(config, profs, [r for _, _, r, _ in parts], ranks, m, v, type(whole).__name__)
+
+
+def assemble(config, profs: list, received: list[list[StageInput]], ranks: int, m: int, v: int,
+             model_class: str) -> PipelineAccount:
+    """The PipelineAccount of stages traced for one micro-batch each (``profs``, in stage order;
+    ``received``: what each stage receives), run by ``config.pp_schedule`` over ``ranks`` ranks with
+    ``m`` micro-batches and ``v`` stages per rank: each rank's peak, collectives and traffic."""
+    orders = simulate(config.pp_schedule, ranks, m, v)
+    flows = [traffic(received, s) for s in range(len(profs))]
     accounts = tuple(_rank_account(profs, flows, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
-    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, type(whole).__name__,
+    return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, model_class,
                            _step_seconds(config, profs, ranks, m, v))
 
 

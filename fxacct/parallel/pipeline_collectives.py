@@ -26,7 +26,9 @@ from dataclasses import replace
 from fxacct.parallel.collectives import CollectiveNode, CollectiveRow, rows
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS
 
-FSDP_DIMS = ("dp", "fsdp")  # the mesh dims FSDP2 shards (fsdp) and replicates (dp, HSDP) over
+# the mesh dims FSDP2 shards (fsdp) and replicates (dp, HSDP) over; a torchtitan job names its
+# replicate dim dp_replicate (fxacct.parallel.torchtitan.process_groups)
+FSDP_DIMS = ("dp", "fsdp", "dp_replicate")
 
 
 def gathers_per_step(kinds: list[str]) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from fxacct.load.torchtitan import adapted, job_config
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.collectives import register_cp_ops, rows
 from fxacct.parallel.engine import fake_group
+from fxacct.parallel.pipeline_split import meta_like
 from fxacct.parallel.rank_capture import RankCapturer, materialize
 from fxacct.step import Profile, account_step
 from fxacct.trace.targets import cuda_sdpa
@@ -30,18 +31,27 @@ class TitanStep(torch.nn.Module):
     """The traced module: torchtitan's model, then torchtitan's loss (a sum over the local tokens
     divided by the global count, trainer.py::_forward_backward_body), returned as the loss.
     ``extra``: the model's keyword inputs built from the data beforehand (positions, flex
-    attention's block masks: trainer.py::post_dataloading_process)."""
+    attention's block masks: trainer.py::post_dataloading_process).
 
-    def __init__(self, model: torch.nn.Module, loss_fn, extra: dict, valid_tokens: int):
+    A pipeline stage (``pipelined``) before the last (``loss_fn`` None) returns what it sends on, kept
+    on meta in ``sent``; the last stage calls the loss as the schedule does
+    (pipeline_parallel.py::_scalar_loss_fn: no positions)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, extra: dict, valid_tokens: int, pipelined: bool = False):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.extra = extra
         self.valid_tokens = valid_tokens
+        self.pipelined = pipelined
+        self.sent: torch.Tensor | None = None
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pred = self.model(tokens, **self.extra)
-        loss_kwargs = {"positions": self.extra["positions"]} if "positions" in self.extra else {}
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        pred = self.model(inputs, **self.extra)
+        if self.loss_fn is None:
+            self.sent = meta_like(pred)
+            return pred
+        loss_kwargs = {"positions": self.extra["positions"]} if "positions" in self.extra and not self.pipelined else {}
         loss, _ = self.loss_fn(pred, labels, torch.tensor(self.valid_tokens), **loss_kwargs)
         return loss
 
@@ -79,8 +89,11 @@ def process_groups(pdims) -> dict:
     return groups
 
 
-def build_model(job, pdims):
-    """torchtitan's model on meta, parallelized by its model spec's parallelize_fn (trainer.py::__init__)."""
+def build_model(job, pdims, modules: list[str] | None = None):
+    """torchtitan's model on meta, parallelized by its model spec's parallelize_fn (trainer.py::__init__);
+    with ``modules``, only the pipeline stage that keeps them, cut as pipeline_llm cuts it
+    (pipeline_parallel.py::_split_module) before it is parallelized."""
+    from torchtitan.distributed.pipeline_parallel import _split_module
     from torchtitan.tools import utils as titan_utils
     from torchtitan.trainer import TORCH_DTYPE_MAP
 
@@ -88,6 +101,8 @@ def build_model(job, pdims):
     spec.model.update_from_config(config=job)
     with torch.device("meta"), titan_utils.set_default_dtype(TORCH_DTYPE_MAP[job.training.dtype]):
         model = spec.model.build()
+    if modules is not None:
+        model = _split_module(model, modules)
     return spec.parallelize_fn(model, parallel_dims=pdims, training=job.training, parallelism=job.parallelism,
                                compile_config=job.compile, ac_config=job.activation_checkpoint,
                                dump_folder=job.dump_folder)
@@ -153,10 +168,6 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
     job = job_config(config)  # first: a usage error where torchtitan is missing
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    for dim, degree in (("pp", job.parallelism.pipeline_parallel_degree),):
-        if degree > 1:  # docs/torchtitan.md, "Not yet"
-            raise UsageError(f"--mesh {config.mesh}: {dim} of torchtitan targets is not accounted yet "
-                             f"(docs/torchtitan.md); profile without {dim}")
     world = world_size(job)
     step_config = optimizer_config(job, config)
     # a CUDA target's attention kernel (fxacct.trace.targets), chosen in the forward and its recompute alike
@@ -173,12 +184,20 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
             raise
         except Exception as e:
             raise classify(e, f"building {config.target} with torchtitan") from e
-        prepared = materialize(step)
-        rank = RankCapturer(step, (tokens, labels), {}, prepared, process_groups(pdims))
-        prof = account_step(step_config, rank, with_inference)
+        prof = account_rank(step_config, step, (tokens, labels), pdims, with_inference)
+    return replace(prof, model_class=type(model).__name__)
+
+
+def account_rank(step_config, step: TitanStep, inputs: tuple, pdims, with_inference: bool = False) -> Profile:
+    """The Profile of one rank's ``step`` (a TitanStep, parallelized on ``pdims``' meshes, under the
+    fake process group), with its collectives in a ParallelAccount."""
+    prepared = materialize(step)
+    rank = RankCapturer(step, inputs, {}, prepared, process_groups(pdims))
+    prof = account_step(step_config, rank, with_inference)
     found = rank.collectives
-    parallel = ParallelAccount(config.mesh, 0, found, rows(found), None, None,
-                               model_params=sum(t.numel() for t in model.parameters()),
-                               model_frozen_params=sum(t.numel() for t in model.parameters() if not t.requires_grad),
+    params = list(step.model.parameters())
+    parallel = ParallelAccount(step_config.mesh, 0, found, rows(found), None, None,
+                               model_params=sum(t.numel() for t in params),  # a DTensor's: global
+                               model_frozen_params=sum(t.numel() for t in params if not t.requires_grad),
                                resizes=rank.training_resizes(prof.capture))
-    return replace(prof, config=step_config, parallel=parallel, model_class=type(model).__name__)
+    return replace(prof, config=step_config, parallel=parallel)
