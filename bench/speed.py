@@ -30,6 +30,11 @@ whole process without the disk cache (``--no-cache``), ``--jobs`` as given (defa
 wall and CPU seconds (the workers' included), the layouts traced, reused and pruned, and whether
 the top layout fits on a full trace. Target: under 180 s wall on an idle 2-core machine. No
 reference to pair with (the command did not finish in 900 s before); ``--pairs`` runs it again.
+
+Issue 23 (``--only titan-8b``): ``fxacct profile torchtitan:llama3:llama3_8b --mesh fsdp=8 --batch 1``
+(torchtitan's own 8B job, sequence 8192), a whole process, paired with one that imports what it
+cannot avoid (torch, torchtitan's trainer and the llama3 model spec): wall, CPU and peak RSS.
+Target: under 60 s wall. Needs torchtitan (pip install 'fxacct[torchtitan]').
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--only", choices=("llama2-7b", "llama2-70b", "hf-llama2-70b", MESH_CASE, "startup", "hf-small",
-                                       PLAN_CASE), default=None)
+                                       PLAN_CASE, TITAN_CASE), default=None)
     ap.add_argument("--jobs", type=int, default=None, help=f"{PLAN_CASE}: fxacct plan --jobs (default: the cores)")
     args = ap.parse_args()
     if args.only == "startup":
@@ -133,6 +138,8 @@ def main() -> None:
         return mesh_main(args.pairs)
     if args.only == PLAN_CASE:  # opt-in: minutes per run
         return plan_main(args.pairs, args.jobs)
+    if args.only == TITAN_CASE:  # opt-in: needs torchtitan
+        return titan_main(args.pairs)
     rows = []
     for shape, T in cases:
         if args.only and shape != args.only:
@@ -291,6 +298,33 @@ def plan_main(runs: int, jobs: int | None) -> None:
         print(f"{PLAN_CASE:<10} {wall:>8.1f} {usage.ru_utime + usage.ru_stime:>8.1f} {doc['layouts_total']:>8} "
               f"{doc['layouts_traced']:>7} {doc['layouts_reused']:>7} {doc['layouts_pruned']:>7} {doc['traces']:>7}  "
               f"{verdict}")
+
+
+TITAN_CASE = "titan-8b"
+TITAN_ARGS = ["profile", "torchtitan:llama3:llama3_8b", "--mesh", "fsdp=8", "--batch", "1", "--format", "json"]
+TITAN_IMPORTS = [sys.executable, "-c", "import torch, torchtitan.trainer, torchtitan.models.llama3.config_registry"]
+
+
+def titan_main(pairs: int) -> None:
+    """Issue 23: torchtitan's own 8B job, paired with the imports it cannot avoid."""
+    def once(argv):
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{' '.join(argv[:4])} failed (exit {os.waitstatus_to_exitcode(status)})")
+        return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, out
+
+    rows = []
+    for _ in range(pairs):
+        wall, cpu, rss, out = once(CLI + TITAN_ARGS)
+        ref_wall, _, _, _ = once(TITAN_IMPORTS)
+        rows.append((wall, cpu, rss, ref_wall, json.loads(out)["totals"]["peak_train_bytes"]))
+    print(f"{'case':<10} {'wall s':>8} {'CPU s':>8} {'RSS MiB':>8} {'imports wall s':>15} {'ratio':>6}  peak_train_bytes")
+    for wall, cpu, rss, ref_wall, peak in rows:
+        print(f"{TITAN_CASE:<10} {wall:>8.1f} {cpu:>8.1f} {rss / 2**20:>8.0f} {ref_wall:>15.1f} {wall / ref_wall:>6.2f}  {peak}")
+    print(f"median wall {statistics.median(r[0] for r in rows):.1f} s (target < 60 s)")
 
 
 if __name__ == "__main__":
