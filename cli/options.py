@@ -239,6 +239,10 @@ MESH_OPTIONS = (
                  show_default=True, help="With --mesh pp=P: the pipeline schedule (torch.distributed.pipelining's)."),
     click.option("--pp-stages-per-rank", type=int, default=None, metavar="V",
                  help="With --pp-schedule interleaved-1f1b: pipeline stages per rank (default 2)."),
+    click.option("--expert-load", "expert_load", default=None, metavar="FILE",
+                 help="With a torchtitan MoE target and --mesh ...,ep=E: a measured routing histogram, JSON "
+                      "{\"experts\": [tokens per expert, ...]} or {\"layers\": [[...], ...]}; the busiest "
+                      "expert-parallel rank is accounted (default: balanced routing)."),
 )
 
 
@@ -262,13 +266,14 @@ def mesh_options(fn=None, *, hide=()):
 def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward=True,
               gpus_per_node=DEFAULTS.gpus_per_node, pp_split=None, microbatches=None,
               pp_schedule=DEFAULTS.pp_schedule, pp_stages_per_rank=None, zero1=False, interconnect=None,
-              **_) -> Config:
+              expert_load=None, **_) -> Config:
     """The --mesh flags added to a Config (validated by Config)."""
     from dataclasses import replace
 
     return replace(config, mesh=mesh, parallelize=parallelize, reshard_after_forward=reshard_after_forward,
                    gpus_per_node=gpus_per_node, interconnect=interconnect, pp_split=pp_split, microbatches=microbatches,
-                   pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, zero1=zero1)
+                   pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank, zero1=zero1,
+                   expert_load=expert_load)
 
 
 def model_options(fn=None, *, hide=()):

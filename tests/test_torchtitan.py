@@ -313,6 +313,16 @@ _invoke = invoke_profile
       "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "is not one fxacct replays"),
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2,tp=2", "--batch", "4"], "tp inside torchtitan's pipeline"),
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2", "--batch", "3"], "does not divide --batch 3"),
+    # --expert-load: a file that is not there, not JSON, of the wrong length or shape, and where there is no ep
+    (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4,ep=4", "--expert-load", "/nonexistent/load.json"],
+     "cannot read it"),
+    (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4,ep=4", "--expert-load", "pyproject.toml"], "not JSON"),
+    (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4,ep=4", "--expert-load", "tests/data/expert_load_63.json"],
+     "63 counts, but the model has 64 experts"),
+    (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4,ep=4", "--expert-load", "tests/data/expert_load_3_layers.json"],
+     "3 histograms, but the model has 8 MoE layers"),
+    (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4", "--expert-load", "tests/data/expert_load_63.json"],
+     "--mesh has no ep dimension"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     r = _invoke(*args)
@@ -354,3 +364,57 @@ def test_pipeline_stages_hold_the_whole_models_parameters_and_model_flops(monkey
     assert len(parts) == 4
     assert sum(t.params for t in parts) == whole.params
     assert sum(t.model_flops for t in parts) * 4 == whole.model_flops
+
+
+def _moe_account(tmp_path, load=None, *more):
+    args = ["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4,ep=4", "--batch", "2", "--seq-len", "64",
+            "--format", "json", *more]
+    if load is not None:
+        path = tmp_path / f"load{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(load))
+        args += ["--expert-load", str(path)]
+    r = _invoke(*args)
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _all_to_all(doc) -> dict:
+    """(phase, module) -> all-to-all bytes."""
+    return {(c["phase"], c["module"]): c["bytes"] for c in doc["collectives"] if c["op"] == "all_to_all"}
+
+
+def test_expert_load_routes_the_busiest_rank_by_a_measured_histogram(tmp_path):
+    """qwen3_moe_debug (64 experts, 16 per rank at ep=4, 8 MoE layers). A uniform histogram is the
+    balanced account, figure for figure. A skewed one: experts 32-47 (rank 2's) get 5 tokens for
+    every 1 the others get, so rank 2's experts receive 80/(80+48) of the routed rows... here 8 of
+    them weigh 5 (experts 40-47), so rank 2 receives (8·5 + 8)/(8·5 + 56) = 1/2. Each rank routes
+    its R rows alike, so rank 2 receives 4 · R/2 = 2R where balanced routing gives R: in every
+    MoE layer's forward, the dispatch all-to-all's output doubles and the combine's stays R rows
+    (3/2 of the pair), and the count exchange (a [4, 16] int64 table, 512 B) is unchanged; the
+    backward's two all-to-alls likewise. The same histogram rotated onto rank 0 gives the same account."""
+    balanced = _moe_account(tmp_path)
+    uniform = _moe_account(tmp_path, {"experts": [3] * 64})
+    assert uniform["totals"] == balanced["totals"] and _all_to_all(uniform) == _all_to_all(balanced)
+    assert any("routing assumed balanced" in w for w in balanced["warnings"])
+
+    skew = [1] * 64
+    skew[40:48] = [5] * 8
+    loaded = _moe_account(tmp_path, {"experts": skew})
+    before, after = _all_to_all(balanced), _all_to_all(loaded)
+    assert before.keys() == after.keys() and len(before) == 16  # 8 layers, forward and backward
+    for (phase, module), b in before.items():
+        exchange = 512 if phase == "forward" else 0
+        assert after[(phase, module)] - exchange == (b - exchange) * 3 // 2, (phase, module)
+    assert any("busiest expert-parallel rank (2, whose experts receive 50.0%" in w for w in loaded["warnings"])
+    on_rank0 = _moe_account(tmp_path, {"experts": skew[32:] + skew[:32]})
+    assert on_rank0["totals"] == loaded["totals"]
+
+
+def test_expert_load_per_layer_histograms(tmp_path):
+    """One histogram per MoE layer: only the skewed layer's all-to-alls change; the busiest rank is
+    the one with the most rows over all layers (rank 1 here: its experts get half of layer 3's)."""
+    layers = [[1] * 64 for _ in range(8)]
+    layers[3][16:24] = [5] * 8
+    balanced, loaded = _all_to_all(_moe_account(tmp_path)), _all_to_all(_moe_account(tmp_path, {"layers": layers}))
+    changed = {module for (phase, module), b in balanced.items() if loaded[(phase, module)] != b}
+    assert changed == {"model.layers.3._checkpoint_wrapped_module.moe.routed_experts"}

@@ -68,6 +68,7 @@ class Config:
     # environment's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, else torch's defaults
     alloc_conf: str | None = None
     zero1: bool = False  # ZeRO-1 over --mesh dp=N: the optimizer state sharded (ZeroRedundancyOptimizer)
+    expert_load: str | None = None  # a measured routing histogram for ep (fxacct.load.expert_load)
     fp8: str | None = None  # "tensorwise" or "rowwise": linear layers as torchao's Float8Linear (fxacct.load.fp8)
     torchtitan_args: tuple[str, ...] = ()  # torchtitan:MODULE:CONFIG: torchtitan's own overrides (after --)
     compile: bool = False  # account the step as torch.compile(model) runs it (fxacct.trace.compiled)
@@ -117,9 +118,21 @@ class Config:
         self._check_zero1()
         fp8.check(self.fp8)
         self.optimizer_spec().resolve()
+        self._check_expert_load()
         if self.torchtitan_args and not is_torchtitan(self.target):
             raise UsageError(f"arguments after the model ({' '.join(self.torchtitan_args)}) are torchtitan's "
                              "overrides, for torchtitan:MODULE:CONFIG targets only; drop them")
+
+    def _check_expert_load(self):
+        """--expert-load routes a torchtitan MoE job's tokens among expert-parallel ranks: it needs one."""
+        if self.expert_load is None:
+            return
+        if not is_torchtitan(self.target):
+            raise UsageError("--expert-load routes tokens among expert-parallel ranks, which fxacct builds for "
+                             "torchtitan:MODULE:CONFIG MoE targets only; drop it")
+        if self.mesh is None or self.mesh.size("ep") == 1:
+            raise UsageError("--expert-load says how tokens are routed among expert-parallel ranks, but --mesh has no "
+                             "ep dimension: add one (e.g. --mesh fsdp=4,ep=4) or drop --expert-load")
 
     def _check_zero1(self):
         """--zero1, and DDP (dp without fsdp) where it is built in: alone or with tp refused later."""

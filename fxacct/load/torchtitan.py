@@ -18,6 +18,8 @@ import io
 import logging
 
 from fxacct.errors import UsageError
+from fxacct.load import expert_load
+from fxacct.load.expert_load import Routing
 from fxacct.load.flags import TORCHTITAN_PREFIX
 
 PREFIX = TORCHTITAN_PREFIX
@@ -212,6 +214,23 @@ def check_job(job, config) -> None:
                              "carves the expert-parallel ranks out of them")
 
 
+def routing_of(job, config) -> Routing:
+    """The expert routing of the job: balanced, or --expert-load's histogram, checked against the
+    model's experts (its MoE layers are checked once the model is built: check_moe_layers)."""
+    if config.expert_load is None:
+        return Routing()
+    load = expert_load.read(config.expert_load)
+    expert_load.check(load, num_experts(job.model_spec.model))
+    return Routing(load)
+
+
+def check_moe_layers(routing: Routing, model) -> None:
+    """Per-layer histograms: one per MoE layer of the built model (a module holding a token dispatcher)."""
+    if routing.load is not None:
+        layers = sum(1 for m in model.modules() if hasattr(m, "token_dispatcher"))
+        expert_load.check(routing.load, len(routing.load.of_layer(0)), layers)
+
+
 @contextlib.contextmanager
 def _patched(obj, name: str, value):
     old = getattr(obj, name)
@@ -248,23 +267,25 @@ def _counting_rows(dispatch):
     return wrapped
 
 
-def _balanced_splits(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size):
-    """_sync_token_count_exchange under balanced routing: each rank sends an equal share of its
-    routed rows to every expert-parallel rank and, every rank routing as many, receives as much
-    (the remainder of an uneven split to the first ranks). The counts tensor is torchtitan's."""
-    import torch
+def _routed_splits(routing):
+    """_sync_token_count_exchange with the routing fake tensors do not carry (``routing``, an
+    fxacct.load.expert_load.Routing: balanced, or a measured histogram). The counts tensor is torchtitan's."""
+    def sync(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size):
+        import torch
 
-    counts = torch.ops._c10d_functional.wait_tensor(num_global_tokens_per_local_expert_EP_e).reshape(-1)
-    rows = self._fxacct_routed_rows
-    splits = [rows // ep_size + (1 if r < rows % ep_size else 0) for r in range(ep_size)]
-    return counts, splits, list(splits)
+        counts = torch.ops._c10d_functional.wait_tensor(num_global_tokens_per_local_expert_EP_e).reshape(-1)
+        send, recv = routing.splits(self, self._fxacct_routed_rows, ep_size)
+        return counts, send, recv
+
+    return sync
 
 
 @contextlib.contextmanager
-def adapted(flex_as: str = "sdpa", sdpa=None):
+def adapted(flex_as: str = "sdpa", sdpa=None, routing=None):
     """torchtitan's code made runnable here, then restored. Enter it outside any FakeTensorMode.
     ``flex_as``: "sdpa" (the account: flex attention's causal mask by the SDPA kernel) or "eager"
-    (torchtitan's flex_attention itself, eager: the test oracle); ``sdpa``: the kernel of causal_sdpa."""
+    (torchtitan's flex_attention itself, eager: the test oracle); ``sdpa``: the kernel of causal_sdpa;
+    ``routing``: the expert routing (an fxacct.load.expert_load.Routing; default balanced)."""
     import torch
     import torch.nn.attention.flex_attention as flex
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -306,10 +327,11 @@ def adapted(flex_as: str = "sdpa", sdpa=None):
             stack.enter_context(_patched(flex, "_validate_device", lambda *a: None))
             stack.enter_context(_patched(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True))
         # token_dispatcher.py::AllToAllTokenDispatcher._sync_token_count_exchange: `input_splits.tolist()`,
-        # the routing's counts, which fake tensors do not have: balanced routing instead
+        # the routing's counts, which fake tensors do not have: balanced routing, or a measured histogram
         dispatcher = token_dispatcher.AllToAllTokenDispatcher
+        routing = routing or Routing()
         stack.enter_context(_patched(dispatcher, "dispatch", _counting_rows(dispatcher.dispatch)))
-        stack.enter_context(_patched(dispatcher, "_sync_token_count_exchange", _balanced_splits))
+        stack.enter_context(_patched(dispatcher, "_sync_token_count_exchange", _routed_splits(routing)))
         # torchtitan/distributed/utils.py::set_spmd_backend keeps the backend in a module global
         # (`_spmd_backend = "spmd_types"`): the account sets "partial_dtensor" (apply_request), restored after
         stack.enter_context(_patched(dist_utils, "_spmd_backend", dist_utils._spmd_backend))
@@ -317,4 +339,5 @@ def adapted(flex_as: str = "sdpa", sdpa=None):
         yield
 
 
-__all__ = ["PREFIX", "is_torchtitan", "parse_target", "job_config", "adapted", "num_experts", "DEGREES"]
+__all__ = ["PREFIX", "is_torchtitan", "parse_target", "job_config", "adapted", "num_experts", "DEGREES",
+           "routing_of", "check_moe_layers"]

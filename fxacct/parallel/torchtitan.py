@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from fxacct.errors import UsageError, classify
-from fxacct.load.torchtitan import adapted, job_config
+from fxacct.load.torchtitan import adapted, check_moe_layers, job_config, routing_of
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.collectives import register_cp_ops, rows
 from fxacct.parallel.engine import fake_group
@@ -170,12 +170,14 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
 
     world = world_size(job)
     step_config = optimizer_config(job, config)
+    routing = routing_of(job, config)
     # a CUDA target's attention kernel (fxacct.trace.targets), chosen in the forward and its recompute alike
-    with adapted(sdpa=cuda_sdpa if config.gpu is not None else None), fake_group(world):
+    with adapted(sdpa=cuda_sdpa if config.gpu is not None else None, routing=routing), fake_group(world):
         try:
             pdims = ParallelDims.from_config(job.parallelism, world)
             pdims.world_mesh  # noqa: B018 (builds torchtitan's meshes: parallel_dims.py::build_mesh)
             model = build_model(job, pdims)
+            check_moe_layers(routing, model)
             loss_fn = loss_of(job, model)
             seq, batch = job.training.seq_len, job.training.local_batch_size
             tokens, labels, extra = step_inputs(job, pdims, model, batch, seq)
@@ -185,7 +187,9 @@ def profile_torchtitan(config, with_inference: bool = False) -> Profile:
         except Exception as e:
             raise classify(e, f"building {config.target} with torchtitan") from e
         prof = account_rank(step_config, step, (tokens, labels), pdims, with_inference)
-    return replace(prof, model_class=type(model).__name__)
+    ep = job.parallelism.expert_parallel_degree
+    notes = (routing.note(ep),) if ep > 1 else ()
+    return replace(prof, model_class=type(model).__name__, warnings=prof.warnings + notes)
 
 
 def account_rank(step_config, step: TitanStep, inputs: tuple, pdims, with_inference: bool = False) -> Profile:
