@@ -130,9 +130,11 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
         require_matplotlib()
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
-    if run_options is not None and (config.target or "").startswith("torchtitan:"):
-        raise UsageError("--runtime with a torchtitan target: fxacct does not run torchtitan jobs for real; "
-                         "run torchtitan's own training there, and drop --runtime here")
+    if run_options is not None and (config.target or "").startswith("torchtitan:") and (
+            config.mesh is None or config.mesh.size("pp") > 1):
+        raise UsageError("--runtime with a torchtitan target runs its ranks for real on gloo, without pipeline "
+                         "parallelism: give --mesh (e.g. --mesh fsdp=2,ep=2; --mesh fsdp=1 for one process) "
+                         "without pp, or drop --runtime")
     layout = {k: v for k, v in (("depth", depth), ("top", top)) if v is not None}
     layout.update(summary_only=summary_only, width=None if wide else terminal_width())
     if run_options is not None and config.compiled and (config.mesh is not None or config.checkpoint):

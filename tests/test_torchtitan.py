@@ -3,8 +3,8 @@
 The oracle runs torchtitan's own code the way its Trainer does (trainer.py::__init__ and
 _forward_backward_body): the config function through ConfigManager, the model built on meta and
 parallelized by the model spec's parallelize_fn on torchtitan's ParallelDims meshes under the fake
-process group, materialized in a FakeTensorMode, then forward, torchtitan's loss, backward and
-torchtitan's own optimizer's step, with torchtitan's flex attention run eagerly, while a dispatch
+process group, materialized in a FakeTensorMode, then two steps of forward, torchtitan's loss,
+backward and torchtitan's own optimizer's step (the second counted: a steady state), with torchtitan's flex attention run eagerly, while a dispatch
 counter (below DTensor, as CommDebugMode counts) records every collective and the process group it
 ran on. It shares with fxacct only the environment patches of fxacct.load.torchtitan.adapted
 (the device type, eager flex attention, balanced MoE routing), none of fxacct's capture.
@@ -126,11 +126,14 @@ def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: 
             with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
                 model.to_empty(device="cpu")
                 optimizers = job.optimizer.build(model_parts=[model])
-                with counter:
-                    pred = model(tokens, **extra)
-                    loss, _ = loss_fn(pred, labels, torch.tensor(batch * seq), **loss_kwargs)
-                    loss.backward()
-                    optimizers.step()
+                for counted in (False, True):  # the second step: a steady state, as the account's
+                    counter.count.clear()
+                    with counter if counted else contextlib.nullcontext():
+                        pred = model(tokens, **extra)
+                        loss, _ = loss_fn(pred, labels, torch.tensor(batch * seq), **loss_kwargs)
+                        loss.backward()
+                        optimizers.step()
+                        optimizers.zero_grad()
             groups = _dims_of_groups(pdims)
         finally:
             dist.destroy_process_group()
@@ -323,6 +326,10 @@ _invoke = invoke_profile
      "3 histograms, but the model has 8 MoE layers"),
     (["torchtitan:qwen3:qwen3_moe_debug", "--mesh", "fsdp=4", "--expert-load", "tests/data/expert_load_63.json"],
      "--mesh has no ep dimension"),
+    # the real run is of a mesh's ranks on gloo, without a pipeline
+    (["torchtitan:llama3:llama3_debugmodel", "--runtime"], "runs its ranks for real on gloo"),
+    (["torchtitan:llama3:llama3_debugmodel", "--mesh", "pp=2", "--batch", "4", "--runtime"],
+     "runs its ranks for real on gloo"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     r = _invoke(*args)

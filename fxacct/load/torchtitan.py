@@ -281,11 +281,12 @@ def _routed_splits(routing):
 
 
 @contextlib.contextmanager
-def adapted(flex_as: str = "sdpa", sdpa=None, routing=None):
+def adapted(flex_as: str = "sdpa", sdpa=None, routing=None, real: bool = False):
     """torchtitan's code made runnable here, then restored. Enter it outside any FakeTensorMode.
     ``flex_as``: "sdpa" (the account: flex attention's causal mask by the SDPA kernel) or "eager"
     (torchtitan's flex_attention itself, eager: the test oracle); ``sdpa``: the kernel of causal_sdpa;
-    ``routing``: the expert routing (an fxacct.load.expert_load.Routing; default balanced)."""
+    ``routing``: the expert routing (an fxacct.load.expert_load.Routing; default balanced); ``real``:
+    a run on real tensors (fxacct.runtime.titan_run), whose router's counts are real: not replaced."""
     import torch
     import torch.nn.attention.flex_attention as flex
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -329,9 +330,9 @@ def adapted(flex_as: str = "sdpa", sdpa=None, routing=None):
         # token_dispatcher.py::AllToAllTokenDispatcher._sync_token_count_exchange: `input_splits.tolist()`,
         # the routing's counts, which fake tensors do not have: balanced routing, or a measured histogram
         dispatcher = token_dispatcher.AllToAllTokenDispatcher
-        routing = routing or Routing()
-        stack.enter_context(_patched(dispatcher, "dispatch", _counting_rows(dispatcher.dispatch)))
-        stack.enter_context(_patched(dispatcher, "_sync_token_count_exchange", _routed_splits(routing)))
+        if not real:
+            stack.enter_context(_patched(dispatcher, "dispatch", _counting_rows(dispatcher.dispatch)))
+            stack.enter_context(_patched(dispatcher, "_sync_token_count_exchange", _routed_splits(routing or Routing())))
         # torchtitan/distributed/utils.py::set_spmd_backend keeps the backend in a module global
         # (`_spmd_backend = "spmd_types"`): the account sets "partial_dtensor" (apply_request), restored after
         stack.enter_context(_patched(dist_utils, "_spmd_backend", dist_utils._spmd_backend))

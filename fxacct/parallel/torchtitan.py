@@ -109,13 +109,25 @@ def build_model(job, pdims, modules: list[str] | None = None):
 
 
 def loss_of(job, model):
-    """torchtitan's loss; a chunked one computes the output projection itself (trainer.py: set_lm_head)."""
+    """torchtitan's loss; a chunked one computes the output projection itself (trainer.py: set_lm_head).
+
+    The account is of a steady-state step, and torchtitan's first step changes what the later ones
+    do: ChunkedLossWrapper turns resharding off on ``lm_head``'s FSDP2 unit for its chunks and, after
+    them, sets it to True (loss.py: ``lm_head.set_reshard_after_forward(True)``, ``..._backward(True)``),
+    where apply_fsdp_to_decoder had left the last unit (the final norm with ``lm_head``) without
+    resharding after forward. From the second step on that unit is freed after the norm and gathered
+    again by the loss (a real gloo run: one more all-gather per step than the first step's), so the
+    unit starts the traced step as the first one leaves it."""
+    from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.loss import ChunkedLossWrapper
 
     loss_fn = job.loss.build(compile_config=job.compile)
     if isinstance(loss_fn, ChunkedLossWrapper):
         loss_fn.set_lm_head(model.lm_head)
         model._skip_lm_head = True
+        if isinstance(model.lm_head, FSDPModule):
+            model.lm_head.set_reshard_after_forward(True)
+            model.lm_head.set_reshard_after_backward(True)
     return loss_fn
 
 
@@ -132,11 +144,15 @@ def model_inputs(model, batch: int, seq: int) -> dict:
     return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
 
 
-def step_inputs(job, pdims, model, batch: int, seq: int):
+def step_inputs(job, pdims, model, batch: int, seq: int, data: tuple | None = None):
     """(tokens, labels, keyword inputs) of rank 0: under cp, its shard of the sequence, as torchtitan's
-    prepare_context_parallel_input cuts it (with its load balancer) from the whole batch."""
+    prepare_context_parallel_input cuts it (with its load balancer) from the whole batch. ``data``:
+    real (tokens, labels) of the whole sequence (a real run's, fxacct.runtime.titan_run); default
+    meta tensors (zeros under cp, whose sharding reads the positions)."""
     extra = model_inputs(model, batch, seq)
     if not pdims.cp_enabled:
+        if data is not None:
+            return *data, extra
         tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
         return tokens, tokens.clone(), extra
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
@@ -146,8 +162,8 @@ def step_inputs(job, pdims, model, batch: int, seq: int):
         raise UsageError(f"--mesh cp={pdims.cp}: torchtitan's context parallelism needs positions (flex attention); "
                          f"{job.model_spec.name}'s attention takes none")
     par = job.parallelism
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
-    return prepare_context_parallel_input(tokens, tokens.clone(), extra, pdims.get_mesh("cp"), torch.device("cpu"),
+    tokens, labels = data if data is not None else (torch.zeros(batch, seq, dtype=torch.long),) * 2
+    return prepare_context_parallel_input(tokens, labels.clone(), extra, pdims.get_mesh("cp"), torch.device("cpu"),
                                           par.context_parallel_load_balancer, par.context_parallel_ptrr_mask_key)
 
 

@@ -155,12 +155,14 @@ def _peak_for(parallel, rank: int, predicted_peak: int | None) -> int | None:
 
 
 def ranks_json(parallel, ranks, predicted_peak: int | None) -> list[dict]:
-    """Per rank of the real run: measured beside predicted (rank 0's account stands for every rank)."""
+    """Per rank of the real run: measured beside predicted (rank 0's account stands for every rank);
+    a torchtitan MoE job's router counts as ``expert_load``, in the form --expert-load reads."""
     return [{"rank": m.rank, "step_ms": m.step_ms, "op_level_peak_bytes": m.op_level_peak_bytes,
              "predicted_peak_bytes": _peak_for(parallel, m.rank, predicted_peak),
              "collectives": {op: {"count": c, "bytes": b, "predicted_count": _predicted_for(parallel, m.rank).get(op, [0, 0])[0],
                                   "predicted_bytes": _predicted_for(parallel, m.rank).get(op, [0, 0])[1]}
-                             for op, (c, b) in sorted(m.collectives.items())}}
+                             for op, (c, b) in sorted(m.collectives.items())},
+             **({"expert_load": {"layers": m.expert_load}} if m.expert_load else {})}
             for m in ranks]
 
 

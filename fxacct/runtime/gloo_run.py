@@ -24,11 +24,13 @@ from torch.distributed.tensor import DTensor
 
 from fxacct.errors import INTERNAL_HINT, FxacctError, InternalError, ModelError, UsageError, _shown_path
 from fxacct.load.mesh import without_pp
+from fxacct.load.torchtitan import is_torchtitan
 from fxacct.parallel.ddp import is_ddp
 from fxacct.parallel.engine import device_mesh, parallelize
 from fxacct.parallel.pipeline import _split, resolve_points
 from fxacct.parallel.pipeline_schedule import per_rank, schedule_class
 from fxacct.parallel.pipeline_split import is_function
+from fxacct.runtime import titan_run
 from fxacct.runtime.build import build_model, make_inputs
 from fxacct.runtime.storage_tracker import StorageTracker
 from fxacct.trace import torch_private as tp
@@ -44,6 +46,7 @@ class RankMeasured:
     step_ms: float  # median of the timed steps
     op_level_peak_bytes: int
     collectives: dict  # op -> [count, output-buffer bytes]
+    expert_load: list | None = None  # a torchtitan MoE job: its router's tokens per expert, per layer
 
 
 def collective_family(packet) -> str:
@@ -62,6 +65,9 @@ def collective_family(packet) -> str:
 
 # torch's own registry of collectives (CommDebugMode's), and the pipeline's point-to-point ops
 _COUNTED = tp.comm_debug_collectives() | {torch.ops.c10d.send, torch.ops.c10d.recv_}
+# context parallelism's custom ops (torch/distributed/tensor/experimental/_context_parallel/_cp_custom_ops.py:
+# cplib::flex_cp_allgather and cplib::flex_cp_allgather_backward)
+_CP_OPS = "cplib"
 
 
 class CollectiveCounter(tp.TorchDispatchMode):
@@ -85,6 +91,14 @@ class CollectiveCounter(tp.TorchDispatchMode):
             acc = self.found.setdefault(collective_family(func._overloadpacket), [0, 0])
             acc[0] += 1
             acc[1] += first.numel() * first.element_size()
+        elif getattr(func, "namespace", None) == _CP_OPS:
+            # one op gathers k and v (its backward reduce-scatters both gradients) by functional
+            # collectives inside its kernel, where this mode does not see them: the op is counted,
+            # the bytes of both outputs
+            family = "reduce_scatter" if func._overloadpacket.__name__.endswith("_backward") else "all_gather"
+            acc = self.found.setdefault(family, [0, 0])
+            acc[0] += 1
+            acc[1] += sum(t.numel() * t.element_size() for t in tp.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
@@ -207,10 +221,12 @@ def _rank_main(rank, world, port, config, out, steps, warmup):
 
 
 def _measure(rank, config, steps, warmup) -> dict:
-    import torch.distributed as dist
-
-
     spec = config.mesh
+    if is_torchtitan(config.target):  # torchtitan builds and parallelizes it (fxacct.runtime.titan_run)
+        with titan_run.prepared(config) as run:
+            measured = _measure_steps(rank, run.model, run.optimizer, run, (run.inputs, run.step.extra), steps, warmup,
+                                      before_tracked=run.routed.clear)
+            return {**measured, "expert_load": run.expert_load()}
     if spec.size("pp") > 1:
         return _measure_pipeline(rank, spec, config, steps, warmup)
     mesh = device_mesh(spec)
@@ -228,6 +244,16 @@ def _measure(rank, config, steps, warmup) -> dict:
             opt.step()
         return loss
 
+    buckets = is_ddp(spec) and not config.parallelize  # DDP's buckets, alive between steps
+    return _measure_steps(rank, model, opt, step, (args, kwargs), steps, warmup, ddp_buckets=buckets)
+
+
+def _measure_steps(rank, model, opt, step, inputs: tuple, steps: int, warmup: int, ddp_buckets: bool = False,
+                   before_tracked=None) -> dict:
+    """Warm-up and timed steps, then TRACKED_STEPS under the storage tracker and the collective
+    counter (``before_tracked`` called before each); ``inputs``: the step's tensors, to track."""
+    import torch.distributed as dist
+
     times = []
     for i in range(warmup + steps):
         dist.barrier()
@@ -238,17 +264,18 @@ def _measure(rank, config, steps, warmup) -> dict:
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     kept = AllReduceBuffers()
-    if is_ddp(spec) and not config.parallelize:  # DDP's buckets, alive between steps
+    if ddp_buckets:
         with kept:
             step()
         model.zero_grad(set_to_none=True)
     peaks = []
     for _ in range(TRACKED_STEPS):
         dist.barrier()
+        if before_tracked is not None:
+            before_tracked()
         tracker, counter = StorageTracker(), CollectiveCounter()
         with resizes_seen(tracker), tracker, counter:
-            tracker.track(model, opt, zero_local_optimizer(opt) if opt is not None else None, args, kwargs,
-                          kept.buffers)
+            tracker.track(model, opt, zero_local_optimizer(opt) if opt is not None else None, *inputs, kept.buffers)
             step()
         model.zero_grad(set_to_none=True)
         peaks.append(tracker.peak_bytes)
