@@ -19,6 +19,7 @@ from fxacct_cli.options import (
     MICROBATCHES,
     OUTPUT,
     OUTPUT_GROUP,
+    TORCHTITAN_ARGS,
     format_option,
     group,
     mesh_options,
@@ -33,7 +34,7 @@ from fxacct_cli.options import (
     "fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize",
     "fxacct plan examples/llama.py:Llama --gpus 8 --gpu h100 --global-batch 64 --parallelize examples/llama.py:parallelize "
     "--pp-split examples/llama.py:pipeline_stage",
-    "fxacct plan examples/gpt2.py:GPT --gpus 4 --gpu h100 --global-batch 32 --format json -o plan.json"))
+    "fxacct plan torchtitan:llama3:llama3_8b --gpus 8 --gpu h100 --global-batch 16 --format json -o plan.json"))
 @model_options(hide=(BATCH,))  # the plan chooses these per layout: not in --help, refused with the reason
 @mesh_options(hide=(MESH, MICROBATCHES))
 @group("Plan", click.option("--gpus", type=int, required=True, help="GPUs in the job (required)."),
@@ -45,10 +46,12 @@ from fxacct_cli.options import (
                     help="Keep no traces on disk (default: plan/ in fxacct's cache dir, $FXACCT_CACHE_DIR or "
                          "$XDG_CACHE_HOME/fxacct or ~/.cache/fxacct; safe to delete)."))
 @group(OUTPUT_GROUP, format_option("table", "json"), OUTPUT, DEBUG)
+@TORCHTITAN_ARGS
 def plan_command(fmt, gpus, global_batch, confirm, jobs, no_cache, output, **options):
     """Rank the layouts of --gpus GPUs for MODEL (pp with --pp-split, fsdp, tp, micro-batch,
     activation checkpointing of the repeated blocks off and on) by predicted throughput, among those
-    that fit, and say why the others were rejected.
+    that fit, and say why the others were rejected. A torchtitan:MODULE:CONFIG job (its overrides
+    after --) keeps its own checkpointing and pipeline cut; pp is tried under its GPipe or 1F1B schedule.
 
     \b
     Exit codes: 0 success; 2 usage error; 3 the model failed; 4 an internal error of fxacct.

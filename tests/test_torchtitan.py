@@ -425,3 +425,42 @@ def test_expert_load_per_layer_histograms(tmp_path):
     balanced, loaded = _all_to_all(_moe_account(tmp_path)), _all_to_all(_moe_account(tmp_path, {"layers": layers}))
     changed = {module for (phase, module), b in balanced.items() if loaded[(phase, module)] != b}
     assert changed == {"model.layers.3._checkpoint_wrapped_module.moe.routed_experts"}
+
+
+def test_plan_searches_a_torchtitan_jobs_degrees_and_each_trace_is_its_profile():
+    """fxacct plan on a torchtitan job (4 GPUs, global batch 8; its schedule overridden to 1F1B so
+    pipelines are tried): fsdp, tp and pp layouts, each a full trace of torchtitan's own job with its
+    own checkpointing ("job"); a traced layout's peak and step equal a plain profile of that layout
+    (a pipeline's peak that of its largest rank over the whole step), and a pp layout with tp inside
+    is rejected with the reason."""
+    from click.testing import CliRunner
+
+    from fxacct_cli.main import cli
+
+    over = ["--", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    r = CliRunner().invoke(cli, ["plan", "torchtitan:llama3:llama3_debugmodel", "--gpus", "4", "--gpu", "h100",
+                                 "--global-batch", "8", "--seq-len", "64", "--no-cache", "--format", "json", *over],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    layouts = json.loads(r.stdout[r.stdout.index("{"):])["layouts"]
+    fits = [lay for lay in layouts if lay["fits"]]
+    assert {lay["checkpoint"] for lay in layouts} == {"job"}
+    assert {"fsdp=4", "fsdp=2,tp=2", "tp=4", "pp=2,fsdp=2", "pp=4"} <= {lay["mesh"] for lay in fits}
+    assert all(lay["source"] == "traced" for lay in fits)
+    assert any("tp inside torchtitan's pipeline" in (lay["rejected"] or "") for lay in layouts if lay["mesh"] == "pp=2,tp=2")
+
+    def profile(mesh, batch, *more):
+        res = _invoke("torchtitan:llama3:llama3_debugmodel", "--mesh", mesh, "--batch", str(batch), "--seq-len", "64",
+                      "--gpu", "h100", "--format", "json", *more)
+        assert res.exit_code == 0, res.stderr
+        return json.loads(res.stdout)
+
+    flat = next(lay for lay in fits if lay["pp"] == 1 and lay["micro_batches_per_step"] == 1)
+    doc = profile(flat["mesh"], flat["micro_batch"])
+    assert flat["peak_bytes"] == doc["totals"]["peak_train_bytes"]
+    assert flat["step_ms"] == pytest.approx(doc["mesh"]["time"]["step_ms"], rel=1e-9)
+    assert flat["mfu"] == pytest.approx(doc["mesh"]["time"]["mfu"], rel=1e-9)  # against bf16's peak, not fp32's
+    piped = next(lay for lay in fits if lay["pp"] > 1)
+    doc = profile(piped["mesh"], piped["micro_batch"] * piped["micro_batches_per_step"], "--microbatches",
+                  str(piped["micro_batches_per_step"]), *over)
+    assert piped["peak_bytes"] == max(s["peak_bytes"] for s in doc["pipeline"]["stages"])

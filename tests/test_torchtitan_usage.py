@@ -46,15 +46,16 @@ def test_usage_errors_are_one_line(args, needle):
     _one_line_exit_2(_invoke(*args), needle)
 
 
-def test_other_commands_refuse_torchtitan_targets():
-    """Only profile builds a torchtitan job; plan says so in one line (exit 2)."""
-    for command in (["plan", "torchtitan:llama3:llama3_8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8"],):
-        try:
-            runner = CliRunner(mix_stderr=False)
-        except TypeError:
-            runner = CliRunner()
-        r = runner.invoke(cli, command, catch_exceptions=False)
-        _one_line_exit_2(r, "accounted by `fxacct profile`")
+def test_plan_without_torchtitan_installed(monkeypatch):
+    """fxacct plan takes torchtitan targets too: without torchtitan, the same one line as profile."""
+    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    try:
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    r = runner.invoke(cli, ["plan", "torchtitan:llama3:llama3_8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8"],
+                      catch_exceptions=False)
+    _one_line_exit_2(r, "pip install 'fxacct[torchtitan]'")
 
 
 def test_ep_does_not_multiply_the_world():

@@ -47,9 +47,9 @@ class ModelSource:
 def open_source(config) -> ModelSource:
     """The ModelSource of config.target (a usage error names what is wrong and the fix)."""
     target, kwargs = config.target, dict(config.kwargs)
-    if is_torchtitan(target):  # only fxacct.api.profile builds them (fxacct.parallel.torchtitan)
-        raise UsageError(f"{target}: torchtitan targets are accounted by `fxacct profile` (with --mesh) only; "
-                         "this command does not take them yet")
+    if is_torchtitan(target):  # torchtitan builds them (fxacct.parallel.torchtitan), not this loader
+        raise UsageError(f"{target}: torchtitan targets are accounted by `fxacct profile` and planned by "
+                         "`fxacct plan`; this command does not take them yet")
     if getattr(config, "hf_class", None) is not None and not _is_hf_target(target):
         raise UsageError("--hf-class picks the class of an hf:PATH model; drop it or give hf:DIR_OR_CONFIG_JSON")
     if target.startswith(HF_PREFIX):

@@ -56,14 +56,19 @@ def quiet():
     """torchtitan logs at INFO from its config and model code; an account is not a training run."""
     logger = logging.getLogger("torchtitan")  # torchtitan/tools/logging.py: logger = logging.getLogger()
     root = logging.getLogger()
-    levels = (logger.level, root.level)
+    # DTensor's advice on torchtitan's own layouts ("2 sequential all_gather operations will be
+    # performed. This is suboptimal"): the account counts those collectives; the advice is torchtitan's
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    levels = (logger.level, root.level, redistribute.level)
     logger.setLevel(logging.WARNING)
     root.setLevel(logging.WARNING)
+    redistribute.setLevel(logging.ERROR)
     try:
         yield
     finally:
         logger.setLevel(levels[0])
         root.setLevel(levels[1])
+        redistribute.setLevel(levels[2])
 
 
 def _registry(module: str):

@@ -21,6 +21,7 @@ from fxacct.parallel.collectives import register_cp_ops, rows
 from fxacct.parallel.engine import fake_group
 from fxacct.parallel.pipeline_split import meta_like
 from fxacct.parallel.rank_capture import RankCapturer, materialize
+from fxacct.parallel.timing import predict_time, throughput
 from fxacct.step import Profile, account_step
 from fxacct.trace.targets import cuda_sdpa
 
@@ -106,6 +107,29 @@ def build_model(job, pdims, modules: list[str] | None = None):
     return spec.parallelize_fn(model, parallel_dims=pdims, training=job.training, parallelism=job.parallelism,
                                compile_config=job.compile, ac_config=job.activation_checkpoint,
                                dump_folder=job.dump_folder)
+
+
+def whole_model(config) -> torch.nn.Module:
+    """torchtitan's model of ``config.target`` on meta, as its config builds it, unparallelized
+    (what fxacct plan reads its blocks and parameter bytes from)."""
+    job = job_config(replace(config, mesh=None))  # every degree 1; first: a usage error without torchtitan
+    from torchtitan.tools import utils as titan_utils
+    from torchtitan.trainer import TORCH_DTYPE_MAP
+
+    with adapted():
+        spec = job.model_spec
+        spec.model.update_from_config(config=job)
+        with torch.device("meta"), titan_utils.set_default_dtype(TORCH_DTYPE_MAP[job.training.dtype]):
+            return spec.model.build()
+
+
+def compute_dtype(config) -> torch.dtype:
+    """The dtype torchtitan's matmuls run in: FSDP2's mixed-precision parameters, which
+    apply_fsdp_to_decoder installs at every degree (training.mixed_precision_param)."""
+    job = job_config(replace(config, mesh=None))  # first: a usage error where torchtitan is missing
+    from torchtitan.trainer import TORCH_DTYPE_MAP
+
+    return TORCH_DTYPE_MAP[job.training.mixed_precision_param]
 
 
 def loss_of(job, model):
@@ -214,10 +238,14 @@ def account_rank(step_config, step: TitanStep, inputs: tuple, pdims, with_infere
     prepared = materialize(step)
     rank = RankCapturer(step, inputs, {}, prepared, process_groups(pdims))
     prof = account_step(step_config, rank, with_inference)
-    found = rank.collectives
+    found, cap, spec = rank.collectives, prof.capture, step_config.mesh
+    peak = prof.memory.rank_peak.bytes if prof.memory.rank_peak else None
+    time, seconds = predict_time((cap, peak), spec, step_config, found)  # with --gpu: the mesh's step time
     params = list(step.model.parameters())
-    parallel = ParallelAccount(step_config.mesh, 0, found, rows(found), None, None,
+    parallel = ParallelAccount(spec, 0, found, rows(found, seconds if time else None), time,
+                               throughput(time, prof.accounting.totals, spec, step_config, cap.graph),
+                               node_seconds=seconds if time else None,
                                model_params=sum(t.numel() for t in params),  # a DTensor's: global
                                model_frozen_params=sum(t.numel() for t in params if not t.requires_grad),
-                               resizes=rank.training_resizes(prof.capture))
+                               resizes=rank.training_resizes(cap))
     return replace(prof, config=step_config, parallel=parallel)

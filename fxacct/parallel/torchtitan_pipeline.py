@@ -66,6 +66,15 @@ def schedule_of(job) -> str:
     return name
 
 
+def job_schedule(config) -> str | None:
+    """fxacct's name of the pipeline schedule ``config``'s torchtitan job would run, None where it
+    is not one fxacct replays (fxacct plan then leaves pipeline layouts out)."""
+    try:
+        return schedule_of(job_config(replace(config, mesh=None)))
+    except UsageError:
+        return None
+
+
 def stage_modules(job, pdims) -> list[list[str]]:
     """The module FQNs of each pipeline stage, as pipeline_llm chooses them."""
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _get_pipeline_metadata
@@ -94,7 +103,8 @@ def profile_torchtitan_pipeline(config) -> PipelineAccount:
     check_microbatches(schedule, ranks, m)
     world = world_size(job)
     step_config = replace(optimizer_config(job, config), pp_schedule=schedule)
-    stage_config = step_config.stage(without_pp(config.mesh) or parse_mesh("fsdp=1"))
+    # a stage's trace is one micro-batch's
+    stage_config = replace(step_config.stage(without_pp(config.mesh) or parse_mesh("fsdp=1")), batch=micro)
     with adapted(sdpa=cuda_sdpa if config.gpu is not None else None), fake_group(world):
         try:
             pdims = ParallelDims.from_config(par, world)
@@ -138,4 +148,4 @@ def _stage(job, pdims, config, s: int, stages: int, modules: list[str], received
     return account_rank(replace(config, loss="sum", loss_output=None), step, (first,), pdims), step
 
 
-__all__ = ["profile_torchtitan_pipeline", "schedule_of", "stage_modules", "SCHEDULES"]
+__all__ = ["profile_torchtitan_pipeline", "schedule_of", "job_schedule", "stage_modules", "SCHEDULES"]

@@ -7,17 +7,22 @@ from fxacct.report.width import fit_table, wrap_lines
 from fxacct.units import format_bytes
 
 HEADERS = ["#", "mesh", "mb", "×mb", "ckpt", "peak/GPU", "step ms", "tokens/s", "MFU", "from", "verdict"]
-LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; tokens/s: the job's; from: a full trace "
-          "or the screen (two short traces, extrapolated)")
+LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; ckpt job: the job's own checkpointing; tokens/s: "
+          "the job's; from: a full trace or the screen (two short traces, extrapolated)")
 SOURCES = {"traced": "trace", "screen": "screen", "-": "-"}
 PLAN_SCHEMA = "fxacct.plan/1"
+
+
+def _ckpt(checkpoint: bool | None) -> str:
+    """on, off, or "job": a torchtitan job's own activation checkpointing, as its config says."""
+    return "job" if checkpoint is None else "on" if checkpoint else "off"
 
 
 def _row(i: int, c) -> list[str]:
     lay = c.layout
     verdict = "fits" if c.fits else (c.dominated or c.rejected)
     return [str(i + 1) if c.fits else "-", lay.mesh, str(lay.micro_batch) if lay.micro_batch else "-",
-            str(lay.accumulation) if lay.accumulation else "-", ("on" if lay.checkpoint else "off") if lay.micro_batch else "-",
+            str(lay.accumulation) if lay.accumulation else "-", _ckpt(lay.checkpoint) if lay.micro_batch else "-",
             format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-",
             f"{1e3 * c.step_s:,.1f}" if c.step_s is not None else "-",
             f"{c.tokens_per_s:,.0f}" if c.tokens_per_s is not None else "-",
@@ -47,7 +52,7 @@ def progress_line(probe) -> str:
     c = probe.candidate
     lay = c.layout
     verdict = "fits" if c.fits else (c.dominated or c.rejected)
-    return (f"plan: {lay.mesh} mb {lay.micro_batch} ×{lay.accumulation} ckpt {'on' if lay.checkpoint else 'off'}: "
+    return (f"plan: {lay.mesh} mb {lay.micro_batch} ×{lay.accumulation} ckpt {_ckpt(lay.checkpoint)}: "
             f"{probe.how} in {probe.seconds:.1f} s, {SOURCES[c.source]}: {verdict}")
 
 
@@ -57,6 +62,6 @@ def plan_json(result) -> dict:
             "layouts_pruned": result.pruned, "layouts": [
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
          "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
-         "checkpoint": c.layout.checkpoint, "peak_bytes": c.peak_bytes,
+         "checkpoint": "job" if c.layout.checkpoint is None else c.layout.checkpoint, "peak_bytes": c.peak_bytes,
          "step_ms": None if c.step_s is None else 1e3 * c.step_s, "model_flops": c.model_flops, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
          "source": c.source, "fits": c.fits, "dominated": c.dominated, "rejected": c.rejected} for c in result.candidates]}

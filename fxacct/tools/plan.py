@@ -109,12 +109,15 @@ def plan(config, gpus: int, global_batch: int, confirm_top: int = 1, jobs: int =
         raise UsageError("fxacct plan times --pp-schedule gpipe or 1f1b; profile an interleaved layout with "
                          "fxacct profile --mesh pp=P,... --pp-schedule interleaved-1f1b")
     planner = Planner(config, gpus, global_batch, TraceCache(cache_dir) if cache_dir is not None else None, on_probe)
-    # checkpointing on is a layout of its own only where there is something to checkpoint
-    layouts = enumerate_layouts(gpus, global_batch, config.gpus_per_node, config.pp_split is not None,
-                                checkpointing=bool(planner.ckpt))
+    # pipelines: where --pp-split says how to cut (a torchtitan job: its own cut, under a schedule
+    # plan times, GPipe or 1F1B); checkpointing on is a layout of its own only where there is
+    # something to checkpoint (a torchtitan job's is its config's)
+    pipeline = planner.schedule in ("gpipe", "1f1b") if planner.titan else config.pp_split is not None
+    layouts = enumerate_layouts(gpus, global_batch, config.gpus_per_node, pipeline,
+                                checkpointing=None if planner.titan else bool(planner.ckpt))
     out, pruned = search(planner, layouts, jobs, cache_dir)
     confirm(planner, out, confirm_top)
-    cands = sorted(out.values(), key=lambda c: (c.layout.pp, c.layout.tp, c.layout.checkpoint, c.layout.micro_batch))
+    cands = sorted(out.values(), key=lambda c: (c.layout.pp, c.layout.tp, bool(c.layout.checkpoint), c.layout.micro_batch))
     ranked = _ranked(cands)
     rest = [c for c in cands if c.dominated] + [c for c in cands if c.rejected]
     probed = {}

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from fxacct.errors import UsageError
 from fxacct.load.mesh import MeshSpec
 from fxacct.load.source import load_model
+from fxacct.load.torchtitan import is_torchtitan
 from fxacct.parallel.engine import check_heads
+from fxacct.parallel.torchtitan import whole_model
 from fxacct.tools.plan_screen import block_container
 from fxacct.units import format_bytes
 
@@ -32,7 +34,7 @@ class Layout:
     tp: int
     micro_batch: int  # examples per micro-batch on one rank (0: the batch does not divide)
     accumulation: int  # micro-batches per step (gradient accumulation; with pp the schedule's M)
-    checkpoint: bool  # activation checkpointing of every repeated block
+    checkpoint: bool | None  # activation checkpointing of every repeated block (None: the job's own, torchtitan's)
 
     @property
     def mesh(self) -> str:
@@ -59,17 +61,19 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline: bool,
-                      checkpointing: bool = True) -> list[Layout]:
+                      checkpointing: bool | None = True) -> list[Layout]:
     """Every layout, in (pp, tp, checkpointing, micro-batch) order; ``checkpointing``: also with
-    activation checkpointing on (off where the model has no repeated blocks to checkpoint)."""
+    activation checkpointing on (off where the model has no repeated blocks to checkpoint; None:
+    neither, the job's own, as a torchtitan config says)."""
     out = []
+    ckpts = (None,) if checkpointing is None else (False, True) if checkpointing else (False,)
     for pp in divisors(gpus) if pipeline else [1]:
         for tp in divisors(min(gpus // pp, gpus_per_node)):
             if (gpus // pp) % tp:
                 continue
             fsdp = gpus // (pp * tp)
             per_rank = global_batch // fsdp if global_batch % fsdp == 0 else 0
-            for ckpt in (False, True) if checkpointing else (False,):
+            for ckpt in ckpts:
                 if not per_rank:
                     out.append(Layout(pp, fsdp, tp, 0, 0, ckpt))
                     continue
@@ -78,8 +82,8 @@ def enumerate_layouts(gpus: int, global_batch: int, gpus_per_node: int, pipeline
 
 
 def model_facts(config) -> tuple[ModelFacts, object]:
-    """(facts, the model on meta) from one build of config.target."""
-    model = load_model(config)[0]
+    """(facts, the model on meta) from one build of config.target (a torchtitan job's: torchtitan's)."""
+    model = whole_model(config) if is_torchtitan(config.target) else load_model(config)[0]
     found = block_container(model)
     name = next((n for n, m in model.named_modules() if found and m is found[0]), "")
     size = config.dtype.itemsize if config.dtype is not None else None
@@ -89,13 +93,14 @@ def model_facts(config) -> tuple[ModelFacts, object]:
 
 
 def exact_rejection(layout: Layout, facts: ModelFacts, model, gpus: int, global_batch: int,
-                    capacity: int) -> str | None:
-    """Why the layout cannot run or fit, from arguments that need no trace; None if none applies."""
+                    capacity: int, titan: bool = False) -> str | None:
+    """Why the layout cannot run or fit, from arguments that need no trace; None if none applies.
+    ``titan``: a torchtitan job, whose pipeline stages are traced as ranks of a mesh even alone."""
     if layout.micro_batch == 0:
         return f"the global batch {global_batch} does not divide over {layout.fsdp} data-parallel ranks"
     if layout.pp > max(facts.blocks, 1):
         return f"pp={layout.pp} is more stages than the model's {facts.blocks} repeated blocks"
-    if layout.pp > 1 and layout.fsdp == layout.tp == 1:  # fxacct.parallel.pipeline: such a stage is one device
+    if layout.pp > 1 and layout.fsdp == layout.tp == 1 and not titan:  # fxacct.parallel.pipeline: one device
         return "pp without fsdp or tp: plan times a stage as a rank of a mesh"
     try:
         check_heads(model, MeshSpec((("tp", layout.tp),)))

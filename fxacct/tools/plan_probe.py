@@ -16,8 +16,12 @@ from dataclasses import dataclass, replace
 
 from fxacct.devices import get_device
 from fxacct.errors import FxacctError, UsageError
+from fxacct.load.torchtitan import is_torchtitan
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
+from fxacct.parallel.torchtitan import compute_dtype, profile_torchtitan
+from fxacct.parallel.torchtitan_pipeline import job_schedule as titan_schedule
+from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.tools.plan_layouts import Layout, model_facts
 from fxacct.tools.plan_screen import (
     SCREEN_BLOCKS,
@@ -81,15 +85,25 @@ class Planner:
         self.config, self.gpus, self.global_batch = config, gpus, global_batch
         device = get_device(config.gpu)
         self.capacity = device.capacity_reported
-        self.peak_flops = device.matmul_peak(config.amp or config.dtype)
+        # the peak in the matmuls' dtype (a torchtitan job's: its mixed precision's)
+        self.peak_flops = device.matmul_peak(compute_dtype(config) if is_torchtitan(config.target)
+                                             else config.amp or config.dtype)
         self.facts, self.model = model_facts(replace(config, mesh=None, parallelize=None, pp_split=None))
-        self.ckpt = config.checkpoint or ((f"{self.facts.container}.*",) if self.facts.container else ())
+        self.titan = is_torchtitan(config.target)  # torchtitan's config decides its checkpointing and loss
+        # the pipeline schedule: a torchtitan job's own (fxacct.parallel.torchtitan_pipeline), or --pp-schedule
+        self.schedule = titan_schedule(config) if self.titan else config.pp_schedule
+        self.ckpt = () if self.titan else \
+            config.checkpoint or ((f"{self.facts.container}.*",) if self.facts.container else ())
         self.cache: dict[tuple, Point | PipePoint] = {}
         self.disk, self.on_probe = disk, on_probe
         self.ran = 0  # traces run (or begun) by this planner, not found in memory or on disk
         self.probes: list[Probe] = []
 
     def layout_config(self, lay: Layout):
+        if self.titan:  # --batch is torchtitan's local batch: a pipeline's M micro-batches together
+            batch = lay.micro_batch * (lay.accumulation if lay.pp > 1 else 1)
+            return replace(self.config, mesh=lay.mesh, batch=batch, find_max_batch=False,
+                           microbatches=lay.accumulation if lay.pp > 1 else None)
         # a --parallelize function shards over fsdp and tp: a pipeline alone has nothing for it
         parallelize = self.config.parallelize if lay.fsdp > 1 or lay.tp > 1 else None
         return replace(self.config, mesh=lay.mesh, batch=lay.micro_batch, find_max_batch=False, parallelize=parallelize,
@@ -113,11 +127,15 @@ class Planner:
 
     def _trace(self, cfg, loader) -> Point:
         blocks = getattr(loader, "blocks", None)
+        if self.titan:
+            return self._cached(cfg, ("point", None), lambda: point(profile_torchtitan(cfg)))
         return self._cached(cfg, ("point", blocks),
                             lambda: point(profile_parallel(cfg, loader, with_inference=False)))
 
     def _pipeline(self, cfg, loader) -> PipePoint:
         blocks = getattr(loader, "blocks", None)
+        if self.titan:
+            return self._cached(cfg, ("pipe", None), lambda: pipe_point(profile_torchtitan_pipeline(cfg)))
         return self._cached(cfg, ("pipe", blocks), lambda: pipe_point(
             profile_pipeline(cfg, loader, reuse_stages=True) if loader else profile_pipeline(cfg, reuse_stages=True)))
 
@@ -135,6 +153,9 @@ class Planner:
         cfg = self.layout_config(lay)
         blocks = self.facts.blocks
         try:
+            if self.titan:  # torchtitan builds the whole job: no truncated screen, a full trace each
+                return self._pipeline_candidate(lay, self._pipeline(cfg, None), "traced") if lay.pp > 1 \
+                    else self._candidate(lay, self._trace(cfg, None), "traced")
             if lay.pp > 1:  # the screen only rejects: its peak, a lower bound, can be far below a pipeline's
                 # (a stage that keeps its blocks' gathered weights between micro-batches grows by them at a
                 # moment that is not the peak at 3 or 4 blocks a stage)

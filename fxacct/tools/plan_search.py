@@ -86,14 +86,14 @@ def _groups(planner: Planner, layouts: list[Layout]) -> tuple[dict, dict, int]:
         key = (lay.pp, lay.fsdp, lay.tp)
         if key not in meshes:
             meshes[key] = exact_rejection(lay, planner.facts, planner.model, planner.gpus, planner.global_batch,
-                                          planner.capacity)
+                                          planner.capacity, planner.titan)
             if meshes[key]:  # no reason depends on the micro-batch or checkpointing: one row per mesh
-                row = replace(lay, micro_batch=0, accumulation=0, checkpoint=False)
+                row = replace(lay, micro_batch=0, accumulation=0, checkpoint=None if lay.checkpoint is None else False)
                 out[row] = Candidate(row, rejected=meshes[key])
         if meshes[key]:
             pruned += 1
             continue
-        few = _too_few_microbatches(lay, planner.config.pp_schedule)
+        few = _too_few_microbatches(lay, planner.schedule)
         if few:
             out[lay] = Candidate(lay, rejected=few)
             pruned += 1
