@@ -41,7 +41,11 @@ def profile(config: Config) -> Profile:
     check_pipeline_flags(config)  # a plan's Config may carry them without pp: a profile's may not
     if is_torchtitan(config.target):  # torchtitan parallelizes it on its own meshes (one device: fsdp=1)
         if config.mesh is not None and config.mesh.size("pp") > 1:
-            return _predicted(_pipeline(config, profile_torchtitan_pipeline))
+            prof = _pipeline(config, profile_torchtitan_pipeline)
+            # --batch is torchtitan's local batch; a pipeline's report reads the micro-batch a stage
+            # traced; the loss is torchtitan's, the model's own (fxacct.parallel.torchtitan.optimizer_config)
+            micro = config.batch // prof.parallel.pipeline.microbatches
+            return _predicted(replace(prof, config=replace(prof.config, batch=micro, loss="model")))
         prof = profile_torchtitan(config if config.mesh is not None else replace(config, mesh="fsdp=1"))
         return _predicted(_fitted_rank(prof, prof.memory.fit_bytes, prof.memory.fit_basis))
     if config.mesh is None:

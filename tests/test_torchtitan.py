@@ -265,6 +265,8 @@ def test_llama3_pipeline_collectives_equal_torchtitans_own(mesh):
     ours, doc = fxacct_collectives("torchtitan:llama3:llama3_debugmodel", mesh, 4, 64, "--microbatches", "4")
     pipe = doc["pipeline"]
     assert (pipe["schedule"], pipe["stages_per_rank"], pipe["microbatches"]) == ("interleaved-1f1b", 2, 4)
+    # --batch 4 is torchtitan's local batch: the report's batch is the micro-batch a stage traced
+    assert (doc["config"]["batch"], doc["config"]["loss"]) == (1, "model")
     for rank, stage in enumerate(pipe["stages"]):
         rank_of_stage = rank * dims.get("dp", 1) * dims.get("fsdp", 1)  # pp is torchtitan's outermost mesh dim
         theirs = torchtitan_pipeline_collectives("llama3", "llama3_debugmodel", dims, 4, 64, 1, rank_of_stage)
