@@ -237,7 +237,8 @@ def check_moe_layers(routing: Routing, model) -> None:
 
 
 @contextlib.contextmanager
-def _patched(obj, name: str, value):
+def patched(obj, name: str, value):
+    """``obj.name`` set to ``value`` inside the block, restored after it."""
     old = getattr(obj, name)
     setattr(obj, name, value)
     try:
@@ -305,45 +306,45 @@ def adapted(flex_as: str = "sdpa", sdpa=None, routing=None, real: bool = False):
         # machine without an accelerator; the name is bound again by `from ... import device_type` in
         # these modules, and fully_shard then fails "Torch not compiled with CUDA enabled"
         for module in (titan_utils, parallel_dims, dist_utils, token_dispatcher):
-            stack.enter_context(_patched(module, "device_type", "cpu"))
+            stack.enter_context(patched(module, "device_type", "cpu"))
             if hasattr(module, "device_module"):
-                stack.enter_context(_patched(module, "device_module", torch.cpu))
+                stack.enter_context(patched(module, "device_module", torch.cpu))
         # torchtitan/models/common/attention.py: `_compiled_create_block_mask = torch.compile(create_block_mask)`
         # segfaults on fake data here: eager
-        stack.enter_context(_patched(attention, "_compiled_create_block_mask", flex.create_block_mask))
+        stack.enter_context(patched(attention, "_compiled_create_block_mask", flex.create_block_mask))
         # and torch's own for context parallelism (_context_parallel/_attention.py: `_compiled_create_block_mask
         # = torch.compile(create_block_mask, ...)` when still None): eager too
         from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
 
-        stack.enter_context(_patched(cp_attention, "_compiled_create_block_mask", flex.create_block_mask))
+        stack.enter_context(patched(cp_attention, "_compiled_create_block_mask", flex.create_block_mask))
         if flex_as == "sdpa":
             # FlexAttention.compiled_flex_attn runs torch.compile(flex_attention), a higher-order op that
             # fxacct's recorder does not take apart; the mask torchtitan builds
             # (decoder.py::_create_flex_attention_mask_for_document: causal and packed-document) is the
             # causal mask for the one-document sequences fxacct feeds, which the causal SDPA kernel computes
-            stack.enter_context(_patched(attention.FlexAttention, "compiled_flex_attn", staticmethod(causal_sdpa(sdpa))))
+            stack.enter_context(patched(attention.FlexAttention, "compiled_flex_attn", staticmethod(causal_sdpa(sdpa))))
         else:
             # the eager flex_attention, as the test oracle runs it: FlexAttention._compiled_flex_attn =
             # torch.compile(flex_attention) made eager; flex_attention.py::_validate_device refuses backward
             # on CPU ("FlexAttention does not support backward on CPU"); eager flex_attention still wraps
             # the higher-order op in torch.compile(fullgraph=True), which finds no frame under a dispatch
             # mode, so its debug switch calls the op directly
-            stack.enter_context(_patched(attention.FlexAttention, "_compiled_flex_attn",
+            stack.enter_context(patched(attention.FlexAttention, "_compiled_flex_attn",
                                          staticmethod(flex.flex_attention)))
-            stack.enter_context(_patched(flex, "_validate_device", lambda *a: None))
-            stack.enter_context(_patched(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True))
+            stack.enter_context(patched(flex, "_validate_device", lambda *a: None))
+            stack.enter_context(patched(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True))
         # token_dispatcher.py::AllToAllTokenDispatcher._sync_token_count_exchange: `input_splits.tolist()`,
         # the routing's counts, which fake tensors do not have: balanced routing, or a measured histogram
         dispatcher = token_dispatcher.AllToAllTokenDispatcher
         if not real:
-            stack.enter_context(_patched(dispatcher, "dispatch", _counting_rows(dispatcher.dispatch)))
-            stack.enter_context(_patched(dispatcher, "_sync_token_count_exchange", _routed_splits(routing or Routing())))
+            stack.enter_context(patched(dispatcher, "dispatch", _counting_rows(dispatcher.dispatch)))
+            stack.enter_context(patched(dispatcher, "_sync_token_count_exchange", _routed_splits(routing or Routing())))
         # torchtitan/distributed/utils.py::set_spmd_backend keeps the backend in a module global
         # (`_spmd_backend = "spmd_types"`): the account sets "partial_dtensor" (apply_request), restored after
-        stack.enter_context(_patched(dist_utils, "_spmd_backend", dist_utils._spmd_backend))
+        stack.enter_context(patched(dist_utils, "_spmd_backend", dist_utils._spmd_backend))
         dist_utils.set_spmd_backend("partial_dtensor")
         yield
 
 
 __all__ = ["PREFIX", "is_torchtitan", "parse_target", "job_config", "adapted", "num_experts", "DEGREES",
-           "routing_of", "check_moe_layers"]
+           "routing_of", "check_moe_layers", "patched"]

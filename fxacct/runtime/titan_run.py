@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxacct.load.torchtitan import adapted, job_config
+from fxacct.load.torchtitan import adapted, job_config, patched
 from fxacct.parallel.torchtitan import TitanStep, build_model, loss_of, optimizer_config, step_inputs, world_size
 from fxacct.runtime.build import SEED
 
@@ -65,7 +65,7 @@ def prepared(config):
     world = world_size(job)
     routed: dict = {}
     dispatcher = token_dispatcher.AllToAllTokenDispatcher
-    with adapted(real=True), _swapped(dispatcher, "dispatch", _recording(dispatcher.dispatch, routed)):
+    with adapted(real=True), patched(dispatcher, "dispatch", _recording(dispatcher.dispatch, routed)):
         pdims = ParallelDims.from_config(job.parallelism, world)
         pdims.world_mesh  # noqa: B018 (builds torchtitan's meshes)
         model = build_model(job, pdims)
@@ -94,16 +94,6 @@ def _sum_reductions(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
-
-
-@contextlib.contextmanager
-def _swapped(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 __all__ = ["TitanRun", "prepared"]
