@@ -304,6 +304,8 @@ _invoke = invoke_profile
 @pytest.mark.parametrize("args, needle", [
     (["torchtitan:llama3:llama3_nosuch"], "has no config 'llama3_nosuch'"),
     (["torchtitan:llama4:llama4_debugmodel"], "torchtitan has no model module 'llama4'"),
+    # a helper of the registry module (enable_fused_swiglu(config)), not a config ConfigManager can call
+    (["torchtitan:deepseek_v3:enable_fused_swiglu"], "has no config 'enable_fused_swiglu'"),
     # 2 x cp = 4 does not divide 66 (context parallelism cuts the sequence into 2 x cp chunks)
     (["torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2,cp=2", "--seq-len", "66"], "does not divide the sequence"),
     # 4 divides 64, but torch shards the block mask in cp x 128-token blocks

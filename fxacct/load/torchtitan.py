@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import inspect
 import io
 import logging
 
@@ -83,9 +84,21 @@ def _registry(module: str):
 
 
 def config_names(registry) -> list[str]:
-    """The config functions of a config_registry (torchtitan/config/manager.py::_load_config's list)."""
+    """The config functions of a config_registry (torchtitan/config/manager.py::_load_config's list):
+    the module's own functions that ConfigManager can call with no argument (a registry may also
+    define helpers, as deepseek_v3's ``enable_fused_swiglu(config)``)."""
     return [n for n in dir(registry) if not n.startswith("_") and n[0].islower() and callable(getattr(registry, n))
-            and getattr(getattr(registry, n), "__module__", None) == registry.__name__]
+            and getattr(getattr(registry, n), "__module__", None) == registry.__name__
+            and _takes_no_argument(getattr(registry, n))]
+
+
+def _takes_no_argument(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return not any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   for p in params)
 
 
 # Config fields torchtitan's job decides, with the flag and torchtitan's own override for each
