@@ -194,3 +194,9 @@ def invoke_profile(*args):
         runner = CliRunner()
     return runner.invoke(cli, ["profile", *args], catch_exceptions=False)
 
+
+def assert_one_line_exit_2(result, needle: str) -> None:
+    """A usage error: exit code 2 and one line on stderr that says ``needle``."""
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], result.stderr

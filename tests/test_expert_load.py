@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import invoke_profile
+from helpers import assert_one_line_exit_2, invoke_profile
 
 from fxacct.errors import UsageError
 from fxacct.load.expert_load import ExpertLoad, Routing, apportion, busiest_rank, read
@@ -77,7 +77,4 @@ def test_reads_counts_and_fractions(tmp_path):
      "torchtitan:MODULE:CONFIG MoE targets"),
 ])
 def test_expert_load_without_torchtitan_experts_is_one_line(args, needle):
-    r = invoke_profile(*args)
-    assert r.exit_code == 2, (r.stdout, r.stderr)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert_one_line_exit_2(invoke_profile(*args), needle)

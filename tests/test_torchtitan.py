@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
-from helpers import invoke_profile
+from helpers import assert_one_line_exit_2, invoke_profile
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -80,6 +80,14 @@ def _dims_of_groups(pdims) -> dict:
     return {g: (names - {"batch", "loss"}) or names for g, names in found.items()}
 
 
+def _meta_model(job):
+    """(the job's model config, its model built on meta), as trainer.py::__init__ builds it."""
+    mc = job.model_spec.model
+    mc.update_from_config(config=job)
+    with torch.device("meta"):
+        return mc, mc.build()
+
+
 def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: int) -> Counter:
     """Counter of (op, frozenset of mesh names) over one step of torchtitan's own code."""
     from torchtitan.components.loss import ChunkedLossWrapper
@@ -99,10 +107,7 @@ def torchtitan_collectives(module: str, name: str, dims: dict, batch: int, seq: 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
             pdims = ParallelDims.from_config(p, world)
-            mc = job.model_spec.model
-            mc.update_from_config(config=job)
-            with torch.device("meta"):
-                model = mc.build()
+            mc, model = _meta_model(job)
             model = job.model_spec.parallelize_fn(
                 model, parallel_dims=pdims, training=job.training, parallelism=p, compile_config=job.compile,
                 ac_config=job.activation_checkpoint, dump_folder=job.dump_folder)
@@ -177,10 +182,7 @@ def torchtitan_pipeline_collectives(module: str, name: str, dims: dict, batch: i
         schedules._PipelineSchedule._warmup_p2p = static
         try:
             pdims = ParallelDims.from_config(p, world)
-            mc = job.model_spec.model
-            mc.update_from_config(config=job)
-            with torch.device("meta"):
-                model = mc.build()
+            mc, model = _meta_model(job)
             loss_fn = job.loss.build(compile_config=job.compile)
             schedule, parts, first, last = job.model_spec.pipelining_fn(
                 model, parallel_dims=pdims, training=job.training, parallelism=p, compile_config=job.compile,
@@ -336,10 +338,7 @@ _invoke = invoke_profile
      "runs its ranks for real on gloo"),
 ])
 def test_usage_errors_are_one_line(args, needle):
-    r = _invoke(*args)
-    assert r.exit_code == 2, (r.stdout, r.stderr)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert_one_line_exit_2(_invoke(*args), needle)
 
 
 def test_overrides_after_dashes_and_one_device_equal_fsdp1():

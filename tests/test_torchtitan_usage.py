@@ -6,7 +6,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from helpers import invoke_profile, target
+from helpers import assert_one_line_exit_2, invoke_profile, target
 
 from fxacct_cli.main import cli
 
@@ -16,18 +16,12 @@ LLAMA = target("examples/llama.py:Llama")
 _invoke = invoke_profile
 
 
-def _one_line_exit_2(r, needle: str) -> None:
-    assert r.exit_code == 2, (r.stdout, r.stderr)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
-
-
 def test_without_torchtitan_installed(monkeypatch):
     """sys.modules[name] = None makes `import torchtitan` raise ModuleNotFoundError, as on a machine
     without it; the error names the extra that installs it."""
     monkeypatch.setitem(sys.modules, "torchtitan", None)
     r = _invoke("torchtitan:llama3:llama3_debugmodel", "--mesh", "fsdp=2")
-    _one_line_exit_2(r, "pip install 'fxacct[torchtitan]'")
+    assert_one_line_exit_2(r, "pip install 'fxacct[torchtitan]'")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -43,7 +37,7 @@ def test_without_torchtitan_installed(monkeypatch):
     (["torchtitan:llama3:llama3_debugmodel", "--runtime"], "--runtime with a torchtitan target"),
 ])
 def test_usage_errors_are_one_line(args, needle):
-    _one_line_exit_2(_invoke(*args), needle)
+    assert_one_line_exit_2(_invoke(*args), needle)
 
 
 def test_plan_without_torchtitan_installed(monkeypatch):
@@ -55,7 +49,7 @@ def test_plan_without_torchtitan_installed(monkeypatch):
         runner = CliRunner()
     r = runner.invoke(cli, ["plan", "torchtitan:llama3:llama3_8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "8"],
                       catch_exceptions=False)
-    _one_line_exit_2(r, "pip install 'fxacct[torchtitan]'")
+    assert_one_line_exit_2(r, "pip install 'fxacct[torchtitan]'")
 
 
 def test_ep_does_not_multiply_the_world():
