@@ -62,15 +62,28 @@ class Row:
     ac: str = "selective"  # "selective" (torchtitan's per-op SAC) or "full"
     needs: tuple[str, ...] = ()  # fxacct flags the row needs beyond today's ("--compile", "--fp8", "cp")
     extra: tuple[str, ...] = field(default_factory=tuple)
+    # the attention kernel the run's torch picked: torch before 2.9 put cuDNN last on H100 (pytorch
+    # PR #138522, 2024-10, "Make CuDNN Attention Opt in"; PR #162073 made it first again for 2.9), so
+    # the 2024-12 nightly these rows ran ran flash (FlashAttention-2)
+    sdpa: str = "flash"
+    gpu: str = GPU
+    nodes_of: int = 8  # GPUs per node
+    # False where the run does something to memory fxacct does not model (said in `why`): its
+    # tokens/s is compared, its memory printed but not judged
+    compare_memory: bool = True
+    why: str = ""
 
     def command(self) -> list[str]:
-        kwargs = [a for k, v in {**SHAPES[self.shape], "max_seq": self.seq, "float_logits": "true"}.items()
+        # torchtitan's 2024-12 Llama: float32 logits before the loss and float32 RMSNorms
+        kwargs = [a for k, v in {**SHAPES[self.shape], "max_seq": self.seq, "float_logits": "true",
+                                 "norm_float32": "true"}.items()
                   for a in ("-k", f"{k}={v}")]
         ac = ["--checkpoint", "layers.*"] + (["--checkpoint-policy", "examples/llama.py:torchtitan_sac"]
                                              if self.ac == "selective" else [])
         return ["fxacct", "profile", LLAMA, *kwargs, "--mesh", self.mesh, "--batch", str(self.local_batch),
                 "--parallelize", "examples/llama.py:parallelize_torchtitan", *ac, "--loss", "cross-entropy",
-                "--gpu", GPU, "--gpus-per-node", "8", "--alloc-conf", "expandable_segments:True",
+                "--gpu", self.gpu, "--gpus-per-node", str(self.nodes_of), "--alloc-conf", "expandable_segments:True",
+                "--sdpa-backend", self.sdpa,
                 *self.extra, "--format", "json"]
 
 
@@ -87,6 +100,13 @@ ROWS = [
         needs=("--compile", "--fp8"), extra=("--compile-blocks", "layers.*", "--fp8", "tensorwise")),
     Row("t4-2d", "Table 4, 2D FSDP 32 x TP 8, 70B", "70b", "fsdp=32,tp=8", 16, 8192, 829, 71.9, ac="full",
         needs=("--compile", "--fp8"), extra=("--compile-blocks", "layers.*", "--fp8", "tensorwise")),
+    # another published run, on a GPU at its full power: pytorch/torchtitan
+    # benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, 4 nodes of 8 H200, 400 Gb/s per GPU;
+    # llama3_8b.toml: sequence 8192, per-op SAC; local batch 2, compile, float8 with its weights
+    # gathered in float8; torch 2.8.0a0, before cuDNN attention came first on H100 again: flash)
+    Row("h200-fsdp32", "Trainy H200, FSDP 32 + torch.compile + Float8", "8b", "fsdp=32", 2, 8192, 10938, 47.96,
+        extra=("--compile-blocks", "layers.*", "--fp8", "tensorwise"), gpu="h200", compare_memory=False,
+        why="float8 all-gather and force_recompute_fp8_weight_in_bwd are not modelled"),
 ]
 
 
@@ -124,7 +144,8 @@ def main() -> int:
         for r in rows:
             print(f"{r.key}: {r.table}: {r.tps_gpu:,.0f} tokens/s/GPU, {r.memory_gib} GiB\n  {shlex.join(r.command())}")
         return 0
-    print(f"published: {SOURCE}; predicted with --gpu {GPU}; memory GiB (2^30 B), tokens/s per GPU")
+    print(f"published: {SOURCE} (rows t*; the others name their source in --list's code); predicted with "
+          f"--gpu {GPU} unless a row names its GPU; memory GiB (2^30 B), tokens/s per GPU")
     print(f"{'row':12} {'published GiB':>13} {'fxacct GiB':>10} {'ratio':>6} {'published tok/s':>15} "
           f"{'fxacct tok/s':>12} {'ratio':>6}  {'verdict':8} wall")
     outside = 0
@@ -136,11 +157,12 @@ def main() -> int:
             continue
         got = run(r)
         mem, tps = got["memory_gib"] / r.memory_gib, (got["tps_gpu"] or 0) / r.tps_gpu
-        ok = abs(mem - 1) <= MEMORY_TOLERANCE and abs(tps - 1) <= TPS_TOLERANCE
+        ok = (abs(mem - 1) <= MEMORY_TOLERANCE or not r.compare_memory) and abs(tps - 1) <= TPS_TOLERANCE
         outside += not ok
         print(f"{r.key:12} {r.memory_gib:13.1f} {got['memory_gib']:10.2f} {mem:6.2f} {r.tps_gpu:15,.0f} "
               f"{got['tps_gpu'] or 0:12,.0f} {tps:6.2f}  {'within' if ok else 'OUTSIDE':8} {got['seconds']:.0f} s"
-              + ("" if got["memory_kind"] == "reserved" else " (allocated peak: no reserved figure)"))
+              + ("" if got["memory_kind"] == "reserved" else " (allocated peak: no reserved figure)")
+              + ("" if r.compare_memory else f" (memory not judged: {r.why})"))
     print(f"tolerance: memory ±{MEMORY_TOLERANCE:.0%}, tokens/s ±{TPS_TOLERANCE:.0%}; {outside} row(s) outside")
     return 1 if outside else 0
 

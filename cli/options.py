@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import click
 import cloup
 
+from fxacct.devices import SDPA_BACKENDS
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.load.flags import CAUSAL_CONVENTIONS, COMPILE_MODES, DEFAULTS, LOSSES, check_request, parse_kwarg
@@ -178,6 +179,11 @@ HARDWARE_AND_PARALLELISM = [
                  help="With --gpu: PYTORCH_CUDA_ALLOC_CONF for the caching-allocator replay, e.g. "
                       "expandable_segments:True (default: the environment's PYTORCH_CUDA_ALLOC_CONF or "
                       "PYTORCH_ALLOC_CONF, else torch's defaults)."),
+    click.option("--sdpa-backend", "sdpa_backend", type=click.Choice(SDPA_BACKENDS), default="auto", show_default=True,
+                 help="With --gpu: the attention kernel scaled_dot_product_attention runs, timed at its published "
+                      "rates; auto is torch 2.13's choice (cuDNN on H100/B200, else flash; flash first under "
+                      "TORCH_CUDNN_SDPA_DEPRIORITIZED=1). Name the backend a run forces or an older torch picked "
+                      "(before 2.9: flash on H100)."),
 ]
 OUTPUT_GROUP = "Output"
 RUNTIME_GROUP = "Runtime (a real run)"
@@ -325,7 +331,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
               costs=(), mesh=None, alloc_conf=None, fp8=None, torchtitan_args=(), compile_model=False,
-              compile_blocks=(), compile_mode="default", **_) -> Config:
+              compile_blocks=(), compile_mode="default", sdpa_backend="auto", **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size. First the checks
@@ -346,6 +352,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         alloc_conf=alloc_conf, fp8=fp8,
         torchtitan_args=tuple(torchtitan_args),
         compile=compile_model, compile_blocks=tuple(compile_blocks), compile_mode=compile_mode,
+        sdpa_backend=sdpa_backend,
     )
 
 

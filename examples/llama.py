@@ -23,12 +23,19 @@ import torch.nn.functional as F
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """``in_float32``: normalized in float32 and cast back before the weight, as torchtitan's
+    RMSNorm does (torchtitan/models/norms.py, 2024-12: ``self._norm(x.float()).type_as(x) *
+    self.weight``); else in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, in_float32: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.in_float32 = eps, in_float32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_float32:
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -84,11 +91,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int, eps: float):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int, eps: float, norm_float32: bool = False):
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps)
+        self.attention_norm = RMSNorm(dim, eps, norm_float32)
         self.attention = Attention(dim, n_heads, n_kv_heads)
-        self.ffn_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps, norm_float32)
         self.feed_forward = FeedForward(dim, hidden)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -101,16 +108,17 @@ class Llama(nn.Module):
 
     def __init__(self, vocab_size: int = 512, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
                  n_kv_heads: int = 2, hidden: int = 128, max_seq: int = 64, eps: float = 1e-5,
-                 float_logits: bool = False):
+                 float_logits: bool = False, norm_float32: bool = False):
         super().__init__()
         # float_logits: the logits cast to float32, as torchtitan's Transformer.forward does
-        # (torchtitan/models/llama/model.py, 2024-12: ``self.output(h).float()``) before its loss
+        # (torchtitan/models/llama/model.py, 2024-12: ``self.output(h).float()``) before its loss;
+        # norm_float32: the RMSNorms computed in float32, as torchtitan's (RMSNorm's docstring)
         self.float_logits = float_logits
         self.n_heads, self.n_kv_heads, self.max_seq, self.vocab_size = n_heads, n_kv_heads, max_seq, vocab_size
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(dim, n_heads, n_kv_heads, hidden, eps) for i in range(n_layers)})
-        self.norm = RMSNorm(dim, eps)
+            {str(i): TransformerBlock(dim, n_heads, n_kv_heads, hidden, eps, norm_float32) for i in range(n_layers)})
+        self.norm = RMSNorm(dim, eps, norm_float32)
         self.output = nn.Linear(dim, vocab_size, bias=False)
         self.register_buffer("rope", rope_tables(dim // n_heads, max_seq), persistent=False)
 

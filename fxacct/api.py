@@ -95,7 +95,12 @@ def _one_device_notes(prof: Profile) -> Profile:
 
 def _predicted(prof: Profile) -> Profile:
     """The roofline's step time on config.gpu (or a calibrated CPU), where one is known."""
-    return replace(prof, prediction=predict_profile(prof))
+    prof = replace(prof, prediction=predict_profile(prof))
+    if prof.config.sdpa_backend == "auto" or prof.config.gpu is not None:
+        return prof
+    note = (f"--sdpa-backend {prof.config.sdpa_backend} has no effect without --gpu (a CPU times attention "
+            "as its calibration measured it): use it with --gpu")
+    return replace(prof, warnings=prof.warnings + (note,))
 
 
 def _fitted_rank(prof: Profile, peak: int | None, basis: str) -> Profile:

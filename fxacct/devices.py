@@ -62,6 +62,9 @@ class Device:
     matmul_efficiency: dict = field(default_factory=dict)  # dtype key -> achievable fraction of peak (MAMF)
     bandwidth_share: float = 1.0  # achievable fraction of `bandwidth` for a streaming kernel
     sources: dict = field(default_factory=dict)  # field name -> its source
+    # which kernel torch's SDPA runs (SDPA_BACKENDS): "auto" is torch 2.13's own choice on this
+    # GPU (fxacct.predict.gpu_kernels.attention_backend); --sdpa-backend names another
+    sdpa_backend: str = "auto"
 
     def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Tensor-core peak for a matmul in ``dtype`` (float32 matmuls: TF32, PyTorch's default for
@@ -73,6 +76,12 @@ class Device:
         if key.startswith("float8"):
             key = "float8"
         return self.peak_flops.get(key, self.peak_flops["float32"])
+
+
+# --sdpa-backend: "auto" (what torch 2.13's SDPA picks on the GPU), or the backend a run forces
+# (torch.nn.attention.sdpa_kernel) or an older torch picked (torch before 2.9 ran flash on H100:
+# fxacct.predict.gpu_kernels.CUDNN_FIRST_ARCHS)
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 
 
 # --- what kernels achieve, each with its source -------------------------------------------------
@@ -116,13 +125,18 @@ _A100_MAMF = f"{MAMF_SOURCE}: A100 SXM bf16 271.2 / 312"
 # The H100 of torchtitan's published runs (benchmarks/llama3_h100_202412_torchtitan.md): Grand Teton,
 # "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "default 500W power limit", and its footnote:
 # "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". No public
-# source gives its clocks, so each peak is DERIVED as the midpoint of that bracket: the H100 SXM
-# column and the H100 NVL column of the H100 datasheet (NVL dense: fp64/fp32 60, tf32 835 / 2,
-# bf16 1,671 / 2, fp8 3,341 / 2 TFLOP/s). 132 SMs as the SXM5 board. Reported capacity DERIVED:
-# 96 GiB less the 361 MiB the driver holds back on the 80 GB SXM5 (81920 - 81559 MiB) = 97943 MiB.
+# source gives its clocks, so each peak is DERIVED from that bracket at the stated 500 W: the H100
+# datasheet's SXM column (700 W) and NVL column (its maximum TDP, 400 W; NVL dense: fp64/fp32 60,
+# tf32 835 / 2, bf16 1,671 / 2, fp8 3,341 / 2 TFLOP/s), interpolated linearly in board power:
+# NVL + (SXM - NVL) x (500 - 400) / (700 - 400); bf16 835.5 + 154 / 3 = 886.8 TFLOP/s. (Both columns
+# are the same 132-SM die at the clock NVIDIA rates for that power: 1.83 and 1.545 GHz.) 132 SMs as
+# the SXM5 board. Reported capacity DERIVED: 96 GiB less the 361 MiB the driver holds back on the
+# 80 GB SXM5 (81920 - 81559 MiB) = 97943 MiB.
 _NVL_PEAKS = {"float64": 60e12, "float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12, "float16": 835.5e12,
               "float8": 1670.5e12}
-_H100_96GB_PEAKS = {k: (_HOPPER_PEAKS[k] + _NVL_PEAKS[k]) / 2 for k in _HOPPER_PEAKS}
+_SXM_W, _NVL_W, _GRAND_TETON_W = 700, 400, 500  # H100 datasheet max TDPs; torchtitan's power limit
+_H100_96GB_PEAKS = {k: _NVL_PEAKS[k] + (_HOPPER_PEAKS[k] - _NVL_PEAKS[k]) * (_GRAND_TETON_W - _NVL_W) / (_SXM_W - _NVL_W)
+                    for k in _HOPPER_PEAKS}
 
 DEVICES: dict[str, Device] = {
     "h100": Device("NVIDIA H100 SXM5 80GB", 80 * 10**9, 81559 * MiB, 3.35e12, dict(_HOPPER_PEAKS),
@@ -133,9 +147,9 @@ DEVICES: dict[str, Device] = {
     "h100-96gb": Device("NVIDIA H100 SXM5 96GB HBM2e (500 W)", 96 * 10**9, 97943 * MiB, 2.4e12,
                         _H100_96GB_PEAKS,
                         source=("torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96GB HBM2e, 2.4 TB/s, "
-                                "500 W; peaks DERIVED: midpoint of the H100 datasheet's SXM and NVL columns "
-                                "(torchtitan: 'between SXM and NVL'); capacity DERIVED: 96 GiB - 361 MiB "
-                                "= 97943 MiB"),
+                                "500 W; peaks DERIVED: the H100 datasheet's SXM (700 W) and NVL (400 W) columns "
+                                "interpolated linearly in board power at 500 W (torchtitan: 'between SXM and NVL'); "
+                                "capacity DERIVED: 96 GiB - 361 MiB = 97943 MiB"),
                         sm_count=132, arch="sm90", matmul_efficiency=_matmul_efficiency(MAMF_H100_BF16, MAMF_H100_FP8),
                         bandwidth_share=HBM_SHARE,
                         sources=_sources(f"{_H100_SM} (the SXM5 board)",

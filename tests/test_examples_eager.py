@@ -159,3 +159,20 @@ def test_default_forward_under_fake_tensor_mode(cls):
         inputs = model.example_inputs(2)
         out = torch.func.functional_call(model, {**params, **buffers}, inputs)
     assert out.shape[0] == 2 and out.shape[-1] == DEFAULT_OUT_DIM[cls]
+
+
+def test_llama_norm_float32_is_torchtitans_rmsnorm():
+    """examples/llama.py ``norm_float32``: RMSNorm normalized in float32 and cast back before the
+    weight (torchtitan 2024-12); checked against torch's own F.rms_norm run in float32, which the
+    bfloat16 path (the default) does not match on the same input."""
+    from examples.llama import Llama, RMSNorm
+
+    torch.manual_seed(0)
+    x = (torch.randn(4, 64) * 3).to(torch.bfloat16)
+    norm = RMSNorm(64, in_float32=True).to(torch.bfloat16)
+    expected = torch.nn.functional.rms_norm(x.float(), (64,), eps=1e-5).to(torch.bfloat16) * norm.weight
+    assert torch.equal(norm(x), expected)
+    assert not torch.equal(RMSNorm(64).to(torch.bfloat16)(x), expected)
+    model = Llama(norm_float32=True)
+    assert all(m.in_float32 for m in model.modules() if isinstance(m, RMSNorm)) and len(
+        [m for m in model.modules() if isinstance(m, RMSNorm)]) == 5  # 2 per block, 2 blocks, the final one

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from helpers import ROOT, meta_input, on_meta, profile_meta
 
+import fxacct
 from fxacct.devices import DEVICES, get_device
 from fxacct.predict.fused_time import predict_profile
 from fxacct.predict.gpu_kernels import attention_backend, attention_rate, gemm_quantization, published_curve
@@ -193,6 +194,47 @@ def test_sdpa_in_a_step_runs_at_the_published_rate():
     assert bwd.seconds == pytest.approx(21_474_836_480 / 165e12)
 
 
+def test_sdpa_backend_override_and_torchs_own_switch(monkeypatch):
+    flash = dataclasses.replace(H100, sdpa_backend="flash")
+    assert attention_backend(flash, torch.bfloat16, 128) == "flash"  # --sdpa-backend flash on sm90
+    assert attention_backend(dataclasses.replace(get_device("a100"), sdpa_backend="cudnn"), torch.bfloat16, 64) == "cudnn"
+    assert attention_backend(flash, torch.float32, 128) == "efficient"  # fp32 cannot run flash: torch falls back
+    # torch's TORCH_CUDNN_SDPA_DEPRIORITIZED: "1" puts cuDNN last (check_env(...) != true); "0" does not
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert attention_backend(H100, torch.bfloat16, 128) == "flash"
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0")
+    assert attention_backend(H100, torch.bfloat16, 128) == "cudnn"
+
+
+def test_sdpa_backend_flag_times_flash_on_one_device_and_under_a_mesh():
+    # the causal attention step above on the H100 with --sdpa-backend flash: FlashAttention-2's bars
+    # (FlashAttention-3 paper): forward causal hdim 128 at 4k 319 TFLOP/s (Fig. 5), backward 310
+    # (Fig. 6, the non-causal bar: no causal one is published), on the papers' FLOPs as above
+    expect = {"forward": 8_589_934_592 / 319e12, "backward": 21_474_836_480 / 310e12}
+    model = str(ROOT / "tests/data/causal_attention.py") + ":CausalAttention"
+    base = ["profile", model, "-k", "heads=2", "-k", "head_dim=128", "--input", "bf16[B,4096,256]", "--batch", "1",
+            "--dtype", "bf16", "--optimizer", "none", "--gpu", "h100", "--format", "json", "--sdpa-backend", "flash"]
+    for mesh in ((), ("--mesh", "fsdp=1")):
+        doc = json.loads(_invoke(*base, *mesh).stdout)
+        kernels = doc["predicted"]["kernels"]
+        assert kernels["sdpa_backend"] == "flash"
+        (attention,) = [k for k in kernels["by_kind"] if k["kind"].startswith("attention")]
+        assert attention["kind"] == "attention flash" and attention["ops"] == 2, (mesh, attention)
+        assert attention["ms"] == pytest.approx(1e3 * (expect["forward"] + expect["backward"]), rel=1e-6), mesh
+    auto = json.loads(_invoke(*base[:-2]).stdout)["predicted"]["kernels"]
+    assert auto["sdpa_backend"] == "auto" and any(k["kind"] == "attention cudnn" for k in auto["by_kind"])
+
+
+def test_sdpa_backend_without_a_gpu_is_noted_and_a_bad_one_is_one_line_exit_2():
+    doc = json.loads(_invoke("profile", TWO_LAYER, "--batch", "2", "--sdpa-backend", "flash", "--format", "json").stdout)
+    assert any("--sdpa-backend flash has no effect without --gpu" in w for w in doc["warnings"])
+    r = CliRunner().invoke(cli, ["profile", TWO_LAYER, "--gpu", "h100", "--sdpa-backend", "math"])
+    lines = [s for s in r.output.splitlines() if s.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "--sdpa-backend" in lines[0] and "flash" in lines[0], r.output
+    with pytest.raises(fxacct.UsageError, match="unknown --sdpa-backend 'math'"):
+        fxacct.Config(sdpa_backend="math")
+
+
 def test_a_masked_attention_runs_the_efficient_kernel_at_the_matmul_rate():
     # with a mask the trace's CUDA rules run the memory-efficient kernel (fxacct.trace.targets), which
     # has no published curve: its FLOPs (fxacct's count, 4·B·H·T²·d = 4·2·1024²·64 = 536,870,912
@@ -252,9 +294,11 @@ def test_new_skus_from_their_datasheets():
     assert b200.capacity_reported == 183359 * 2**20  # nvidia-smi memory.total
     # L40S: 733 TFLOP/s bf16 sparse → 362.05 dense (datasheet), 864 GB/s GDDR6, 18,176 cores / 128
     assert (l40s.peak_flops["bfloat16"], l40s.bandwidth, l40s.sm_count) == (362.05e12, 864e9, 142)
-    # torchtitan's H100: 96 GB HBM2e at 2.4 TB/s; bf16 the midpoint of SXM 989.5 and NVL 1671/2
+    # torchtitan's H100: 96 GB HBM2e at 2.4 TB/s, 500 W; bf16 between NVL 1671/2 at 400 W and SXM
+    # 989.5 at 700 W, linear in power: 835.5 + 154 x 100/300 = 886.83 TFLOP/s (fp8 twice that)
     assert (h96.capacity_nominal, h96.bandwidth) == (96 * 10**9, 2.4e12)
-    assert h96.peak_flops["bfloat16"] == pytest.approx((989.5e12 + 835.5e12) / 2)
+    assert h96.peak_flops["bfloat16"] == pytest.approx(886.8333e12)
+    assert h96.peak_flops["float8"] == pytest.approx(1670.5e12 + (1979e12 - 1670.5e12) / 3)
     assert h96.capacity_reported == (96 * 1024 - (81920 - 81559)) * 2**20
     assert "DERIVED" in h96.source
     assert get_device("H100-HBM2E") is h96  # an alias, any case
@@ -296,3 +340,18 @@ def test_the_text_report_names_the_kernel_model():
     text = _invoke("profile", TWO_LAYER, "--batch", "2", "--gpu", "h100").stdout
     assert "kernels (achievable rates, fxacct/predict/gpu_kernels.py): " in text
     assert "memory" in text.split("kernels (achievable rates")[1]
+
+
+def test_a_real_run_forces_the_backend_it_is_timed_at():
+    """--runtime with --sdpa-backend: on CUDA the run forces that kernel (torch.nn.attention.sdpa_kernel,
+    whose context needs no GPU to enter); on a CPU, or with auto, it runs as torch picks."""
+    import contextlib
+
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    from fxacct.runtime.run import attention_kernel
+
+    assert isinstance(attention_kernel("flash", torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(attention_kernel("auto", torch.device("cuda")), contextlib.nullcontext)
+    with attention_kernel("cudnn", torch.device("cuda")):  # the context itself needs no GPU
+        assert [b.name for b in _cur_sdpa_kernel_backends()] == ["CUDNN_ATTENTION"]

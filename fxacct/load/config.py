@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fxacct.devices import get_device
+from fxacct.devices import SDPA_BACKENDS, get_device
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.interconnects import network
@@ -74,6 +74,7 @@ class Config:
     compile: bool = False  # account the step as torch.compile(model) runs it (fxacct.trace.compiled)
     compile_blocks: tuple[str, ...] = ()  # globs: compile each matching module instead (regional)
     compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES)
+    sdpa_backend: str = "auto"  # the attention kernel a --gpu prediction times (fxacct.devices.SDPA_BACKENDS)
 
     @property
     def compiled(self) -> bool:
@@ -107,6 +108,8 @@ class Config:
             self.allocator_conf()  # a bad --alloc-conf (or, for a GPU, environment value) fails here, before any trace
         if self.interconnect is not None:
             network(self.interconnect)
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise UsageError(f"unknown --sdpa-backend {self.sdpa_backend!r}: use one of {', '.join(SDPA_BACKENDS)}")
         self._check_loading()
         if isinstance(self.mesh, str):
             object.__setattr__(self, "mesh", parse_mesh(self.mesh))

@@ -41,6 +41,7 @@ roofline's (Device.launch_s, added to every op that launches a kernel).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -196,10 +197,16 @@ def _interpolate(points, x: float) -> float:
 
 
 def attention_backend(device: Device, dtype: torch.dtype | None, head_dim: int) -> str:
-    """"cudnn", "flash" or "efficient": what torch's SDPA runs (ATTENTION_SOURCE)."""
+    """"cudnn", "flash" or "efficient": what torch's SDPA runs (ATTENTION_SOURCE), or the backend
+    --sdpa-backend names (Device.sdpa_backend) where the inputs allow it. torch's own switch,
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1, puts cuDNN last as in torch (check_prefer_cudnn_attention:
+    ``c10::utils::check_env(...) != true``, true for the value "1")."""
     if dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
         return "efficient"
-    return "cudnn" if device.arch in CUDNN_FIRST_ARCHS else "flash"
+    if device.sdpa_backend != "auto":
+        return device.sdpa_backend
+    cudnn_first = device.arch in CUDNN_FIRST_ARCHS and os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") != "1"
+    return "cudnn" if cudnn_first else "flash"
 
 
 def published_curve(backend: str, direction: str, causal: bool, head_dim: int,

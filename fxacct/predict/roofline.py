@@ -178,7 +178,7 @@ def from_calibration(cal, profiled: bool = False) -> DeviceModel:
 def for_config(config: Config) -> DeviceModel | None:
     """The target of a static profile: --gpu's datasheet entry, else this CPU if calibrated, else None."""
     if config.gpu is not None:
-        return from_gpu(get_device(config.gpu))
+        return from_gpu(dataclasses.replace(get_device(config.gpu), sdpa_backend=config.sdpa_backend))
     cal = calibration.load("cpu")
     return from_calibration(cal) if cal is not None else None
 
@@ -195,14 +195,15 @@ def gpu_key(name: str) -> str | None:
     return next((k for k in ("b200", "l40s") if k in n), None)
 
 
-def for_local(kind: str, gpu: str | None = None, profiled: bool = False) -> DeviceModel | None:
+def for_local(kind: str, gpu: str | None = None, profiled: bool = False, sdpa_backend: str = "auto") -> DeviceModel | None:
     """The device a runtime run executes on: its calibration if stored (``profiled``: its per-op
-    overhead under torch.profiler), else (CUDA) the datasheet entry of ``gpu`` (a DEVICES key), else None."""
+    overhead under torch.profiler), else (CUDA) the datasheet entry of ``gpu`` (a DEVICES key)
+    with attention on ``sdpa_backend`` (the run forces it: fxacct.runtime.run), else None."""
     cal = calibration.load(kind)
     if cal is not None:
         return from_calibration(cal, profiled)
     if kind == "cuda" and gpu in DEVICES:
-        return from_gpu(DEVICES[gpu])
+        return from_gpu(dataclasses.replace(DEVICES[gpu], sdpa_backend=sdpa_backend))
     return None
 
 

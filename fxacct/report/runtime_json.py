@@ -38,7 +38,8 @@ def kernels(prediction: Prediction) -> dict | None:
     g = prediction.device.gpu
     if g is None:
         return None
-    return {"sm_count": g.sm_count, "arch": g.arch, "matmul_efficiency": dict(g.matmul_efficiency),
+    return {"sm_count": g.sm_count, "arch": g.arch, "sdpa_backend": g.sdpa_backend,
+            "matmul_efficiency": dict(g.matmul_efficiency),
             "bandwidth_share": g.bandwidth_share, "launch_s": g.launch_s, "sources": dict(g.sources),
             "by_kind": [{"kind": r.kind, "ops": r.ops, "ms": _ms(r.seconds), "peak_fraction": r.peak_fraction}
                         for r in kernel_totals(prediction.ops)]}

@@ -47,7 +47,7 @@ def run(config: Config, options: RuntimeOptions = DEFAULT_OPTIONS,
     device = resolve_device(options.device)
     config = prediction_config(config, device)
     profile = api.profile(config)
-    model = for_local(device.type, config.gpu)  # the step is timed plain (fxacct.runtime.run)
+    model = for_local(device.type, config.gpu, sdpa_backend=config.sdpa_backend)  # the step is timed plain (fxacct.runtime.run)
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory
     peak = memory.peak_inference if options.inference else memory.rank_peak

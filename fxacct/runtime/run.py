@@ -138,6 +138,17 @@ class _Clock:
         return [b - a for a, b in zip(marks, marks[1:])]
 
 
+def attention_kernel(backend: str, device: torch.device):
+    """--sdpa-backend on CUDA: the run forces the attention kernel the prediction times
+    (torch.nn.attention.sdpa_kernel); "auto", or a CPU (whose SDPA has one kernel), runs as torch picks."""
+    if device.type != "cuda" or backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend])
+
+
 class _Step:
     """One training (or inference) step of the model, phases marked for the profiler and clock."""
 
@@ -167,6 +178,10 @@ class _Step:
         return torch.autocast(self.device.type, dtype=self.config.amp)
 
     def __call__(self, clock: _Clock | None = None) -> StepTime | None:
+        with attention_kernel(self.config.sdpa_backend, self.device):
+            return self._step(clock)
+
+    def _step(self, clock: _Clock | None) -> StepTime | None:
         marks = [clock.mark()] if clock else None
         if self.inference:
             with record_function("fxacct.forward"), torch.no_grad(), self.autocast():
