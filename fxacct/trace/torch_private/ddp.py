@@ -4,6 +4,7 @@ process group, each with the torch line that makes it necessary (torch 2.13)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -92,7 +93,8 @@ def rebuild_buckets(ddp) -> bool:
 def zero_local_optimizer(opt):
     """The optimizer a ZeroRedundancyOptimizer steps for this rank's partition
     (torch/distributed/optim/zero_redundancy_optimizer.py: ``self.optim``), whose ``state`` is
-    the rank's optimizer state; ``opt`` itself for any other optimizer."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    the rank's optimizer state; ``opt`` itself for any other optimizer. Its module is looked up,
+    not imported: a ZeroRedundancyOptimizer exists only once it has been, and importing
+    torch.distributed.optim scripts its functional optimizers (0.17 s of every profile's CPU)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return opt.optim if zero is not None and isinstance(opt, zero.ZeroRedundancyOptimizer) else opt
