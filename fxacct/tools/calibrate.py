@@ -67,8 +67,8 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
 
 Nothing poisoned is stored (issue 22): a figure that fails its own check refuses the whole
 calibration (a usage error, exit 2: calibrate again on an idle machine), and the profile stored
-before, if any, stays. The checks are the method's own: a figure whose rounds never agreed within
-5% (``Timing.stable``) is not established; a fixed cost per call fit through points that were not
+before, if any, stays. The checks are the method's own: a figure whose two fastest rounds stayed
+more than 10% apart (``Timing.settled``; rounds stop once two agree within 5%) is not established; a fixed cost per call fit through points that were not
 stable would be noise (a busy machine stored "0 s" latencies that way, and a small U-Net was then
 predicted at 130 ms against 608 ms measured); a square slower than a skinny product, a smaller
 footprint streaming slower than a larger one and a convolution with more channels running slower
@@ -139,11 +139,12 @@ def measure_skinny(kind: str, dtype_key: str, n: int, budget_s: float = BUDGET_S
 
 
 def _unsettled(what: str, timings, problems: list) -> None:
-    """A problem for each timing whose rounds never agreed within STABLE_REL (microbench.stable)."""
-    spread = max((t.spread for t in timings if not t.stable), default=None)
-    if spread is not None:
-        problems.append(f"{what}: its rounds never agreed within {100 * microbench.STABLE_REL:.0f}% "
-                        f"({100 * spread:.0f}% apart)")
+    """A problem for a timing whose two fastest rounds stayed more than SETTLED_REL apart
+    (microbench.Timing.settled)."""
+    apart = max(((t.apart if t.apart is not None else t.spread) for t in timings if not t.settled), default=None)
+    if apart is not None:
+        problems.append(f"{what}: its rounds never agreed within {100 * microbench.SETTLED_REL:.0f}% "
+                        f"({100 * apart:.0f}% apart)")
 
 
 def _matmul(kind: str, key: str, budget_s: float, problems: list) -> tuple[float, int, dict, float]:
@@ -225,7 +226,7 @@ def measure_convolutions(kind: str, trivial_s: float, budget_s: float = BUDGET_S
         spreads += [t.spread for t in timings]
         what = "convolution backward float32" if backward else "convolution float32"
         curves[backward], latency[op] = conv_curve(times, microbench.CONV_SMALL, trivial_s,
-                                                   all(t.stable for t in timings))
+                                                   all(t.settled for t in timings))
         if problems is not None:
             _unsettled(what, timings, problems)
             # more channels, more reuse of each pixel: the rate grows with the channels (module docstring)

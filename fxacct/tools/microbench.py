@@ -22,7 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from fxacct.trace import torch_private as tp
 
-STABLE_REL = 0.05  # two rounds within 5% of each other: stable
+STABLE_REL = 0.05  # two rounds within 5% of each other: stable, no more rounds
+# the two fastest rounds further apart than this refuse the calibration (fxacct.tools.calibrate): a
+# poisoned figure is off by multiples (issue 22: a 0.000 TFLOP/s square, "0 s" latencies), while a
+# kernel timed on all of a small machine's threads moves 5-10% between rounds of an idle machine
+# (two fp16 skinny products 9% apart on this project's 2-core machines)
+SETTLED_REL = 0.10
 # rounds before a figure is given up as unsettled (which refuses the calibration: fxacct.tools.calibrate):
 # on a lightly disturbed machine more rounds find two that agree; a busy one stays unsettled
 MAX_ROUNDS = 8
@@ -45,7 +50,10 @@ ATTENTION_LENGTHS = (8, 32)  # query lengths of the attention cases (small model
 
 class Timer:
     """Seconds of one fn() call, timed by torch.utils.benchmark.Timer (which synchronizes CUDA
-    around the statement); one benchmark timer per function, reused across its repetitions."""
+    around the statement); one benchmark timer per function, reused across its repetitions. At the
+    process's torch thread count when the timer is made: benchmark.Timer runs its statement on
+    ``num_threads`` threads, 1 unless told, while the steps a calibration predicts run on
+    torch.get_num_threads() (the count the calibration records)."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -54,7 +62,8 @@ class Timer:
     def __call__(self, fn: Callable[[], object]) -> float:
         held = self._timers.get(id(fn))
         if held is None or held[0] is not fn:
-            held = self._timers[id(fn)] = (fn, benchmark.Timer(stmt="fn()", globals={"fn": fn}))
+            held = self._timers[id(fn)] = (fn, benchmark.Timer(stmt="fn()", globals={"fn": fn},
+                                                               num_threads=torch.get_num_threads()))
         return held[1].timeit(1).mean
 
 
@@ -64,6 +73,13 @@ class Timing:
     spread: float  # (slowest round − fastest) / fastest
     rounds: int
     stable: bool  # the two fastest rounds agree within STABLE_REL
+    apart: float | None = None  # (second fastest round − fastest) / fastest; None: not known
+
+    @property
+    def settled(self) -> bool:
+        """The two fastest rounds agree within SETTLED_REL (stable, or not known to be apart by
+        less): a figure a calibration may store."""
+        return self.stable or (self.apart is not None and self.apart <= SETTLED_REL)
 
 
 def best_of(timer, fn, budget_s: float) -> float:
@@ -87,8 +103,8 @@ def stable(timer, fn, budget_s: float) -> Timing:
         bests.append(best_of(timer, fn, budget_s / 2))
         first, second = sorted(bests)[:2]
         ok = second <= first * (1 + STABLE_REL)
-    fastest = min(bests)
-    return Timing(fastest, (max(bests) - fastest) / fastest, len(bests), ok)
+    first, second = sorted(bests)[:2]
+    return Timing(first, (max(bests) - first) / first, len(bests), ok, (second - first) / first)
 
 
 def _dtype(dtype_key: str) -> torch.dtype:
@@ -300,7 +316,7 @@ def kernels(kind: str, budget_s: float, timer=None) -> tuple[dict, dict, float, 
         for op, args in _kernel_cases(kind, side).items():
             nbytes = _moved(args, op(*args))
             t = stable(timer, lambda op=op, args=args: op(*args), budget_s)
-            points.setdefault(str(op), []).append((nbytes, t.seconds, t.stable))
+            points.setdefault(str(op), []).append((nbytes, t.seconds, t.settled))
             spreads.append(t.spread)
     fits = {op: fit_latency(*[(w, s) for w, s, _ in sorted(p)]) if all(ok for *_, ok in p)
             else (max(p)[0] / max(p)[1], 0.0) for op, p in points.items()}  # unstable points: no fit
@@ -330,7 +346,7 @@ def attention(kind: str, budget_s: float, timer=None) -> tuple[dict, float, list
         for op, call in ((fwd, lambda q=q, k=k, v=v: fwd(q, k, v, 0.0, True)),
                          (bwd, lambda q=q, k=k, v=v, g=grad, o=out, s=lse: bwd(g, q, k, v, o, s, 0.0, True))):
             t = stable(timer, call, budget_s)
-            points[str(op)].append((work, t.seconds, t.stable))
+            points[str(op)].append((work, t.seconds, t.settled))
             spreads.append(t.spread)
     unfit = [op for op, p in points.items() if not all(ok for *_, ok in p)]
     return {op: fit_latency(*[(w, s) for w, s, _ in p])[1] for op, p in points.items()
