@@ -31,7 +31,8 @@ key length, from the FlashAttention-3 paper's H100 figures (H100_ATTENTION) or t
 paper's A100 ones (A100_ATTENTION), linear in log2 of the length between published points and
 clamped at the ends; the time is the papers' FLOPs (forward
 4·T_q·T_k·d per batch·head, halved when causal; backward 2.5× the forward) over that rate. Other SKUs:
-ARCH_ATTENTION. The backward at its own published rate.
+ARCH_ATTENTION. The backward at its own published rate; FlashAttention-2's causal backward, published
+for the A100 only, at the non-causal rate times the A100's causal share (causal_backward_share).
 
 Memory-bound ops: bytes / (bandwidth × Device.bandwidth_share). Other FLOPs (pointwise, reductions)
 at the non-tensor fp32 peak, each op max(compute, memory). The per-op launch cost stays the
@@ -71,8 +72,9 @@ ATTENTION_SOURCE = ("torch SDPA priority (sdp_utils.cpp priority_order); FlashAt
 # causal mask) and Figure 6 (backward, without the mask), the TFLOP/s printed on each bar, at key
 # lengths ATTENTION_SEQ. "flash" is the FlashAttention-2 bars (torch's flash backend is FA2),
 # "cudnn" the cuDNN bars. Curves the figures do not have (a causal backward, a head dim not
-# measured) take the nearest published one: the causal backward the non-causal one, the head dim the
-# nearest (in log2). Papers' FLOP convention (module docstring).
+# measured) take the nearest published one: the causal backward the non-causal one (FlashAttention-2's
+# times its causal share on the A100: causal_backward_share), the head dim the nearest (in log2).
+# Papers' FLOP convention (module docstring).
 ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
 H100_ATTENTION = {  # (backend, direction, causal, head dim) -> TFLOP/s at ATTENTION_SEQ
     ("flash", "forward", False, 64): (282, 306, 318, 321, 322, 324),
@@ -219,12 +221,25 @@ def published_curve(backend: str, direction: str, causal: bool, head_dim: int,
     return key, table[key]
 
 
+def causal_backward_share(head_dim: int, seq: int) -> float:
+    """FlashAttention-2's causal backward rate over its non-causal one at ``seq``: the FA-2 paper's
+    A100 bars (A100_ATTENTION, Fig. 6, the nearest head dim), the one measurement of the causal
+    backward of that kernel. The masked blocks along the diagonal do part of a tile's work at a
+    tile's cost, whatever the GPU: the H100's FlashAttention-2 backward, published without the mask
+    only, runs causal at its non-causal rate times this share (0.89 at hdim 128 and 8k)."""
+    (_, causal), (_, full) = (published_curve("flash", "backward", c, head_dim, A100_ATTENTION) for c in (True, False))
+    return _interpolate(tuple(zip(ATTENTION_SEQ, causal)), seq) / _interpolate(tuple(zip(ATTENTION_SEQ, full)), seq)
+
+
 def attention_rate(device: Device, backend: str, direction: str, causal: bool, head_dim: int,
                    seq: int) -> float:
     """FLOP/s (papers' convention) of an attention kernel on ``device`` at key length ``seq``."""
     table, measured_peak = ARCH_MEASUREMENTS.get(device.arch, (H100_ATTENTION, H100_SXM_BF16))
-    _, curve = published_curve(backend, direction, causal, head_dim, table)
-    return _interpolate(tuple(zip(ATTENTION_SEQ, curve)), seq) * 1e12 * device.peak_flops["bfloat16"] / measured_peak
+    key, curve = published_curve(backend, direction, causal, head_dim, table)
+    rate = _interpolate(tuple(zip(ATTENTION_SEQ, curve)), seq)
+    if causal and not key[2] and key[:2] == ("flash", "backward"):  # no causal curve of the flash backward here
+        rate *= causal_backward_share(head_dim, seq)
+    return rate * 1e12 * device.peak_flops["bfloat16"] / measured_peak
 
 
 def attention_dims(node: fx.Node) -> tuple[int, int, int, int, bool, bool] | None:
