@@ -7,6 +7,7 @@ from the code under test."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 
@@ -165,16 +166,15 @@ def test_attention_rate_on_other_skus():
     assert attention_rate(get_device("a100"), "flash", "backward", True, 64, 2048) == pytest.approx(149e12)
 
 
-class CausalAttention(nn.Module):
-    def __init__(self, heads: int, head_dim: int):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.qkv = nn.Linear(heads * head_dim, 3 * heads * head_dim, bias=False)
+def _causal_attention():
+    """tests/models/causal_attention.py's CausalAttention (also a CLI target below)."""
+    spec = importlib.util.spec_from_file_location("causal_attention", ROOT / CAUSAL_ATTENTION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CausalAttention
 
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+CAUSAL_ATTENTION = "tests/models/causal_attention.py"
 
 
 def test_sdpa_in_a_step_runs_at_the_published_rate():
@@ -183,7 +183,7 @@ def test_sdpa_in_a_step_runs_at_the_published_rate():
     # TFLOP/s (Fig. 5, cuDNN, causal, hdim 128, 4k) = 16.583 µs. Backward: 2.5 × that = 21,474,836,480
     # at 499 TFLOP/s (Fig. 6, cuDNN, hdim 128, 4k; the causal one is not published) = 43.036 µs.
     # Memory: q, k, v, out are 2 MiB each: a few µs at 3.03e12 B/s, below.
-    model = on_meta(CausalAttention, 2, 128).to(torch.bfloat16)
+    model = on_meta(_causal_attention(), 2, 128).to(torch.bfloat16)
     p = profile_meta(model, (meta_input(1, 4096, 256, dtype=torch.bfloat16),), optimizer="none")
     pr = predict_profile(p, _no_launch(H100))
     fwd = [o for o in pr.ops if "attention" in o.op and "backward" not in o.op]
@@ -221,7 +221,7 @@ def test_sdpa_backend_flag_times_flash_on_one_device_and_under_a_mesh():
     # non-causal bar 310 (Fig. 6) x the causal share of FA-2's A100 backward at 4k, 165 / 193 (FA-2
     # paper Fig. 6), on the papers' FLOPs as above
     expect = {"forward": 8_589_934_592 / 319e12, "backward": 21_474_836_480 / (310e12 * 165 / 193)}
-    model = str(ROOT / "tests/data/causal_attention.py") + ":CausalAttention"
+    model = str(ROOT / CAUSAL_ATTENTION) + ":CausalAttention"
     base = ["profile", model, "-k", "heads=2", "-k", "head_dim=128", "--input", "bf16[B,4096,256]", "--batch", "1",
             "--dtype", "bf16", "--optimizer", "none", "--gpu", "h100", "--format", "json", "--sdpa-backend", "flash"]
     for mesh in ((), ("--mesh", "fsdp=1")):

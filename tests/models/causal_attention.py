@@ -1,4 +1,4 @@
-"""One causal self-attention (a fused qkv projection, then SDPA): the model of tests/test_gpu_kernels.py's CLI tests."""
+"""One causal self-attention (a fused qkv projection, then SDPA): the model of tests/test_gpu_kernels.py."""
 
 import torch.nn as nn
 import torch.nn.functional as F
