@@ -10,7 +10,7 @@ The rows are the test: no constant of fxacct's device model (the GPU table, the 
 interconnects, the allocator) is fitted to them; each comes from a cited source (docs/). A row
 whose setting fxacct cannot run yet is listed as such, with the flag it needs.
 
-Source of every published figure: pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``
+Source of the published figures of the rows t*: pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``
 (Llama 3.1 8B/70B/405B, torch and torchtitan of 2024-12, Grand Teton: 8 H100 per host on NVLink,
 96 GB HBM2e, 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU between hosts). Memory there is
 torch.cuda's ``max_reserved`` in GiB with ``expandable_segments:True`` (torchtitan's run script
@@ -20,7 +20,9 @@ give them: sequence 8192, AdamW, FSDP2 with ``MixedPrecisionPolicy(bfloat16, flo
 logits cast to float32 before the cross-entropy, selective (per-op) activation checkpointing
 unless the caption says full. The Llama 3.1 shapes are Meta's (vocab 128,256; 8B: dim 4096, 32
 layers, 32 heads, 8 KV heads, FFN 14,336; 70B: dim 8192, 80 layers, 64 heads, 8 KV heads, FFN
-28,672; 405B: dim 16,384, 126 layers, 128 heads, 8 KV heads, FFN 53,248).
+28,672; 405B: dim 16,384, 126 layers, 128 heads, 8 KV heads, FFN 53,248). Other published runs
+are checked the same way; each such row names its source beside it (h200-fsdp32: torchtitan's
+``benchmarks/llama3_8b_h200_2025-06_torchtitan.md``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Row:
     # the 2024-12 nightly these rows ran ran flash (FlashAttention-2)
     sdpa: str = "flash"
     gpu: str = GPU
-    nodes_of: int = 8  # GPUs per node
+    gpus_per_node: int = 8  # GPUs per node
     # False where the run does something to memory fxacct does not model (said in `why`): its
     # tokens/s is compared, its memory printed but not judged
     compare_memory: bool = True
@@ -82,7 +84,7 @@ class Row:
                                              if self.ac == "selective" else [])
         return ["fxacct", "profile", LLAMA, *kwargs, "--mesh", self.mesh, "--batch", str(self.local_batch),
                 "--parallelize", "examples/llama.py:parallelize_torchtitan", *ac, "--loss", "cross-entropy",
-                "--gpu", self.gpu, "--gpus-per-node", str(self.nodes_of), "--alloc-conf", "expandable_segments:True",
+                "--gpu", self.gpu, "--gpus-per-node", str(self.gpus_per_node), "--alloc-conf", "expandable_segments:True",
                 "--sdpa-backend", self.sdpa,
                 *self.extra, "--format", "json"]
 
