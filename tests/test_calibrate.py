@@ -251,10 +251,11 @@ def test_two_rounds_under_ten_percent_apart_settle_a_figure_the_rest_do_not():
     from fxacct.tools import microbench
 
     budget = 6.0
-    # rounds alternating 1.00 s and 1.08 s (3 repetitions each, MAX_ROUNDS rounds): never two within
-    # 5% of the fastest... but 1.00 and 1.00 are: round 3 repeats round 1's 1.00 and stops it, stable
+    # rounds of 1.00, 1.08 and 1.00 s (3 repetitions each): rounds 1 and 2 are 8% apart, so a third
+    # runs; it agrees with the first (0%), which stops the rounds there, stable
     timer = ScriptedTimer([x for r in (1.0, 1.08, 1.0) for x in [r] * 3])
-    assert microbench.stable(timer, lambda: None, budget).stable
+    t = microbench.stable(timer, lambda: None, budget)
+    assert (t.stable, t.rounds, t.apart) == (True, 3, 0.0) and timer.calls == 9
     # a fastest round of 1.00 and every other 1.08 s: the two fastest 8% apart, not stable (every
     # round was run) but settled; 1.12 s, 12% apart: not settled, which refuses a calibration
     for other, settled in ((1.08, True), (1.12, False)):

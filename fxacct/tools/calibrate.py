@@ -68,8 +68,8 @@ slows a repetition down, so the fastest is the device's own rate; each measureme
 Nothing poisoned is stored (issue 22): a figure that fails its own check refuses the whole
 calibration (a usage error, exit 2: calibrate again on an idle machine), and the profile stored
 before, if any, stays. The checks are the method's own: a figure whose two fastest rounds stayed
-more than 10% apart (``Timing.settled``; rounds stop once two agree within 5%) is not established; a fixed cost per call fit through points that were not
-stable would be noise (a busy machine stored "0 s" latencies that way, and a small U-Net was then
+more than 10% apart (``Timing.settled``; rounds stop once two agree within 5%) is not established;
+a fixed cost per call fit through points that were not settled would be noise (a busy machine stored "0 s" latencies that way, and a small U-Net was then
 predicted at 130 ms against 608 ms measured); a square slower than a skinny product, a smaller
 footprint streaming slower than a larger one and a convolution with more channels running slower
 than one with fewer (its arithmetic intensity grows with the channels: each input pixel is

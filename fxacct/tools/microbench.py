@@ -98,13 +98,13 @@ def best_of(timer, fn, budget_s: float) -> float:
 def stable(timer, fn, budget_s: float) -> Timing:
     """Rounds of best_of until the two fastest agree within STABLE_REL, at most MAX_ROUNDS."""
     bests = [best_of(timer, fn, budget_s / 2)]
-    ok = False
-    while len(bests) < MAX_ROUNDS and not ok:
+    apart = float("inf")  # (second fastest − fastest) / fastest
+    while len(bests) < MAX_ROUNDS and apart > STABLE_REL:
         bests.append(best_of(timer, fn, budget_s / 2))
         first, second = sorted(bests)[:2]
-        ok = second <= first * (1 + STABLE_REL)
-    first, second = sorted(bests)[:2]
-    return Timing(first, (max(bests) - first) / first, len(bests), ok, (second - first) / first)
+        apart = (second - first) / first
+    first = min(bests)
+    return Timing(first, (max(bests) - first) / first, len(bests), apart <= STABLE_REL, apart)
 
 
 def _dtype(dtype_key: str) -> torch.dtype:
