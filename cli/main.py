@@ -16,6 +16,7 @@ import click
 import cloup
 
 from fxacct.errors import FxacctError, internal_error
+from fxacct.heap import rarer_full_collections
 
 
 def _fail(e: FxacctError, debug: bool):
@@ -135,7 +136,9 @@ def main() -> None:
     teardown. Unloading torch, transformers and their extension modules at exit costs 0.5-1 s of
     wall time on a 2-core machine (measured: `import torch, transformers` with and without
     os._exit), a fifth of a small model's whole answer; every command has finished its work (files
-    written atomically, worker pools shut down by their `with` blocks) before this point."""
+    written atomically, worker pools shut down by their `with` blocks) before this point. For the
+    same reason its full garbage collections are made rarer (fxacct.heap.rarer_full_collections)."""
+    rarer_full_collections()
     code = run()
     for stream in (sys.stdout, sys.stderr):
         try:

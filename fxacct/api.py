@@ -20,16 +20,18 @@ from fxacct.load.source import guessed_input_note, load_model
 from fxacct.load.torchtitan import is_torchtitan
 from fxacct.memory import account as memory_account
 from fxacct.memory.account import Fit
+from fxacct.memory.fit_lines import LineGuess
 from fxacct.memory.fit_search import largest_batch
+from fxacct.memory.peak import lifetimes
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
-from fxacct.step import OneDevice, Profile, account_step, fit_probe
+from fxacct.step import OneDevice, Profile, account_step, fit_of, step_lifetimes
 from fxacct.trace import fusion
-from fxacct.trace.capture import BACKWARD, FORWARD
+from fxacct.trace.capture import BACKWARD, FORWARD, Capture
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
 from fxacct.trace.compiled import CompileSide, CompileWhatIf
 
@@ -75,7 +77,7 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     config = config or Config()
     prof = account_step(config, OneDevice(model, tuple(args), kwargs or {}))
     if config.gpu is not None:
-        prof = replace(prof, memory=_with_fit(prof.memory, model, config, inputs_for))
+        prof = replace(prof, memory=_with_fit(prof.memory, model, config, inputs_for, prof.capture))
     if config.checkpoint:
         prof = replace(prof, checkpoint=_checkpoint_whatif(model, args, kwargs or {}, config, prof, inputs_for))
     prof = _predicted(prof)
@@ -141,7 +143,7 @@ def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, input
     eager = replace(eager, memory=replace(prof.memory, peak_train=eager.memory.peak_train,
                                           per_rank=eager.memory.per_rank, fit=None, reserved=eager.memory.reserved))
     if config.gpu is not None:
-        eager = replace(eager, memory=_with_fit(eager.memory, model, plain, inputs_for))
+        eager = replace(eager, memory=_with_fit(eager.memory, model, plain, inputs_for, eager.capture))
     return CheckpointWhatIf(config.checkpoint, tuple(matched_modules(model, config.checkpoint)),
                             config.checkpoint_policy, side(prof), side(eager))
 
@@ -174,18 +176,28 @@ def _compile_whatif(model, args, kwargs, config: Config, prof: Profile) -> Compi
     return CompileWhatIf(regions, config.compile_mode, side(prof, both), side(eager, step_ops(eager, False)))
 
 
-def _with_fit(memory, model, config: Config, inputs_for) -> memory_account.MemoryAccount:
+def _with_fit(memory, model, config: Config, inputs_for, cap: Capture) -> memory_account.MemoryAccount:
     """Headroom on the GPU, and the largest batch that fits: solved from traces and proven by a
-    traced batch that fits beside the next one that does not (fxacct.memory.fit_search)."""
+    traced batch that fits beside the next one that does not (fxacct.memory.fit_search). ``cap``:
+    the step's capture at config.batch; each batch tried is first where every storage's line
+    through two traces reaches the capacity (fxacct.memory.fit_lines)."""
     device = get_device(config.gpu)
     need = memory.fit_bytes  # reserved + fixed on a CUDA target (MemoryAccount.fit_bytes)
     max_batch, verified = None, False
     if config.find_max_batch and inputs_for is not None:
+        captures = {config.batch: cap}
+        guess = LineGuess(lambda b, traced, life: fit_of(replace(config, batch=b), captures[traced], life, model)[0],
+                          device.capacity_reported)
+        guess.add(config.batch, lifetimes(cap))
+
         def bytes_at(batch: int) -> int:
             a, kw = inputs_for(batch)
-            return fit_probe(replace(config, batch=batch), OneDevice(model, tuple(a), kw))[0]
+            at = replace(config, batch=batch)
+            captures[batch], life = step_lifetimes(at, OneDevice(model, tuple(a), kw))
+            guess.add(batch, life)
+            return fit_of(at, captures[batch], life, model)[0]
 
-        max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported)
+        max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported, guess=guess)
     return replace(memory, fit=Fit.on(device, need, max_batch, verified, memory.fit_basis))
 
 

@@ -189,15 +189,25 @@ def training_peak(config: Config, capturer: Capturer) -> Peak:
     return sharded_peak(life, capturer.model, config)[0] or walk(life)
 
 
-def fit_probe(config: Config, capturer: Capturer) -> tuple[int, int]:
-    """(what one rank needs of config.gpu for the step: reserved at its peak plus the fixed costs
-    outside the allocator, as MemoryAccount.fit_bytes; the op-level peak): the largest-batch
-    search's probe. Without a CUDA target both are the op-level peak."""
+def step_lifetimes(config: Config, capturer: Capturer) -> tuple[Capture, Lifetimes]:
+    """The training step's capture and its storages' lifetimes: what a fit is read from."""
     cap = capturer.capture(capture_options(config, capturer.model))
-    life = capturer.lifetimes(cap)
-    peak = (sharded_peak(life, capturer.model, config)[0] or walk(life)).bytes
-    reserved = reserved_step(config, cap, life, capturer.model)
+    return cap, capturer.lifetimes(cap)
+
+
+def fit_of(config: Config, cap: Capture, life: Lifetimes, model) -> tuple[int, int]:
+    """(what one rank needs of config.gpu for the step: reserved at its peak plus the fixed costs
+    outside the allocator, as MemoryAccount.fit_bytes; the op-level peak), from the step's
+    lifetimes (traced, or on their lines: fxacct.memory.fit_lines). Without a CUDA target both are
+    the op-level peak."""
+    peak = (sharded_peak(life, model, config)[0] or walk(life)).bytes
+    reserved = reserved_step(config, cap, life, model)
     return (reserved.fit_bytes if reserved is not None else peak), peak
+
+
+def fit_probe(config: Config, capturer: Capturer) -> tuple[int, int]:
+    """fit_of a fresh trace of the step: the largest-batch search's probe."""
+    return fit_of(config, *step_lifetimes(config, capturer), capturer.model)
 
 
 def fit_bytes(config: Config, capturer: Capturer) -> int:
@@ -230,5 +240,6 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
     return Profile(config, acct, memory, cap, notes, model_class=type(model).__name__)
 
 
-__all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "capture_options",
+__all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "fit_of",
+           "step_lifetimes", "capture_options",
            "tokens_per_example"]

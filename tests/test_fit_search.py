@@ -137,7 +137,19 @@ def _old_search(cfg: fxacct.Config):
 def test_real_models_get_the_bisections_largest_batch(name, overrides):
     cfg = config(name, batch=2, **{"gpu": "h100", **overrides})
     p = fxacct.profile(cfg)
-    assert (p.memory.fit.max_batch, p.memory.fit.max_batch_verified) == _old_search(cfg)
+    found, proven = p.memory.fit.max_batch, p.memory.fit.max_batch_verified
+    old, old_proven = _old_search(cfg)
+    if old_proven or old is None:
+        assert (found, proven) == (old, old_proven)
+        return
+    # ResNet-18 in bf16: the reserved bytes are a staircase of segment-sized steps, and the
+    # bisection's budget ran out on a batch that fits (2,265,451, unproven); the search on the
+    # storages' lines (fxacct.memory.fit_lines) lands on the step's edge, proven here by fresh traces
+    model, _, _, inputs_for = load_model(cfg)
+    capacity = get_device(cfg.gpu).capacity_reported
+    at = {b: fit_bytes(replace(cfg, batch=b), OneDevice(model, *_split(inputs_for(b)))) for b in (old, found, found + 1)}
+    assert proven and at[old] <= capacity and found > old
+    assert at[found] <= capacity < at[found + 1]
 
 
 @pytest.mark.slow  # a Hugging Face model traced ~15 times by the oracle

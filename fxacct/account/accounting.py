@@ -17,6 +17,7 @@ from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
 from fxacct.load.inputs import describe
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize, tensor_metas
+from fxacct.trace.graph_builder import target_name
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _sum_graph(graph: fx.Graph, forward_nodes: list[fx.Node], count_recompute: b
             continue
         sums.op_nodes += 1
         if cost.unsupported:
-            sums.unsupported[str(n.target)] = sums.unsupported.get(str(n.target), 0) + 1
+            sums.unsupported[target_name(n.target)] = sums.unsupported.get(target_name(n.target), 0) + 1
         if cost.phase == LOSS:
             sums.loss_flops += cost.flops.total
         elif cost.phase == OPTIMIZER:
@@ -147,7 +148,7 @@ def _node_row(n: fx.Node, backward: Flops) -> NodeRow:
     cost = _cost(n)
     t = _first_tensor(n.meta.get("val"))
     return NodeRow(
-        name=n.name, op="input" if n.op == "placeholder" else str(n.target), module=cost.module,
+        name=n.name, op="input" if n.op == "placeholder" else target_name(n.target), module=cost.module,
         shape=tuple(t.shape) if t is not None else (), dtype=dtype_name(t.dtype) if t is not None else None,
         kind=cost.kind, forward=cost.flops, backward=backward, activation_bytes=cost.saved_bytes,
         output_bytes=cost.output_bytes, unsupported=cost.unsupported,

@@ -125,14 +125,22 @@ def annotate(graph: fx.Graph, causal_attention: str = "full") -> fx.Graph:
     """Write NodeCost into every placeholder and op node; getitem plumbing gets none."""
     forward: dict[fx.Node, int] = {}  # forward node -> its position among them
     last_forward = None
+    # a replayed block's ops repeat their template's op for op (fxacct.trace.replay_train): costed
+    # once per template record (and storages saved), whatever the number of blocks
+    repeated: dict[tuple[int, tuple], NodeCost] = {}
     for node in graph.nodes:
         if node.op == "output" or node.target is operator.getitem:
             continue
         trace = trace_of(node)
-        try:
-            cost = node_cost(node, causal_attention)
-        except Exception as e:  # a formula bug must name the node it failed on
-            raise RuntimeError(f"costing {node.format_node()} failed: {e}") from e
+        key = (id(trace.origin), trace.saved) if trace.origin is not None else None
+        cost = repeated.get(key) if key is not None else None
+        if cost is None:
+            try:
+                cost = node_cost(node, causal_attention)
+            except Exception as e:  # a formula bug must name the node it failed on
+                raise RuntimeError(f"costing {node.format_node()} failed: {e}") from e
+            if key is not None:
+                repeated[key] = cost
         phase, owner = trace.phase, None
         if phase == FORWARD and (trace.role == OP or trace.role == INPUT):
             forward[node] = len(forward)

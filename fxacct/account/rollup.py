@@ -17,8 +17,12 @@ def inclusive(pairs: Iterable[tuple[str, tuple]]) -> dict[str, tuple]:
     """(module FQN, figures) pairs -> {module: figures summed over it and its submodules}, for every
     module with a figure and each of its ancestors. ``figures`` is a tuple of addable values
     (ints, floats, Flops), summed position by position."""
-    out: dict[str, tuple] = {}
+    own: dict[str, tuple] = {}  # each module's own figures first: a module has many rows, few ancestors
     for module, figures in pairs:
+        have = own.get(module)
+        own[module] = figures if have is None else tuple(a + b for a, b in zip(have, figures))
+    out: dict[str, tuple] = {}
+    for module, figures in own.items():
         for m in ancestors(module):
             have = out.get(m)
             out[m] = figures if have is None else tuple(a + b for a, b in zip(have, figures))

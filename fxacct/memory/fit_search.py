@@ -15,6 +15,9 @@ proves, then falls back:
    exactly (``Fraction``) for the largest batch under the capacity; the batch it names is traced
    and the line drawn again. On a piecewise-affine function the solve is exact once both points lie
    on the piece that crosses the capacity (an affine step needs the traces at B and 2B only).
+   A caller that kept the traces' storages passes a ``guess`` first: each storage on its own line
+   (fxacct.memory.fit_lines) sees the instant that peaks at batch 4000 from traces at 2 and 4, and
+   the allocator's steps too, where the totals' line cannot.
 2. proof: a traced B that fits beside a traced B + 1 that does not.
 3. fallback, when no proof came within ``SOLVE_TRACES``: the bracket-and-bisection search
    (``bracket_search``, the search fxacct ran before this one), replayed in full over the traces
@@ -52,10 +55,15 @@ class Probe:
 
 
 def largest_batch(bytes_at: Callable[[int], int], batch: int, batch_bytes: int, capacity: int,
-                  max_traces: int = MAX_FIT_TRACES) -> tuple[int | None, bool, Probe]:
+                  max_traces: int = MAX_FIT_TRACES,
+                  guess: Callable[[dict[int, int]], int | None] | None = None) -> tuple[int | None, bool, Probe]:
     """(the largest batch that fits, whether traces prove it, the probe with every trace made);
     ``batch_bytes`` = bytes_at(batch), already traced. (None, False) where the bytes do not grow
-    from ``batch`` to ``2 * batch``: no batch is searched."""
+    from ``batch`` to ``2 * batch``: no batch is searched. ``guess(traced)``, asked before each
+    solve (None: no guess), names the answer it expects (fxacct.memory.fit_lines: each storage on
+    its own line); the next trace is that batch, or the one beside it that would prove it, and the
+    line through the traced totals is drawn only where the guess is None or already traced. A
+    guess chooses traces and proves nothing."""
     probe = Probe(bytes_at, capacity, {batch: batch_bytes})
     second = 2 * batch
     while probe(second) <= batch_bytes:  # flat: a staircase's step, or bytes that do not grow at all
@@ -68,16 +76,23 @@ def largest_batch(bytes_at: Callable[[int], int], batch: int, batch_bytes: int, 
             break  # the bytes fell as the batch grew: only the bisection's own answer is safe
         if hi == lo + 1:
             return lo, True, probe  # lo fits (or lo is 0) and lo + 1 does not, both traced
-        guess = _solve(probe.traced, capacity) if solves < SOLVE_TRACES else None
-        if guess is None:
-            break
-        guess = max(guess, lo) if hi is None else min(max(guess, lo), hi - 1)
-        nxt = guess + 1 if guess == lo else guess  # lo is known to fit: the question is lo + 1
-        if nxt in probe.traced:
+        nxt = _next(guess(dict(probe.traced)), lo, hi) if guess is not None else None
+        if nxt is None or nxt in probe.traced:  # no guess, or one the traces already answered
+            nxt = _next(_solve(probe.traced, capacity), lo, hi) if solves < SOLVE_TRACES else None
+        if nxt is None or nxt in probe.traced:
             break
         probe(nxt)
     found, verified = bracket_search(probe, batch, batch_bytes, capacity, max_traces, second)
     return found, verified, probe
+
+
+def _next(solved: int | None, lo: int, hi: int | None) -> int | None:
+    """The batch to trace for a solved answer, kept inside the bracket (lo fits, hi does not): the
+    answer itself, or lo + 1 where it is lo (known to fit: the question is lo + 1)."""
+    if solved is None:
+        return None
+    solved = max(solved, lo) if hi is None else min(max(solved, lo), hi - 1)
+    return solved + 1 if solved == lo else solved
 
 
 def _bracket(probe: Probe) -> tuple[int, int | None]:

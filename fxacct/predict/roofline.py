@@ -73,6 +73,7 @@ from fxacct.devices import DEVICES, LAUNCH_SOURCE, Device, get_device
 from fxacct.load.config import Config
 from fxacct.predict import calibration, gpu_kernels
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, tensor_metas
+from fxacct.trace.graph_builder import target_name, trace_of
 
 PHASES = (FORWARD, LOSS, BACKWARD, OPTIMIZER)
 # what bounds an op; FREE: a view; INIT: creates optimizer state (not in a steady-state step)
@@ -290,8 +291,8 @@ def min_dim(node: fx.Node) -> int | None:
     """The smallest of m, k, n of a matmul (the last two dims of its first two ≥2-d tensor inputs;
     for attention q·kᵀ, the query length, key length and head dim); for a convolution the smaller of
     its weight's out and in channels (aten.convolution's args[1], convolution_backward's args[2])."""
-    if "convolution" in str(node.target):
-        i = 2 if "backward" in str(node.target) else 1
+    if "convolution" in target_name(node.target):
+        i = 2 if "backward" in target_name(node.target) else 1
         weight = node.args[i] if len(node.args) > i and isinstance(node.args[i], fx.Node) else None
         shapes = [t.shape for t in tensor_metas(weight.meta.get("val"))] if weight is not None else []
         return min(shapes[0][:2]) if shapes and len(shapes[0]) >= 2 else None
@@ -328,19 +329,19 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
     else:
         nbytes = op_bytes(node, cost.kind == "creation")
         smallest = min_dim(node) if cost.flops.matmul or cost.flops.attention else None
-        kernel = device.kernel_rates.get(str(node.target)) if smallest is None else None
+        kernel = device.kernel_rates.get(target_name(node.target)) if smallest is None else None
         if device.gpu is not None:  # a GPU of the table: kernels at their achievable rates
             timed = gpu_kernels.op_time(node, cost.flops, nbytes, _dtype(node), device.gpu)
             seconds, bound, what, fraction = timed.seconds, timed.bound, timed.kernel, timed.peak_fraction
         elif kernel:  # a calibrated kernel: its own measured rate, arithmetic included
             seconds, bound = nbytes / kernel, MEMORY
         else:
-            target = str(node.target)
+            target = target_name(node.target)
             seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device, "convolution" in target,
                                         bandwidth, smallest, "convolution_backward" in target)
-        seconds += device.op_latency.get(str(node.target), 0.0)
+        seconds += device.op_latency.get(target_name(node.target), 0.0)
     owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
-    return OpTime(node.name, str(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
+    return OpTime(node.name, target_name(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
                   nbytes * cost.repeat, (seconds + overhead) * cost.repeat, bound, overhead * cost.repeat,
                   cost.repeat, what, fraction)
 
@@ -351,8 +352,23 @@ def predict(graph: fx.Graph, device: DeviceModel, state_storages: frozenset = fr
     of the optimizer state (capture.optimizer_state keys); ``working_set_bytes``: the step's
     footprint, which picks the bandwidth (module docstring; None: the DRAM figure)."""
     bandwidth = device.bandwidth(working_set_bytes) if working_set_bytes else device.bandwidth_bytes_per_s
-    ops = [_op_time(node, node.meta["fxacct"], device, state_storages, bandwidth) for node in graph.nodes
-           if node.op == "call_function" and node.meta.get("fxacct") is not None]
+    repeated: dict[int, OpTime] = {}  # template record -> its first replica's time (annotate's memo)
+    ops = []
+    for node in graph.nodes:
+        cost = node.meta.get("fxacct")
+        if node.op != "call_function" or cost is None:
+            continue
+        origin = trace_of(node).origin
+        first = repeated.get(id(origin)) if origin is not None else None
+        if first is None:
+            op = _op_time(node, cost, device, state_storages, bandwidth)
+            if origin is not None:
+                repeated[id(origin)] = op
+        else:  # the same op on the same shapes: its seconds, under this node's name and owner
+            op = OpTime(node.name, first.op, first.phase, cost.module,
+                        cost.owner if cost.phase in (FORWARD, BACKWARD) else None, first.flops, first.bytes,
+                        first.seconds, first.bound, first.overhead_s, first.calls, first.kernel, first.peak_fraction)
+        ops.append(op)
     return assemble(device, graph, ops)
 
 

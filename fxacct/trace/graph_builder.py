@@ -8,8 +8,9 @@ multi-output ops) and ``trace`` (NodeTrace). The annotation pass (fxacct.account
 
 from __future__ import annotations
 
+import functools
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -43,6 +44,13 @@ class NodeTrace:
     repeat: int = 1  # optimizer op standing for this many parameters of one shape
     saved: tuple[tuple[int, torch.dtype], ...] = ()  # (bytes, dtype) autograd saved of its storages
     name: str | None = None  # parameter / buffer FQN
+    origin: object = field(default=None, compare=False)  # the template record a replayed op repeats
+
+
+@functools.cache
+def target_name(target) -> str:
+    """str(target), made once per op: an OpOverload formats its schema's name on every str()."""
+    return str(target)
 
 
 def trace_of(node: fx.Node) -> NodeTrace | None:
@@ -102,7 +110,7 @@ class GraphBuilder:
             elif r.phase == "optimizer":
                 repeat = repeat_of(index)
             node = self.add(index, r, NodeTrace(OP, r.phase, r.module, derived_from, r.args_requires_grad,
-                                                r.scope, repeat))
+                                                r.scope, repeat, origin=r.origin))
             if isinstance(r.link, TookSequenceNumbers):
                 for s in r.link.numbers():
                     seq_owner[s] = node

@@ -8,7 +8,7 @@ drops its last reference to it is noted (``Storages.deaths``), which is when an 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -184,6 +184,9 @@ class OpRecord:
     link: Link
     args_requires_grad: tuple[bool, ...]
     scope: str | None  # "attention" inside SDPA's math path, "recompute" for re-run forward ops
+    # a replayed block's record: the template record it repeats (same op, shapes, scope and links
+    # relative to its block: the same costs); None for a record of a traced op
+    origin: OpRecord | None = field(default=None, compare=False)
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None)})  # leaves that are never mapped

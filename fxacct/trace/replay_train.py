@@ -252,7 +252,7 @@ class TrainReplay(ForwardPatches):
                 module = fqn + module if not module.startswith("\0") else module[1:]
             rec.records.append(OpRecord(r.op, map_to_block(r.args, refs, bases), map_to_block(r.kwargs, refs, bases),
                                         self._map_val(r.outputs, stores, template), r.phase, module, link,
-                                        r.args_requires_grad, r.scope))
+                                        r.args_requires_grad, r.scope, r))
             self.storages.clock = len(rec.records) - 1
         return base
 
