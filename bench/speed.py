@@ -234,7 +234,7 @@ import sys
 import fxacct.api as api
 from fxacct.memory import fit_search
 
-def bisection(bytes_at, batch, batch_bytes, capacity, max_traces=fit_search.MAX_FIT_TRACES):
+def bisection(bytes_at, batch, batch_bytes, capacity, max_traces=fit_search.MAX_FIT_TRACES, guess=None):
     probe = fit_search.Probe(bytes_at, capacity, {batch: batch_bytes})
     return (*fit_search.bracket_search(probe, batch, batch_bytes, capacity, max_traces), probe)
 

@@ -39,17 +39,25 @@ import gc
 FULL_COLLECTIONS_RARER = 10  # while tracing (module docstring)
 
 
+_inside = False  # a frozen_heap of fxacct's own is open (a nested call asks nothing of gc)
+
+
 @contextlib.contextmanager
 def frozen_heap():
-    if gc.get_freeze_count():
+    global _inside
+    # gc.get_freeze_count walks the whole permanent generation (10 ms once torch is frozen):
+    # asked only on the way in from outside fxacct, where the caller's own freeze is the question
+    if _inside or gc.get_freeze_count():
         yield
         return
     thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(*thresholds[:2], thresholds[2] * FULL_COLLECTIONS_RARER)
+    _inside = True
     try:
         yield
     finally:
+        _inside = False
         gc.set_threshold(*thresholds)
         gc.unfreeze()
 

@@ -8,6 +8,7 @@ import gc
 import torch
 
 import fxacct
+import fxacct.heap
 
 
 class Seen(torch.nn.Module):
@@ -58,3 +59,24 @@ def test_a_callers_frozen_heap_stays_frozen():
         assert set(model.thresholds) == {gc.get_threshold()}  # nor changed its collector
     finally:
         gc.unfreeze()
+
+
+def test_a_nested_profile_leaves_the_heap_to_the_outer_one():
+    # fxacct.profile calls profile_module: the inner call neither freezes again nor thaws the outer freeze
+    model = Seen()
+    with fxacct.heap.frozen_heap():
+        frozen, thresholds = gc.get_freeze_count(), gc.get_threshold()
+        fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
+        assert set(model.frozen) == {frozen} and gc.get_freeze_count() == frozen
+        assert set(model.thresholds) == {thresholds} and gc.get_threshold() == thresholds
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_one_command_process_makes_full_collections_rarer_for_good():
+    old = gc.get_threshold()
+    gc.set_threshold(500, 7, 3)
+    try:
+        fxacct.heap.rarer_full_collections()
+        assert gc.get_threshold() == (500, 7, 30)
+    finally:
+        gc.set_threshold(*old)

@@ -204,3 +204,33 @@ def test_known_values_answer_checks_eager_would_answer():
             bool(unknown.sum() > 0)
         ones[1, 0] = unknown[0, 0]  # written from an unknown value: unknown from then on
         assert known(ones) is None
+
+
+def test_a_large_batch_traces_the_attention_eager_runs(tmp_path, monkeypatch):
+    """8,192 sequences of 16 tokens: Hugging Face's packed-sequence check reads [B, T] position ids
+    (131,072 values, above the 65,536 fxacct once kept), and eager, which knows them, passes SDPA no
+    mask. So must the trace: a check it cannot answer would send the model to its fallback, a
+    [B, 1, T, T] mask materialized (at bench/speed.py's tiny Qwen2 on an H100 it cut the largest
+    batch from 3,776 to 3,752)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, architectures=["Qwen2ForCausalLM"])
+    config.save_pretrained(tmp_path)
+    B, T = 8192, 16
+    masks = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (B, T)))
+    assert masks == [None]  # eager: causal attention without a mask
+    monkeypatch.undo()
+    p = fxacct.profile(fxacct.Config(target=f"hf:{tmp_path}", batch=B, seq_len=T))
+    four_d_bool = [n.name for n in p.capture.graph.nodes if n.op == "call_function"
+                   and getattr(n.meta.get("val"), "dtype", None) == torch.bool and len(n.meta["val"].shape) == 4]
+    assert four_d_bool == []

@@ -26,7 +26,12 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.aliasing import INPLACE, schema_kind
 
 VALUE = "_fxacct_known_value"
-MAX_NUMEL = 1 << 16
+# the largest value kept: a [B, T] table of position ids and their differences and cumulative sums
+# (Hugging Face's packed-sequence check, masking_utils.find_packed_sequence_indices) for up to 1M
+# tokens, 8 MiB in int64. Below it the trace takes eager's branch at any batch a GPU's largest-batch
+# search reaches on a small model (the tiny Qwen2 of bench/speed.py: 3,776 x 128 tokens); above it
+# such a check is unknown and the model's own fallback (a materialized mask) is traced instead
+MAX_NUMEL = 1 << 20
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _EMBEDDING = torch.ops.aten.embedding.default
 _NO_VALUE = object()
