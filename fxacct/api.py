@@ -29,7 +29,7 @@ from fxacct.parallel.profile import profile_parallel
 from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
-from fxacct.step import OneDevice, Profile, account_step, fit_of, step_lifetimes
+from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, step_fit
 from fxacct.trace import fusion
 from fxacct.trace.capture import BACKWARD, FORWARD, Capture
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
@@ -185,17 +185,17 @@ def _with_fit(memory, model, config: Config, inputs_for, cap: Capture) -> memory
     need = memory.fit_bytes  # reserved + fixed on a CUDA target (MemoryAccount.fit_bytes)
     max_batch, verified = None, False
     if config.find_max_batch and inputs_for is not None:
-        captures = {config.batch: cap}
-        guess = LineGuess(lambda b, traced, life: fit_of(replace(config, batch=b), captures[traced], life, model)[0],
+        traces = {config.batch: TracedFit.of(cap, lifetimes(cap))}  # no graph kept: a fit reads none
+        guess = LineGuess(lambda b, traced, life: fit_of(replace(config, batch=b), traces[traced], model, life)[0],
                           device.capacity_reported)
-        guess.add(config.batch, lifetimes(cap))
+        guess.add(config.batch, traces[config.batch].life)
 
         def bytes_at(batch: int) -> int:
             a, kw = inputs_for(batch)
             at = replace(config, batch=batch)
-            captures[batch], life = step_lifetimes(at, OneDevice(model, tuple(a), kw))
-            guess.add(batch, life)
-            return fit_of(at, captures[batch], life, model)[0]
+            traces[batch] = step_fit(at, OneDevice(model, tuple(a), kw))
+            guess.add(batch, traces[batch].life)
+            return fit_of(at, traces[batch], model)[0]
 
         max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported, guess=guess)
     return replace(memory, fit=Fit.on(device, need, max_batch, verified, memory.fit_basis))

@@ -175,11 +175,15 @@ def sharded_peak(life: Lifetimes, model, config: Config) -> tuple[Peak | None, t
 def reserved_step(config: Config, cap: Capture, life: Lifetimes, model) -> ReservedAccount | None:
     """The training step through the CUDA caching allocator, per rank, on config.gpu (None on a
     CPU target or without a backward): fxacct.memory.reserved."""
-    if config.gpu is None or not cap.has_backward:
+    return _reserved(config, cap.has_backward, fsdp_streams(cap.graph) if config.gpu else {}, life, model)
+
+
+def _reserved(config: Config, has_backward: bool, streams: dict, life: Lifetimes, model) -> ReservedAccount | None:
+    if config.gpu is None or not has_backward:
         return None
     shards, extra, _ = _sharding(model, config)
-    return reserved_account(life, device_key(config.gpu), get_device(config.gpu).capacity_reported, config.allocator_conf(), fsdp_streams(cap.graph),
-                            shards, extra, communicators(config.mesh))
+    return reserved_account(life, device_key(config.gpu), get_device(config.gpu).capacity_reported,
+                            config.allocator_conf(), streams, shards, extra, communicators(config.mesh))
 
 
 def training_peak(config: Config, capturer: Capturer) -> Peak:
@@ -189,25 +193,40 @@ def training_peak(config: Config, capturer: Capturer) -> Peak:
     return sharded_peak(life, capturer.model, config)[0] or walk(life)
 
 
-def step_lifetimes(config: Config, capturer: Capturer) -> tuple[Capture, Lifetimes]:
-    """The training step's capture and its storages' lifetimes: what a fit is read from."""
+@dataclass(frozen=True)
+class TracedFit:
+    """A traced step as the largest-batch search keeps it: its storages' lifetimes and, of its
+    graph, only what the reserved bytes read (a backward or not; FSDP2's side-stream storages)."""
+
+    life: Lifetimes
+    has_backward: bool
+    streams: dict
+
+    @classmethod
+    def of(cls, cap: Capture, life: Lifetimes) -> TracedFit:
+        return cls(life, cap.has_backward, fsdp_streams(cap.graph))
+
+
+def step_fit(config: Config, capturer: Capturer) -> TracedFit:
+    """A fresh trace of the training step, as a fit is read from it."""
     cap = capturer.capture(capture_options(config, capturer.model))
-    return cap, capturer.lifetimes(cap)
+    return TracedFit.of(cap, capturer.lifetimes(cap))
 
 
-def fit_of(config: Config, cap: Capture, life: Lifetimes, model) -> tuple[int, int]:
+def fit_of(config: Config, traced: TracedFit, model, life: Lifetimes | None = None) -> tuple[int, int]:
     """(what one rank needs of config.gpu for the step: reserved at its peak plus the fixed costs
-    outside the allocator, as MemoryAccount.fit_bytes; the op-level peak), from the step's
-    lifetimes (traced, or on their lines: fxacct.memory.fit_lines). Without a CUDA target both are
-    the op-level peak."""
+    outside the allocator, as MemoryAccount.fit_bytes; the op-level peak), from the traced step's
+    lifetimes or ``life``, the same program's at config.batch (its storages on their lines:
+    fxacct.memory.fit_lines). Without a CUDA target both are the op-level peak."""
+    life = traced.life if life is None else life
     peak = (sharded_peak(life, model, config)[0] or walk(life)).bytes
-    reserved = reserved_step(config, cap, life, model)
+    reserved = _reserved(config, traced.has_backward, traced.streams, life, model)
     return (reserved.fit_bytes if reserved is not None else peak), peak
 
 
 def fit_probe(config: Config, capturer: Capturer) -> tuple[int, int]:
     """fit_of a fresh trace of the step: the largest-batch search's probe."""
-    return fit_of(config, *step_lifetimes(config, capturer), capturer.model)
+    return fit_of(config, step_fit(config, capturer), capturer.model)
 
 
 def fit_bytes(config: Config, capturer: Capturer) -> int:
@@ -241,5 +260,5 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
 
 
 __all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "fit_of",
-           "step_lifetimes", "capture_options",
+           "step_fit", "TracedFit", "capture_options",
            "tokens_per_example"]

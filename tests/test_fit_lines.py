@@ -18,12 +18,12 @@ from fxacct.load.source import load_model
 from fxacct.memory.fit_lines import LineGuess, lines
 from fxacct.memory.fit_search import largest_batch
 from fxacct.memory.peak import Lifetimes
-from fxacct.step import OneDevice, step_lifetimes
+from fxacct.step import OneDevice, step_fit
 
 
 def _traced(cfg, inputs_for, model, batch):
     a, kw = inputs_for(batch)
-    return step_lifetimes(replace(cfg, batch=batch), OneDevice(model, tuple(a), kw))[1]
+    return step_fit(replace(cfg, batch=batch), OneDevice(model, tuple(a), kw)).life
 
 
 @pytest.mark.parametrize("name", ["MLP", "GPT"])
@@ -80,13 +80,13 @@ def test_a_real_model_is_proven_in_two_traces_after_the_line(monkeypatch):
     the lines through 2 and 16 name the answer: two traces prove it (the totals' line alone asked
     24 traces: tests/test_fit_search.py's oracle)."""
     asked = []
-    real = fxacct.api.step_lifetimes
+    real = fxacct.api.step_fit
 
     def counted(cfg, capturer):
         asked.append(cfg.batch)
         return real(cfg, capturer)
 
-    monkeypatch.setattr(fxacct.api, "step_lifetimes", counted)
+    monkeypatch.setattr(fxacct.api, "step_fit", counted)
     p = fxacct.profile(config("GPT", batch=2, gpu="a100-40gb"))
     found = p.memory.fit.max_batch
     assert p.memory.fit.max_batch_verified
