@@ -65,8 +65,9 @@ class LineGuess:
     through the largest traced batch and the smallest one of the same program (a model may build
     its masks differently at large batches), each pair solved once, without a trace.
 
-    ``bytes_on(batch, traced, lifetimes)``: what a trace at ``batch`` would give, with the step's
-    ``lifetimes`` at that batch and the capture traced at batch ``traced`` standing for its graph."""
+    ``bytes_on(batch, traced, lifetimes)``: what a trace at ``batch`` would give, from the step's
+    ``lifetimes`` at that batch, the trace at batch ``traced`` standing for the rest (the graph's
+    FSDP2 streams: one program, the same storages)."""
 
     def __init__(self, bytes_on: Callable[[int, int, Lifetimes], int], capacity: int):
         self.bytes_on, self.capacity = bytes_on, capacity
