@@ -314,6 +314,11 @@ def op_seconds(flops, nbytes: int, dtype: torch.dtype | None, device: DeviceMode
     return (max(compute, memory) if device.overlap else compute + memory), bound
 
 
+def _owner(cost) -> str | None:
+    """The forward node an op's time is attributed to, as the annotation decided (None: loss, optimizer)."""
+    return cost.owner if cost.phase in (FORWARD, BACKWARD) else None
+
+
 def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset, bandwidth: float) -> OpTime:
     """One op's roofline time, attributed to the owner the annotation decided."""
     outputs = tensor_metas(node.meta.get("val"))
@@ -340,8 +345,7 @@ def _op_time(node: fx.Node, cost, device: DeviceModel, state_storages: frozenset
             seconds, bound = op_seconds(cost.flops, nbytes, _dtype(node), device, "convolution" in target,
                                         bandwidth, smallest, "convolution_backward" in target)
         seconds += device.op_latency.get(target_name(node.target), 0.0)
-    owner = cost.owner if cost.phase in (FORWARD, BACKWARD) else None
-    return OpTime(node.name, target_name(node.target), cost.phase, cost.module, owner, cost.flops.total * cost.repeat,
+    return OpTime(node.name, target_name(node.target), cost.phase, cost.module, _owner(cost), cost.flops.total * cost.repeat,
                   nbytes * cost.repeat, (seconds + overhead) * cost.repeat, bound, overhead * cost.repeat,
                   cost.repeat, what, fraction)
 
@@ -365,8 +369,7 @@ def predict(graph: fx.Graph, device: DeviceModel, state_storages: frozenset = fr
             if origin is not None:
                 repeated[id(origin)] = op
         else:  # the same op on the same shapes: its seconds, under this node's name and owner
-            op = OpTime(node.name, first.op, first.phase, cost.module,
-                        cost.owner if cost.phase in (FORWARD, BACKWARD) else None, first.flops, first.bytes,
+            op = OpTime(node.name, first.op, first.phase, cost.module, _owner(cost), first.flops, first.bytes,
                         first.seconds, first.bound, first.overhead_s, first.calls, first.kernel, first.peak_fraction)
         ops.append(op)
     return assemble(device, graph, ops)
