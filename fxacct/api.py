@@ -12,7 +12,7 @@ import torch
 
 from fxacct.devices import get_device
 from fxacct.errors import ModelError
-from fxacct.heap import with_frozen_heap
+from fxacct.heap import collect_dropped, with_frozen_heap
 from fxacct.load.config import Config
 from fxacct.load.hf import seq_len_note
 from fxacct.load.mesh import check_pipeline_flags
@@ -194,6 +194,7 @@ def _with_fit(memory, model, config: Config, inputs_for, cap: Capture) -> memory
             a, kw = inputs_for(batch)
             at = replace(config, batch=batch)
             traces[batch] = step_fit(at, OneDevice(model, tuple(a), kw))
+            collect_dropped()  # the probe's graph: a fit keeps its lifetimes alone (fxacct.heap)
             guess.add(batch, traces[batch].life)
             return fit_of(at, traces[batch], model)[0]
 

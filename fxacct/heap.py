@@ -7,23 +7,30 @@ collection walks every tracked object of the process: torch, sympy and transform
 classes and functions included (about 500k objects after ``import fxacct``). None of them is
 garbage made by the trace. ``gc.freeze()`` moves them to the permanent generation, which no
 collection scans (CPython docs, gc.freeze: "move all objects tracked by the garbage collector
-into a permanent generation, i.e. ignore them in all the future collections"); what the trace
-makes is collected as before, and ``gc.unfreeze()`` gives the old objects back on the way out.
+into a permanent generation, i.e. ignore them in all the future collections"), and
+``gc.unfreeze()`` gives the old objects back on the way out.
 
-What the trace makes stays collectable, but its full collections are made ten times rarer
-(the third ``gc.set_threshold`` value, 10 by default: full collections per 10 collections of the
-middle generation). The trace's objects live until the account is built (records, FX nodes, fake
-tensors), so each full collection walks a heap that only grows and finds almost nothing: on the
-70B ``--mesh fsdp=8,tp=8`` profile 11 of them took 1.3 s and freed 159 objects; with the
-threshold ten times higher, 3 took 0.3 s, at the same peak RSS. Measured on the 70B profiles
-(bench/speed.py): see docs/speed.md.
+While it traces, the collector runs only where fxacct asks. A trace allocates hundreds of
+thousands of objects that stay alive until the account is built (records, FX nodes, fake
+tensors), so every automatic collection walks a young heap that only grows and frees almost
+nothing: on the 70B ``--mesh fsdp=8,tp=8`` profile 2 full and 1,696 young collections took
+0.32 s and freed 35k objects (gc.callbacks; at the default thresholds but the full one ten
+times rarer; on one device 1 and 1,124 took 0.14 s). Reference counts free what a trace drops
+as it drops it; what is left is cyclic garbage, and one kind of it is large: a dropped
+capture's FX graph (each node links its neighbours and its users both ways). fxacct drops whole
+captures only between the traces of a search (the largest batch that fits, each layout of
+``fxacct plan``), and frees each there (``collect_dropped``), scanning only what was made since
+the last such call. Within one profile the rest of its cyclic garbage (the inference capture's
+graph, once its peak is read) waits for the end of the call, when the collector is switched
+back on (it is the process's: another thread's cyclic garbage waits as long). Measured on the
+70B profiles (bench/speed.py): see docs/speed.md.
 
 A process that runs one command and exits (the CLI, ``fxacct_cli.main.main``) makes full
 collections rarer for its whole life (``rarer_full_collections``): importing torch and
 transformers builds about 450k long-lived objects, and the default thresholds walk them all in
 four full collections that free nothing of note (0.25 s of a 3.4 s small Hugging Face profile,
 measured with gc.callbacks on a 2-core machine; 0.47 s of the 70B --mesh fsdp=8,tp=8 profile), at
-the same peak RSS. Inside it a trace's ``frozen_heap`` makes them rarer again.
+the same peak RSS. Inside it a trace's ``frozen_heap`` switches the collector off as above.
 
 A process that froze its own heap (a forking server does, before ``fork``) keeps it as it is:
 fxacct freezes only when nothing is frozen, so it never unfreezes what the caller froze, and a
@@ -36,7 +43,7 @@ import contextlib
 import functools
 import gc
 
-FULL_COLLECTIONS_RARER = 10  # while tracing (module docstring)
+FULL_COLLECTIONS_RARER = 10  # for a one-command process (module docstring)
 
 
 _inside = False  # a frozen_heap of fxacct's own is open (a nested call asks nothing of gc)
@@ -50,16 +57,26 @@ def frozen_heap():
     if _inside or gc.get_freeze_count():
         yield
         return
-    thresholds = gc.get_threshold()
+    enabled = gc.isenabled()  # a caller who switched the collector off keeps it off
     gc.freeze()
-    gc.set_threshold(*thresholds[:2], thresholds[2] * FULL_COLLECTIONS_RARER)
+    gc.disable()
     _inside = True
     try:
         yield
     finally:
         _inside = False
-        gc.set_threshold(*thresholds)
+        if enabled:
+            gc.enable()
         gc.unfreeze()
+
+
+def collect_dropped() -> None:
+    """Inside fxacct's own frozen heap, after a search dropped a trace: its cyclic garbage freed
+    now (module docstring). A young collection: what the heap held before the last call survived
+    it and is not walked again. Outside one (a caller's own freeze) the collector runs as the
+    caller set it, and this does nothing."""
+    if _inside:
+        gc.collect(0)
 
 
 def rarer_full_collections() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import torch
+import torch.fx as fx
 
 import fxacct
 import fxacct.heap
@@ -19,10 +20,14 @@ class Seen(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
         self.frozen: list[int] = []
         self.thresholds: list[tuple] = []
+        self.collecting: list[bool] = []
+        self.graphs: list[int] = []  # FX graphs alive (the collector's young objects) at each forward
 
     def forward(self, x):
         self.frozen.append(gc.get_freeze_count())
         self.thresholds.append(gc.get_threshold())
+        self.collecting.append(gc.isenabled())
+        self.graphs.append(sum(type(o) is fx.Graph for o in gc.get_objects()))
         return self.lin(x)
 
 
@@ -35,16 +40,38 @@ def test_profile_freezes_the_heap_while_it_traces_and_gives_it_back():
     assert gc.get_freeze_count() == 0
 
 
-def test_full_collections_are_rarer_while_tracing_and_the_thresholds_come_back():
+def test_the_collector_is_off_while_tracing_and_comes_back_as_it_was():
     model = Seen()
     old = gc.get_threshold()
-    gc.set_threshold(500, 7, 3)  # a caller's own, not the defaults: kept but for the third, x10
+    gc.set_threshold(500, 7, 3)  # a caller's own, not the defaults: left as they are
     try:
         fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
-        assert set(model.thresholds) == {(500, 7, 30)}
-        assert gc.get_threshold() == (500, 7, 3)
+        assert model.collecting == [False, False]  # the training forward and the inference one
+        assert set(model.thresholds) == {(500, 7, 3)}
+        assert gc.isenabled() and gc.get_threshold() == (500, 7, 3)
     finally:
         gc.set_threshold(*old)
+
+
+def test_a_caller_who_switched_the_collector_off_keeps_it_off():
+    gc.disable()
+    try:
+        fxacct.profile_module(Seen(), (torch.empty(2, 4, device="meta"),))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_largest_batch_search_frees_each_probes_graph():
+    # with the collector off, each probe's dropped FX graph (cyclic garbage) would still be alive
+    # at the next probe's forward: 1, 2, 3, ... graphs; collect_dropped frees it after each probe
+    model = Seen()
+    fxacct.profile_module(model, (torch.empty(2, 4),), config=fxacct.Config(batch=2, gpu="h100"),
+                          inputs_for=lambda b: ((torch.empty(b, 4),), {}))
+    probes = model.graphs[2:]  # after the profile's own training and inference captures
+    assert len(probes) >= 3, model.graphs
+    assert max(probes) <= min(probes) + 1, model.graphs  # the probe before it at most, never piling up
+    assert not any(model.collecting)
 
 
 def test_a_callers_frozen_heap_stays_frozen():

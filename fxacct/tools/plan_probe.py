@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from fxacct.devices import get_device
 from fxacct.errors import FxacctError, UsageError
+from fxacct.heap import collect_dropped
 from fxacct.load.torchtitan import is_torchtitan
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
@@ -119,7 +120,10 @@ class Planner:
         got = self.disk.get(cfg, part) if self.disk is not None else None
         if got is None:
             self.ran += 1  # before it runs: a trace that raises (a usage error of the layout) was run too
-            got = run()
+            try:
+                got = run()
+            finally:
+                collect_dropped()  # the layout's graphs, kept of it only its numbers (fxacct.heap)
             if self.disk is not None:
                 self.disk.put(cfg, part, got)
         self.cache[key] = got
