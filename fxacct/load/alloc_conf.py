@@ -135,6 +135,16 @@ _BOOL_KEYS = {"release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned
 _SIZE_KEYS = {"pinned_num_register_threads", "pinned_reserve_segment_size_mb"}
 
 
+# KEY_mb -> (AllocConf field, smallest value torch takes, its rule as torch words it): the parsers
+# in c10/core/AllocatorConfig.cpp, parseMaxSplitSize and parseMaxNonSplitRoundingSize (at least
+# kLargeBuffer / 1 MiB = 20), parseLargeSegmentSize (more than kMinLargeAlloc / 1 MiB = 10)
+_MB_KEYS = {
+    "max_split_size_mb": ("max_split_size", KB_LARGE_BUFFER // MiB, ">= 20"),
+    "max_non_split_rounding_mb": ("max_non_split_rounding_size", KB_LARGE_BUFFER // MiB, ">= 20"),
+    "large_segment_size_mb": ("large_segment_size", K_MIN_LARGE_ALLOC // MiB + 1, "> 10"),
+}
+
+
 def parse(text: str, origin: str = "--alloc-conf") -> AllocConf:
     """AllocConf of a PYTORCH_CUDA_ALLOC_CONF string; a bad key or value is a one-line UsageError."""
     toks = _tokens(text)
@@ -145,50 +155,7 @@ def parse(text: str, origin: str = "--alloc-conf") -> AllocConf:
             key = toks[i]
             if i + 2 >= len(toks) or toks[i + 1] != ":":
                 raise UsageError(f"{origin}: {key!r} has no value: write KEY:VALUE pairs separated by commas ({HELP})")
-            v = toks[i + 2]
-            i += 2
-            if key == "expandable_segments":
-                values["expandable_segments"] = _bool(key, v)
-            elif key == "max_split_size_mb":  # parseMaxSplitSize: at least kLargeBuffer / 1 MiB = 20
-                mb = _int(key, v)
-                if mb < KB_LARGE_BUFFER // MiB:
-                    raise UsageError(f"{origin}: max_split_size_mb:{mb} is too small: torch needs >= 20")
-                values["max_split_size"] = mb * MiB
-            elif key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize: >= 20
-                mb = _int(key, v)
-                if mb < KB_LARGE_BUFFER // MiB:
-                    raise UsageError(f"{origin}: max_non_split_rounding_mb:{mb} is too small: torch needs >= 20")
-                values["max_non_split_rounding_size"] = mb * MiB
-            elif key == "large_segment_size_mb":  # parseLargeSegmentSize: > kMinLargeAlloc / 1 MiB = 10
-                mb = _int(key, v)
-                if mb <= K_MIN_LARGE_ALLOC // MiB:
-                    raise UsageError(f"{origin}: large_segment_size_mb:{mb} is too small: torch needs > 10")
-                values["large_segment_size"] = mb * MiB
-            elif key == "garbage_collection_threshold":
-                t = _float(key, v)
-                if not 0.0 < t < 1.0:
-                    raise UsageError(f"{origin}: garbage_collection_threshold:{v}: give a number in (0.0, 1.0)")
-                values["garbage_collection_threshold"] = t
-            elif key == "per_process_memory_fraction":
-                f = _float(key, v)
-                if not 0.0 <= f <= 1.0:
-                    raise UsageError(f"{origin}: per_process_memory_fraction:{v}: give a number in [0.0, 1.0]")
-                values["per_process_memory_fraction"] = f
-            elif key == "roundup_power2_divisions":
-                values["roundup_power2_divisions"], i = _divisions(key, toks, i)
-            elif key == "backend":
-                if v not in ("native", "cudaMallocAsync"):
-                    raise UsageError(f"{origin}: backend:{v}: torch knows native and cudaMallocAsync")
-                values["backend"] = v
-            elif key in _BOOL_KEYS:
-                _bool(key, v)
-            elif key in _SIZE_KEYS:
-                _int(key, v)
-            else:
-                raise UsageError(f"{origin}: unknown key {key!r} (torch's: expandable_segments, max_split_size_mb, "
-                                 "roundup_power2_divisions, garbage_collection_threshold, max_non_split_rounding_mb, "
-                                 "large_segment_size_mb, per_process_memory_fraction, backend, ...)")
-            i += 1
+            i = _read_value(key, toks, i + 2, values, origin) + 1
             if i < len(toks):
                 if toks[i] != ",":
                     raise UsageError(f"{origin}: expected ',' after {key}, got {toks[i]!r} ({HELP})")
@@ -196,6 +163,44 @@ def parse(text: str, origin: str = "--alloc-conf") -> AllocConf:
     except UsageError as e:
         raise UsageError(str(e) if str(e).startswith(origin) else f"{origin}: {e}") from None
     return AllocConf(**values)
+
+
+def _read_value(key: str, toks: list, i: int, values: dict, origin: str) -> int:
+    """KEY's value, toks[i] on, into ``values``; returns the index of the value's last token."""
+    v = toks[i]
+    if key in _MB_KEYS:
+        field, least, rule = _MB_KEYS[key]
+        mb = _int(key, v)
+        if mb < least:
+            raise UsageError(f"{origin}: {key}:{mb} is too small: torch needs {rule}")
+        values[field] = mb * MiB
+    elif key == "expandable_segments":
+        values["expandable_segments"] = _bool(key, v)
+    elif key == "garbage_collection_threshold":
+        t = _float(key, v)
+        if not 0.0 < t < 1.0:
+            raise UsageError(f"{origin}: garbage_collection_threshold:{v}: give a number in (0.0, 1.0)")
+        values["garbage_collection_threshold"] = t
+    elif key == "per_process_memory_fraction":
+        f = _float(key, v)
+        if not 0.0 <= f <= 1.0:
+            raise UsageError(f"{origin}: per_process_memory_fraction:{v}: give a number in [0.0, 1.0]")
+        values["per_process_memory_fraction"] = f
+    elif key == "roundup_power2_divisions":
+        values["roundup_power2_divisions"], i = _divisions(key, toks, i)
+    elif key == "backend":
+        if v not in ("native", "cudaMallocAsync"):
+            raise UsageError(f"{origin}: backend:{v}: torch knows native and cudaMallocAsync")
+        values["backend"] = v
+    elif key in _BOOL_KEYS:
+        _bool(key, v)
+    elif key in _SIZE_KEYS:
+        _int(key, v)
+    else:
+        raise UsageError(f"{origin}: unknown key {key!r} (torch's: expandable_segments, max_split_size_mb, "
+                         "roundup_power2_divisions, garbage_collection_threshold, max_non_split_rounding_mb, "
+                         "large_segment_size_mb, per_process_memory_fraction, backend, ...)")
+    return i
 
 
 def from_environment(explicit: str | None) -> AllocConf:

@@ -92,8 +92,25 @@ def critical_path(graph: fx.Graph, seconds: dict[str, float]) -> Schedule:
     """``seconds``: node name -> duration (compute ops and collectives alike)."""
     import networkx as nx  # a tenth of a second to import: only a --mesh with --gpu needs it
 
-    g = nx.DiGraph()
-    placed: dict[str, str] = {}
+    g, placed = nx.DiGraph(), {}
+    _add_step(g, placed, graph, seconds)
+    start: dict[str, float] = {}  # the earliest each op can begin: the longest path to it
+    for name in nx.topological_sort(g):
+        start[name] = max((start[u] + w for u, _, w in g.in_edges(name, data="w")), default=0.0)
+    step = max((start[v] + seconds.get(v, 0.0) for v in start), default=0.0)
+    busy: dict[str, float] = {}
+    compute = 0.0
+    for n in graph.nodes:
+        if n.name in placed:
+            busy[placed[n.name]] = busy.get(placed[n.name], 0.0) + seconds.get(n.name, 0.0)
+            if placed[n.name] == COMPUTE and not is_collective(n):
+                compute += seconds.get(n.name, 0.0)
+    return Schedule(step, busy, compute, start, placed)
+
+
+def _add_step(g, placed: dict[str, str], graph: fx.Graph, seconds: dict[str, float]) -> None:
+    """Into the DiGraph ``g``, every op of the step and the edges of the module docstring, each
+    weighted by its source op's duration; into ``placed``, each op's stream."""
     last: dict[str, str] = {}
     buffer_writer: dict[fx.Node, str] = {}
     copy_outs: list[str] = []
@@ -140,15 +157,3 @@ def critical_path(graph: fx.Graph, seconds: dict[str, float]) -> Schedule:
         if is_collective(n) and n.target.namespace == "c10d" and isinstance(n.args[_OPS[n.target][1]], fx.Node):
             buffer_writer[n.args[_OPS[n.target][1]]] = n.name
         last[s] = n.name
-    start: dict[str, float] = {}  # the earliest each op can begin: the longest path to it
-    for name in nx.topological_sort(g):
-        start[name] = max((start[u] + w for u, _, w in g.in_edges(name, data="w")), default=0.0)
-    step = max((start[v] + seconds.get(v, 0.0) for v in start), default=0.0)
-    busy: dict[str, float] = {}
-    compute = 0.0
-    for n in graph.nodes:
-        if n.name in placed:
-            busy[placed[n.name]] = busy.get(placed[n.name], 0.0) + seconds.get(n.name, 0.0)
-            if placed[n.name] == COMPUTE and not is_collective(n):
-                compute += seconds.get(n.name, 0.0)
-    return Schedule(step, busy, compute, start, placed)

@@ -34,16 +34,9 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
     for t, g in zip(targets, grads):
         if g is not None and id(t) in is_param:
             t.grad = g
-    if optimizer.per_parameter and len(params) > STEP_ALL_BELOW:
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
-        batches = [([ps[0]], len(ps)) for ps in groups.values()]
-    else:
-        batches = [(params, 1)]
     states: list[tuple[torch.Tensor, int]] = []
     masters: list[tuple[torch.Tensor, int]] = []
-    for batch, count in batches:
+    for batch, count in _batches(optimizer, params):
         start = len(recorder.records)
         stepped = batch = on_shards(batch) if optimizer.args.get("foreach") else batch
         if master_weights:
@@ -76,6 +69,18 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
                    if isinstance(v, torch.Tensor)]
         recorder.repeats.append((start, len(recorder.records), count))
     return states, masters
+
+
+def _batches(optimizer, params: list) -> list[tuple[list, int]]:
+    """(parameters stepped together, how many parameters each stands for): one representative per
+    (shape, dtype, has-grad) where the optimizer steps each parameter on its own and there are
+    many (step_once's docstring), else all of them at once."""
+    if not (optimizer.per_parameter and len(params) > STEP_ALL_BELOW):
+        return [(params, 1)]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
+    return [([ps[0]], len(ps)) for ps in groups.values()]
 
 
 def on_shards(params: list) -> list:

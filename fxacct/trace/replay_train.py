@@ -39,6 +39,7 @@ import torch
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
+from fxacct.trace.grad_layout import as_layout, layout_of
 from fxacct.trace.known_values import VALUE, known
 from fxacct.trace.records import TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers
 from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
@@ -189,7 +190,7 @@ class TrainReplay(ForwardPatches):
         normalized = to_template_space(records, fqn, {}, ext_store)
         born = {sid for sid in range(first_sid, self.storages.next_id)}
         saved_inputs = [j for j, x in enumerate(inputs) if self.storages.id_of(x) in saved_now]
-        layouts = [_layout(g) for g in grads]  # a DTensor gradient's own placements (Partial, ...)
+        layouts = [layout_of(g) for g in grads]  # a DTensor gradient's own placements (Partial, ...)
         grads = [tp.local(g) for g in grads]
         grad_refs = [None if getattr(g, TAG, None) is None else norm_refs(getattr(g, TAG), {}) for g in grads]
         return Template(
@@ -385,22 +386,3 @@ def _gathered_in_hooks(block) -> bool:
 
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(block, fsdp.FSDPModule)
-
-
-def _layout(grad):
-    if grad is None or tp.local(grad) is grad:
-        return None
-    return grad.device_mesh, grad.placements, tuple(grad.shape), tuple(grad.stride())
-
-
-def as_layout(grad, layout):
-    """``grad`` (a local tensor) as a DTensor of the probe's gradient ``layout`` (None: as it is),
-    its local shard tagged as ``grad`` is."""
-    if grad is None or layout is None:
-        return grad
-    from torch.distributed.tensor import DTensor
-
-    mesh, placements, shape, stride = layout
-    out = DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
-    setattr(tp.local(out), TAG, getattr(grad, TAG))
-    return out
