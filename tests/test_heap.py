@@ -107,3 +107,25 @@ def test_a_one_command_process_makes_full_collections_rarer_for_good():
         assert gc.get_threshold() == (500, 7, 30)
     finally:
         gc.set_threshold(*old)
+
+
+def test_a_plan_frees_each_layouts_graphs(monkeypatch):
+    # each layout's trace is dropped once its numbers are kept: FX graphs alive after each must not pile up
+    from helpers import target
+
+    import fxacct.tools.plan_probe as plan_probe
+    from fxacct.tools.plan import plan
+
+    alive = []
+
+    def counted():
+        collect()
+        alive.append(sum(type(o) is fx.Graph for o in gc.get_objects()))
+
+    collect = plan_probe.collect_dropped
+    monkeypatch.setattr(plan_probe, "collect_dropped", counted)
+    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), gpu="h100", mesh="fsdp=2",
+                        parallelize=target("examples/llama.py:parallelize"), find_max_batch=False)
+    plan(cfg, 2, 4, confirm_top=0)
+    assert len(alive) >= 3, alive
+    assert max(alive) == 0, alive  # without the collection: one more graph per layout traced

@@ -120,10 +120,7 @@ class Planner:
         got = self.disk.get(cfg, part) if self.disk is not None else None
         if got is None:
             self.ran += 1  # before it runs: a trace that raises (a usage error of the layout) was run too
-            try:
-                got = run()
-            finally:
-                collect_dropped()  # the layout's graphs, kept of it only its numbers (fxacct.heap)
+            got = run()
             if self.disk is not None:
                 self.disk.put(cfg, part, got)
         self.cache[key] = got
@@ -147,6 +144,9 @@ class Planner:
         """The layout's account: screened, or ``full``: one trace of the whole model."""
         ran, start = self.ran, time.perf_counter()
         c = self._probe(lay, full)
+        # its traces' graphs, kept of them only their numbers, and a rejected layout's exception,
+        # whose traceback holds its trace: freed once the exception is handled (fxacct.heap)
+        collect_dropped()
         p = Probe(c, "traced" if self.ran > ran else "reused", time.perf_counter() - start)
         self.probes.append(p)
         if self.on_probe is not None:
