@@ -19,8 +19,9 @@ times rarer; on one device 1 and 1,124 took 0.14 s). Reference counts free what 
 as it drops it; what is left is cyclic garbage, and one kind of it is large: a dropped
 capture's FX graph (each node links its neighbours and its users both ways). fxacct drops whole
 captures only between the traces of a search (the largest batch that fits, each layout of
-``fxacct plan``), and frees each there (``collect_dropped``), scanning only what was made since
-the last such call. Within one profile the rest of its cyclic garbage (the inference capture's
+``fxacct plan``), and frees each there (``collect_dropped``; for a layout whose trace failed,
+once its exception is handled: the traceback holds the trace), scanning only what was made
+since the last such call. Within one profile the rest of its cyclic garbage (the inference capture's
 graph, once its peak is read) waits for the end of the call, when the collector is switched
 back on (it is the process's: another thread's cyclic garbage waits as long). Measured on the
 70B profiles (bench/speed.py): see docs/speed.md.

@@ -121,6 +121,7 @@ class Planner:
         if got is None:
             self.ran += 1  # before it runs: a trace that raises (a usage error of the layout) was run too
             got = run()
+            collect_dropped()  # the trace's graph, kept of it only its numbers (fxacct.heap)
             if self.disk is not None:
                 self.disk.put(cfg, part, got)
         self.cache[key] = got
@@ -144,8 +145,7 @@ class Planner:
         """The layout's account: screened, or ``full``: one trace of the whole model."""
         ran, start = self.ran, time.perf_counter()
         c = self._probe(lay, full)
-        # its traces' graphs, kept of them only their numbers, and a rejected layout's exception,
-        # whose traceback holds its trace: freed once the exception is handled (fxacct.heap)
+        # a rejected layout's exception holds its trace through its traceback: freed once handled
         collect_dropped()
         p = Probe(c, "traced" if self.ran > ran else "reused", time.perf_counter() - start)
         self.probes.append(p)
