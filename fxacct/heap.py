@@ -14,17 +14,17 @@ While it traces, the collector runs only where fxacct asks. A trace allocates hu
 thousands of objects that stay alive until the account is built (records, FX nodes, fake
 tensors), so every automatic collection walks a young heap that only grows and frees almost
 nothing: on the 70B ``--mesh fsdp=8,tp=8`` profile 2 full and 1,696 young collections took
-0.32 s and freed 35k objects (gc.callbacks; at the default thresholds but the full one ten
-times rarer; on one device 1 and 1,124 took 0.14 s). Reference counts free what a trace drops
-as it drops it; what is left is cyclic garbage, and one kind of it is large: a dropped
-capture's FX graph (each node links its neighbours and its users both ways). fxacct drops whole
-captures only between the traces of a search (the largest batch that fits, each layout of
-``fxacct plan``), and frees each there (``collect_dropped``; for a layout whose trace failed,
-once its exception is handled: the traceback holds the trace), scanning only what was made
-since the last such call. Within one profile the rest of its cyclic garbage (the inference capture's
-graph, once its peak is read) waits for the end of the call, when the collector is switched
-back on (it is the process's: another thread's cyclic garbage waits as long). Measured on the
-70B profiles (bench/speed.py): see docs/speed.md.
+0.32 s and freed 35k objects (gc.callbacks; at the default thresholds but the full one ten times
+rarer; on one device 1 and 1,124 took 0.14 s). Reference counts free what a trace drops as it
+drops it; what is left is cyclic garbage, and one kind of it is large: a dropped capture's FX
+graph (each node links its neighbours and its users both ways). fxacct drops whole captures only
+between the traces of a search (the largest batch that fits, each layout of ``fxacct plan``),
+and frees each there (``collect_dropped``; for a layout whose trace failed, once its exception
+is handled: the traceback holds the trace), scanning only what was made since the last such
+call. Within one profile the rest of its cyclic garbage (the inference capture's graph, once its
+peak is read) waits for the end of the call, when the collector is switched back on (it is the
+process's: another thread's cyclic garbage waits as long). Measured on the 70B profiles
+(bench/speed.py): see docs/speed.md.
 
 A process that runs one command and exits (the CLI, ``fxacct_cli.main.main``) makes full
 collections rarer for its whole life (``rarer_full_collections``): importing torch and
