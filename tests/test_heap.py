@@ -7,9 +7,12 @@ import gc
 
 import torch
 import torch.fx as fx
+from helpers import target
 
 import fxacct
 import fxacct.heap
+import fxacct.tools.plan_probe as plan_probe
+from fxacct.tools.plan import plan
 
 
 class Seen(torch.nn.Module):
@@ -111,18 +114,13 @@ def test_a_one_command_process_makes_full_collections_rarer_for_good():
 
 def test_a_plan_frees_each_layouts_graphs(monkeypatch):
     # each layout's trace is dropped once its numbers are kept: FX graphs alive after each must not pile up
-    from helpers import target
-
-    import fxacct.tools.plan_probe as plan_probe
-    from fxacct.tools.plan import plan
-
     alive = []
+    collect = plan_probe.collect_dropped
 
     def counted():
         collect()
         alive.append(sum(type(o) is fx.Graph for o in gc.get_objects()))
 
-    collect = plan_probe.collect_dropped
     monkeypatch.setattr(plan_probe, "collect_dropped", counted)
     cfg = fxacct.Config(target=target("examples/llama.py:Llama"), gpu="h100", mesh="fsdp=2",
                         parallelize=target("examples/llama.py:parallelize"), find_max_batch=False)
