@@ -19,7 +19,11 @@ directory) ``--batch 2 --seq-len 128`` paired with the imports it cannot avoid (
 which FakeTensorMode imports, transformers and the model class, leaving by os._exit as the CLI
 does): target < 3 s; with ``--gpu h100``
 paired with the same command under the bracket-and-bisection search fxacct ran before (both largest
-batches printed, which must agree): target < 4 s.
+batches printed, which must agree): target < 4 s. transformers imports its optional integrations
+(scipy, torchao, the kernels hub client, triton) with the model class whenever they are installed:
+the row first says which the interpreter has. ``--python`` runs every measured process under
+another interpreter, e.g. a virtual environment holding fxacct and only what the row needs
+(``python -m venv /tmp/v && /tmp/v/bin/pip install torch==2.13.0 -e . 'transformers>=4.40,<5.25'``).
 
 Issue 9 (``--only llama2-70b-mesh``): examples/llama.py at Llama-2-70B dimensions (T=4096) under
 ``--mesh fsdp=8,tp=8`` with its own ``parallelize``, paired against the same model's
@@ -61,6 +65,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+PYTHON = sys.executable  # the interpreter every measured process runs (--python)
 
 CHILD = r'''
 import sys, torch
@@ -122,7 +127,7 @@ def run(tool: str, shape: str, T: int) -> tuple[float, int, int]:
         code = MESH_CHILD.format(root=str(ROOT), mesh=MESH if tool == "mesh" else None)
     else:
         code = CHILD.format(here=str(HERE), root=str(ROOT), shape=shape, T=T, tool=tool)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = proc.stdout.read()
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -140,7 +145,7 @@ def compiled_sources(compiled: bool) -> None:
     (module docstring)."""
     if compiled:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        subprocess.run([sys.executable, "-m", "compileall", "-q", *SOURCES], cwd=ROOT, env=env, check=True,
+        subprocess.run([PYTHON, "-m", "compileall", "-q", *SOURCES], cwd=ROOT, env=env, check=True,
                        stdout=subprocess.DEVNULL)
         return
     for top in SOURCES:
@@ -155,7 +160,12 @@ def main() -> None:
                                        PLAN_CASE, TITAN_CASE), default=None)
     ap.add_argument("--jobs", type=int, default=None, help=f"{PLAN_CASE}: fxacct plan --jobs (default: the cores)")
     ap.add_argument("--source-only", action="store_true", help="fxacct's modules not byte-compiled (module docstring)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter of every measured process, e.g. a virtual environment's with fxacct and "
+                         "only what the row needs (module docstring); default: this one")
     args = ap.parse_args()
+    global PYTHON
+    PYTHON = args.python
     compiled_sources(not args.source_only)
     if args.only == "startup":
         return startup_main(args.pairs)
@@ -216,7 +226,10 @@ def timed(argv: list[str], env: dict | None = None) -> tuple[float, float, int, 
     return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, os.waitstatus_to_exitcode(status), out
 
 
-CLI = [sys.executable, "-m", "fxacct_cli"]
+def cli() -> list[str]:
+    return [PYTHON, "-m", "fxacct_cli"]
+
+
 MLP = "examples/mlp.py:MLP"
 STARTUP = [  # (row, arguments, exit code)
     ("--help", ["--help"], 0),
@@ -228,7 +241,10 @@ STARTUP = [  # (row, arguments, exit code)
     ("bad --dtype", ["profile", MLP, "--dtype", "bf17"], 2),
     ("unknown --gpu", ["profile", MLP, "--gpu", "h900"], 2),
 ]
-IMPORT_TORCH = [sys.executable, "-c", "import torch"]
+
+
+def import_torch() -> list[str]:
+    return [PYTHON, "-c", "import torch"]
 
 
 def startup_main(pairs: int) -> None:
@@ -238,10 +254,10 @@ def startup_main(pairs: int) -> None:
     for name, args, code in STARTUP:
         walls, cpus, refs, ratios = [], [], [], []
         for _ in range(pairs):
-            wall, cpu, rc, _ = timed(CLI + args)
+            wall, cpu, rc, _ = timed(cli() + args)
             if rc != code:
                 raise SystemExit(f"fxacct {' '.join(args)} exited {rc}, expected {code}")
-            ref, _, _, _ = timed(IMPORT_TORCH)
+            ref, _, _, _ = timed(import_torch())
             walls.append(wall), cpus.append(cpu), refs.append(ref), ratios.append(wall / ref)
         print(f"{name:<16} {statistics.median(walls):>13.3f} {statistics.median(cpus):>12.3f} "
               f"{statistics.median(refs):>19.3f} {statistics.median(ratios):>24.3f}")
@@ -276,16 +292,31 @@ def _max_batch(out: bytes) -> int:
     return json.loads(out)["memory"]["fit"]["max_batch"]
 
 
+# packages transformers imports with the model class whenever they are installed, whether the
+# model needs them or not (its optional integrations: scipy for its object-detection losses, torchao
+# for its quantizers, the kernels hub client, triton): each costs every row its import, fxacct's
+# and the floor's alike, so the table says which the interpreter had
+OPTIONAL_IMPORTS = ("scipy", "torchao", "kernels", "triton")
+OPTIONAL_SEEN = ("import sys, torch, transformers; transformers.Qwen2ForCausalLM; "
+                 "print(torch.__version__, transformers.__version__, "
+                 f"*(m for m in {OPTIONAL_IMPORTS!r} if m in sys.modules))")
+
+
 def hf_small_main(pairs: int) -> None:
     """Issue 25 item 2: the tiny Qwen2, plain and with --gpu h100 (the largest-batch search)."""
     import transformers
 
+    torch_version, hf_version, *seen = subprocess.run([PYTHON, "-c", OPTIONAL_SEEN], capture_output=True, text=True,
+                                                      check=True).stdout.split()
+    print(f"{PYTHON}: torch {torch_version}, transformers {hf_version}; with the model class transformers imports "
+          f"{', '.join(seen) or 'none'} of {', '.join(OPTIONAL_IMPORTS)}")
+
     with tempfile.TemporaryDirectory() as tmp:
         transformers.Qwen2Config(**QWEN2).save_pretrained(tmp)
         args = ["profile", f"hf:{tmp}", "--batch", "2", "--seq-len", "128", "--format", "json"]
-        rows = [("qwen2-4.9M", CLI + args, [sys.executable, "-c", FLOOR], "imports"),
-                ("qwen2-4.9M --gpu h100", CLI + args + ["--gpu", "h100"],
-                 [sys.executable, "-c", OLD_SEARCH, *args, "--gpu", "h100"], "bisection")]
+        rows = [("qwen2-4.9M", cli() + args, [PYTHON, "-c", FLOOR], "imports"),
+                ("qwen2-4.9M --gpu h100", cli() + args + ["--gpu", "h100"],
+                 [PYTHON, "-c", OLD_SEARCH, *args, "--gpu", "h100"], "bisection")]
         print(f"{'case':<22} {'fxacct wall s':>13} {'fxacct CPU s':>12} {'reference':>10} {'ref wall s':>10} "
               f"{'ref CPU s':>9} {'ratio (median of pairs)':>24}  largest batch")
         for name, argv, ref_argv, ref_name in rows:
@@ -312,7 +343,7 @@ def plan_main(runs: int, jobs: int | None) -> None:
     import json
     import time
 
-    cmd = [sys.executable, "-m", "fxacct_cli", *PLAN_ARGS] + (["--jobs", str(jobs)] if jobs else [])
+    cmd = [*cli(), *PLAN_ARGS] + (["--jobs", str(jobs)] if jobs else [])
     print(f"{'case':<10} {'wall s':>8} {'CPU s':>8} {'layouts':>8} {'traced':>7} {'reused':>7} {'pruned':>7} "
           f"{'traces':>7}  top layout")
     for _ in range(runs):
@@ -333,7 +364,7 @@ def plan_main(runs: int, jobs: int | None) -> None:
 
 TITAN_CASE = "titan-8b"
 TITAN_ARGS = ["profile", "torchtitan:llama3:llama3_8b", "--mesh", "fsdp=8", "--batch", "1", "--format", "json"]
-TITAN_IMPORTS = [sys.executable, "-c", "import torch, torchtitan.trainer, torchtitan.models.llama3.config_registry"]
+TITAN_IMPORTS = "import torch, torchtitan.trainer, torchtitan.models.llama3.config_registry"
 
 
 def titan_main(pairs: int) -> None:
@@ -349,8 +380,8 @@ def titan_main(pairs: int) -> None:
 
     rows = []
     for _ in range(pairs):
-        wall, cpu, rss, out = once(CLI + TITAN_ARGS)
-        ref_wall, _, _, _ = once(TITAN_IMPORTS)
+        wall, cpu, rss, out = once(cli() + TITAN_ARGS)
+        ref_wall, _, _, _ = once([PYTHON, "-c", TITAN_IMPORTS])
         rows.append((wall, cpu, rss, ref_wall, json.loads(out)["totals"]["peak_train_bytes"]))
     print(f"{'case':<10} {'wall s':>8} {'CPU s':>8} {'RSS MiB':>8} {'imports wall s':>15} {'ratio':>6}  peak_train_bytes")
     for wall, cpu, rss, ref_wall, peak in rows:

@@ -12,7 +12,7 @@ import torch
 
 from fxacct.devices import get_device
 from fxacct.errors import ModelError
-from fxacct.heap import collect_dropped, with_frozen_heap
+from fxacct.heap import collect_dropped, freeze_made, with_frozen_heap
 from fxacct.load.config import Config
 from fxacct.load.hf import seq_len_note
 from fxacct.load.mesh import check_pipeline_flags
@@ -198,6 +198,7 @@ def _with_fit(memory, model, config: Config, inputs_for, cap: Capture) -> memory
             guess.add(batch, traces[batch].life)
             return fit_of(at, traces[batch], model)[0]
 
+        freeze_made()  # each probe's collection walks that probe alone (fxacct.heap)
         max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported, guess=guess)
     return replace(memory, fit=Fit.on(device, need, max_batch, verified, memory.fit_basis))
 

@@ -21,10 +21,21 @@ graph (each node links its neighbours and its users both ways). fxacct drops who
 between the traces of a search (the largest batch that fits, each layout of ``fxacct plan``),
 and frees each there (``collect_dropped``; for a layout whose trace failed, once its exception
 is handled: the traceback holds the trace), scanning only what was made since the last such
-call. Within one profile the rest of its cyclic garbage (the inference capture's graph, once its
-peak is read) waits for the end of the call, when the collector is switched back on (it is the
-process's: another thread's cyclic garbage waits as long). Measured on the 70B profiles
-(bench/speed.py): see docs/speed.md.
+call. Before a search's first probe the call's own objects so far join the frozen heap
+(``freeze_made``): its young heap then holds the probes alone, where it held the profile's
+captures, the model and what torch imported on the first trace (the tiny Qwen2's ``--gpu h100``
+profile: 3.85-3.90 s wall against 4.00-4.28 s, the same machine, alternating). Within one
+profile the rest of its cyclic garbage (the inference capture's graph, once its peak is read)
+waits for the end of the call, when the collector is switched back on (it is the process's:
+another thread's cyclic garbage waits as long), or, frozen before a search, for the next full
+collection. A caller's results dropped between two calls are cyclic garbage too, and
+``freeze()`` on the next call's way in would keep them from every collection but a full one, which
+a loop of profiles may never reach (forty profiles of a two-layer model left forty FX graphs
+alive). So after a first call, each call's way in collects where the last one left what it made:
+the young generations (what it made stayed there; a few milliseconds for a small model) or, after
+a search froze it, a full collection (about 0.1 s with torch in the heap, beside a search's
+traces). The CLI's one call pays neither.
+Measured on the 70B profiles (bench/speed.py): see docs/speed.md.
 
 A process that runs one command and exits (the CLI, ``fxacct_cli.main.main``) makes full
 collections rarer for its whole life (``rarer_full_collections``): importing torch and
@@ -48,27 +59,48 @@ FULL_COLLECTIONS_RARER = 10  # for a one-command process (module docstring)
 
 
 _inside = False  # a frozen_heap of fxacct's own is open (a nested call asks nothing of gc)
+# how the last of them left what it made: None (none has closed), in the young generations
+# (YOUNG: a collection of those finds what the caller dropped since) or in the oldest (OLD: a search
+# froze it before its probes, and gc.unfreeze gives the frozen heap back to the oldest generation)
+YOUNG, OLD = 1, 2
+_returned: int | None = None
+_froze_made = False
 
 
 @contextlib.contextmanager
 def frozen_heap():
-    global _inside
+    global _inside, _returned, _froze_made
     # gc.get_freeze_count walks the whole permanent generation (10 ms once torch is frozen):
     # asked only on the way in from outside fxacct, where the caller's own freeze is the question
     if _inside or gc.get_freeze_count():
         yield
         return
     enabled = gc.isenabled()  # a caller who switched the collector off keeps it off
+    if enabled and _returned is not None:
+        gc.collect(_returned)  # an earlier call's dropped results, before freeze() keeps them (module docstring)
     gc.freeze()
     gc.disable()
     _inside = True
     try:
         yield
     finally:
-        _inside = False
+        _inside, _returned, _froze_made = False, OLD if _froze_made else YOUNG, False
         if enabled:
             gc.enable()
         gc.unfreeze()
+
+
+def freeze_made() -> None:
+    """Inside fxacct's own frozen heap, before a search traces again and again: what the call has
+    made so far (its own captures and account, the modules torch imported lazily on its first
+    trace) joins the frozen heap, so that ``collect_dropped`` after each probe walks that probe's
+    objects alone, not the call's whole young heap again. Cyclic garbage made so far (the
+    inference capture's graph) is frozen with it and waits for the collector's next full
+    collection after the call. Outside one it does nothing."""
+    global _froze_made
+    if _inside:
+        gc.freeze()
+        _froze_made = True
 
 
 def collect_dropped() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.fx as fx
 from helpers import target
@@ -75,6 +76,33 @@ def test_the_largest_batch_search_frees_each_probes_graph():
     assert len(probes) >= 3, model.graphs
     assert max(probes) <= min(probes) + 1, model.graphs  # the probe before it at most, never piling up
     assert not any(model.collecting)
+
+
+def test_the_search_freezes_the_profiles_own_objects_before_its_probes():
+    # each probe's collection walks what was made since the previous one, not the profile's captures again
+    model = Seen()
+    fxacct.profile_module(model, (torch.empty(2, 4),), config=fxacct.Config(batch=2, gpu="h100"),
+                          inputs_for=lambda b: ((torch.empty(b, 4),), {}))
+    own, probes = model.frozen[:2], model.frozen[2:]  # the training and inference captures, then the probes
+    assert probes and min(probes) > max(own), model.frozen
+    assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("search", [False, True], ids=["profile", "largest batch"])
+def test_a_loop_of_profiles_keeps_none_it_dropped(search):
+    # without a collection on the way in, each call's freeze() kept the results dropped since the last
+    # one (and, after a search, its frozen inference graph) from all but a full collection: six profiles
+    # left six to twelve FX graphs alive
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    config = fxacct.Config(batch=2, gpu="h100" if search else None)
+    fxacct.profile_module(model, (torch.empty(2, 4),), config=config, inputs_for=lambda b: ((torch.empty(b, 4),), {}))
+    gc.collect()
+    before = sum(type(o) is fx.Graph for o in gc.get_objects())
+    for _ in range(6):
+        fxacct.profile_module(model, (torch.empty(2, 4),), config=config,
+                              inputs_for=lambda b: ((torch.empty(b, 4),), {}))
+    after = sum(type(o) is fx.Graph for o in gc.get_objects())
+    assert after - before <= 2, (before, after)  # the last call's: its result and its inference graph
 
 
 def test_a_callers_frozen_heap_stays_frozen():
