@@ -95,8 +95,8 @@ def freeze_made() -> None:
     made so far (its own captures and account, the modules torch imported lazily on its first
     trace) joins the frozen heap, so that ``collect_dropped`` after each probe walks that probe's
     objects alone, not the call's whole young heap again. Cyclic garbage made so far (the
-    inference capture's graph) is frozen with it and waits for the collector's next full
-    collection after the call. Outside one it does nothing."""
+    inference capture's graph) is frozen with it and waits for the next call's way in (a full
+    collection there) or the collector's own next full one. Outside one it does nothing."""
     global _froze_made
     if _inside:
         gc.freeze()
