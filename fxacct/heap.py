@@ -27,8 +27,8 @@ captures, the model and what torch imported on the first trace (the tiny Qwen2's
 profile: 3.85-3.90 s wall against 4.00-4.28 s, the same machine, alternating). Within one
 profile the rest of its cyclic garbage (the inference capture's graph, once its peak is read)
 waits for the end of the call, when the collector is switched back on (it is the process's:
-another thread's cyclic garbage waits as long), or, frozen before a search, for the next full
-collection. A caller's results dropped between two calls are cyclic garbage too, and
+another thread's cyclic garbage waits as long), or, frozen before a search, for the next call's
+way in or the collector's own next full collection. A caller's results dropped between two calls are cyclic garbage too, and
 ``freeze()`` on the next call's way in would keep them from every collection but a full one, which
 a loop of profiles may never reach (forty profiles of a two-layer model left forty FX graphs
 alive). So after a first call, each call's way in collects where the last one left what it made:
@@ -59,9 +59,10 @@ FULL_COLLECTIONS_RARER = 10  # for a one-command process (module docstring)
 
 
 _inside = False  # a frozen_heap of fxacct's own is open (a nested call asks nothing of gc)
-# how the last of them left what it made: None (none has closed), in the young generations
-# (YOUNG: a collection of those finds what the caller dropped since) or in the oldest (OLD: a search
-# froze it before its probes, and gc.unfreeze gives the frozen heap back to the oldest generation)
+# how the last of them left what it made, as the generation gc.collect takes to reach it: None (none
+# has closed), in the young generations (YOUNG: collecting 0 and 1 finds what the caller dropped
+# since) or in the oldest (OLD: a search froze it before its probes, and gc.unfreeze gives the
+# frozen heap back to the oldest generation: only a full collection reaches it)
 YOUNG, OLD = 1, 2
 _returned: int | None = None
 _froze_made = False
