@@ -811,6 +811,37 @@ def test_output_files_get_the_mode_open_would_give(tmp_path, umask, mode):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "plain.txt"]  # no temporary left
 
 
+def test_output_through_a_symbolic_link_writes_its_target_and_keeps_the_link(tmp_path):
+    # the atomic write's rename replaced the link itself with a regular file, the target left as it was
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    profile(f"{ROOT}/examples/two_layer.py:TwoLayer", "--format", "json", "-o", str(link))
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert json.loads(target.read_text())["model_class"] == "TwoLayer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "target.json"]  # no temporary left
+
+
+def test_output_to_a_named_pipe_is_written_in_place(tmp_path):
+    # as /dev/null is: the atomic write's rename put a regular file where the pipe (as root: the device) was
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    profile(f"{ROOT}/examples/two_layer.py:TwoLayer", "--format", "json", "-o", str(fifo))
+    reader.join(timeout=60)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert got and json.loads(got[0])["model_class"] == "TwoLayer"
+
+
+def test_an_empty_output_path_is_one_line():
+    assert_one_line_error(invoke("profile", TWO_LAYER, "-o", ""), 2, "output path is empty", "profile.json")
+
+
 # --------------------------------------------------------------------------------------------------
 # The library and its CLI
 # --------------------------------------------------------------------------------------------------

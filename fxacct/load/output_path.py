@@ -12,10 +12,17 @@ from fxacct.errors import UsageError
 
 def check_writable(path: str) -> Path:
     """A UsageError now, before any work, for a path that cannot be written: a directory, a
-    missing directory, one the user may not write in. (Writing can still fail: atomic_file.)"""
-    target = Path(path)
+    missing directory, one the user may not write in. (Writing can still fail: atomic_file.)
+    Returns the file to write: a symbolic link's target (the link stays, as open() keeps it)."""
+    if not path:
+        raise UsageError("an output path is empty: give a file name such as profile.json")
+    target = Path(os.path.realpath(path))
     if target.is_dir():
-        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {target / 'profile.json'}")
+        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {Path(path) / 'profile.json'}")
+    if in_place(target):
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"cannot write {path}: permission denied; choose a writable path")
+        return target
     if not target.parent.is_dir():
         raise UsageError(f"cannot write {path}: directory {target.parent} does not exist")
     probe = temporary(target)
@@ -25,6 +32,13 @@ def check_writable(path: str) -> Path:
     except OSError as e:
         raise _unwritable(path, target, e) from e
     return target
+
+
+def in_place(target: Path) -> bool:
+    """An existing path that is no regular file (/dev/null, a named pipe): written in place, as a
+    shell's redirection writes it. The atomic write's rename would put a regular file where the
+    device or pipe was (as root, /dev/null itself)."""
+    return target.exists() and not target.is_file()
 
 
 def temporary(target: Path) -> Path:
@@ -37,4 +51,4 @@ def _unwritable(path: str, target: Path, e: OSError) -> UsageError:
                       "choose a writable path")
 
 
-__all__ = ["check_writable", "temporary"]
+__all__ = ["check_writable", "in_place", "temporary"]

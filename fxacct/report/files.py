@@ -1,5 +1,7 @@
 """Report files (-o, --trace, --plot): written atomically, with the permissions a plain open()
-gives under the user's umask; a path that cannot be written is a usage error naming it."""
+gives under the user's umask; a symbolic link's target is written and the link kept; a device or
+a named pipe (/dev/null) is written in place; a path that cannot be written is a usage error
+naming it."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import contextlib
 import os
 
 from fxacct.errors import UsageError
-from fxacct.load.output_path import check_writable, temporary
+from fxacct.load.output_path import check_writable, in_place, temporary
 
 
 @contextlib.contextmanager
@@ -16,6 +18,13 @@ def atomic_file(path: str, binary: bool = False):
     sees half a report), mode ``0o666 & ~umask`` as open() would give. Any OSError on the way is a
     UsageError naming ``path`` (exit 2)."""
     target = check_writable(path)
+    if in_place(target):
+        try:
+            with open(target, "wb" if binary else "w") as f:
+                yield f
+        except OSError as e:
+            raise UsageError(f"cannot write {path} ({e.strerror or e}); choose a writable path") from e
+        return
     tmp = temporary(target)
     try:
         # 0o666 less the umask, as open() creates files (tempfile.mkstemp's 0o600 would survive the rename)
