@@ -15,7 +15,7 @@ import traceback
 import click
 import cloup
 
-from fxacct.errors import FxacctError, internal_error
+from fxacct.errors import FxacctError, ModelError, classify, internal_error
 from fxacct.heap import rarer_full_collections
 
 
@@ -91,6 +91,11 @@ class FxacctGroup(cloup.Group):
             sys.exit(130)
         except FxacctError as e:
             _fail(e, debug)
+        except SystemExit as e:  # a command's own exit code passes; the model's sys.exit is its failure (exit 3)
+            blamed = classify(e, "the model's code")
+            if not isinstance(blamed, ModelError):
+                raise
+            _fail(blamed, debug)
         except Exception as e:  # a bug in fxacct: exit 4, never a budget's 1 nor usage's 2
             _fail(internal_error(e), debug)
 

@@ -555,6 +555,24 @@ def test_model_failure_says_how_to_find_where(args):
     assert "--debug" in line, line
 
 
+@pytest.mark.parametrize("where, body", [
+    ("import", "import sys\nsys.exit(0)\n"),
+    ("constructor", "import sys, torch\nclass M(torch.nn.Module):\n    def __init__(self):\n"
+                    "        super().__init__()\n        sys.exit(3)\n"),
+    ("forward", "import sys, torch\nclass M(torch.nn.Module):\n    def __init__(self):\n"
+                "        super().__init__()\n        self.lin = torch.nn.Linear(4, 4)\n"
+                "    def forward(self, x):\n        sys.exit('bye')\n"),
+], ids=["import", "constructor", "forward"])
+def test_the_models_sys_exit_is_its_failure(tmp_path, where, body):
+    # SystemExit is no Exception: it left through every handler with the model's own code (0: a silent
+    # "success"; a message: exit 1, which the CLI keeps for a failed budget)
+    path = tmp_path / "exits.py"
+    path.write_text(body)
+    line = assert_one_line_error(invoke("profile", f"{path}:M", "--input", "float[B,4]"), 3, "SystemExit",
+                                 f"{path}:{body.count(chr(10))}")
+    assert "internal error" not in line, line
+
+
 def test_a_wrong_input_dtype_caught_by_a_kernel_is_the_models_failure(tmp_path):
     """A conv given a long tensor fails in torch's C++ kernel, reached through the recorder's
     function mode that forwards the call: the model's failure (exit 3) at the model's line, not
