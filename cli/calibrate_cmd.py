@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from fxacct_cli.main import cli, examples
+from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import DEBUG
 
 
@@ -31,4 +31,4 @@ def calibrate_command(device, debug):
 
     cal = calibrate.calibrate(device, progress=lambda what: click.echo(f"measuring {what}...", err=True))
     path = calibration.save(cal)
-    click.echo(render_calibration(cal, path), nl=False)
+    write_output(render_calibration(cal, path), None)

@@ -7,6 +7,7 @@ failed; 4 an internal error of fxacct (a bug to report). Every error is one line
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -51,9 +52,28 @@ def short_help(name: str, limit: int) -> str:
     return click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)
 
 
+_REPORT_STREAMS: list = []  # the stdout each running command's report goes to (FxacctCommand.invoke)
+
+
+class FxacctCommand(cloup.Command):
+    """A command whose run sends what else reaches stdout (a model's own print) to stderr, so that
+    stdout carries its report alone (``--format json | jq``); write_output writes the report to the
+    stdout the command found. Help and usage errors come before the run, where click prints them."""
+
+    def invoke(self, ctx):
+        _REPORT_STREAMS.append(sys.stdout)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                return super().invoke(ctx)
+        finally:
+            _REPORT_STREAMS.pop()
+
+
 class FxacctGroup(cloup.Group):
     """Turns click's usage errors into one line on stderr and exit 2, and fxacct's errors into
     their own exit codes, for every command; loads each command's module when it is asked for."""
+
+    command_class = FxacctCommand
 
     def list_commands(self, ctx) -> list[str]:
         return sorted(COMMANDS)
@@ -127,7 +147,7 @@ def cli():
 def write_output(text: str, path: str | None) -> None:
     """Print to stdout (no path, or '-'), or write the file atomically (fxacct.report.files)."""
     if path is None or path == "-":
-        click.echo(text, nl=False)
+        click.echo(text, nl=False, file=_REPORT_STREAMS[-1] if _REPORT_STREAMS else None)
         return
     from fxacct.report.files import write_text
 

@@ -856,6 +856,23 @@ def test_output_to_a_named_pipe_is_written_in_place(tmp_path):
     assert got and json.loads(got[0])["model_class"] == "TwoLayer"
 
 
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_what_the_model_prints_goes_to_stderr_and_stdout_keeps_the_report_alone(tmp_path, fmt):
+    # the model's own prints (at import and in forward) led stdout, before the document: json.load failed
+    path = tmp_path / "printy.py"
+    path.write_text("import torch\nprint('hello from import')\n"
+                    "class M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                    "        self.lin = torch.nn.Linear(4, 4)\n"
+                    "    def forward(self, x):\n        print('in forward')\n        return self.lin(x)\n")
+    result = profile(f"{path}:M", "--input", "float[B,4]", "--format", fmt)
+    if fmt == "json":
+        assert json.loads(result.stdout)["model_class"] == "M"
+    else:
+        assert result.stdout.startswith("name,op,module,"), result.stdout[:200]
+    assert "hello from import" not in result.stdout and "in forward" not in result.stdout
+    assert "hello from import" in result.stderr and "in forward" in result.stderr
+
+
 def test_an_empty_output_path_is_one_line():
     assert_one_line_error(invoke("profile", TWO_LAYER, "-o", ""), 2, "output path is empty", "profile.json")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import sys
 from dataclasses import replace
 
 from fxacct.heap import with_frozen_heap
@@ -135,6 +136,7 @@ _WORKER: Planner | None = None  # a pool worker's own Planner (_start)
 
 def _start(config, gpus: int, global_batch: int, cache_dir) -> None:
     global _WORKER
+    sys.stdout = sys.stderr  # a worker's results go back through its pipe: what the model prints, to stderr
     _WORKER = Planner(config, gpus, global_batch, TraceCache(cache_dir) if cache_dir is not None else None)
 
 
