@@ -155,6 +155,14 @@ def test_calibrate_cuda_without_cuda_is_a_usage_error():
     assert result.stderr.count("\n") == 1 and "--device cpu" in result.stderr
 
 
+@pytest.mark.parametrize("device", ["tpu", "", "mps"])
+def test_calibrate_on_a_device_it_cannot_measure_is_a_usage_error(device):
+    # a name torch does not know ("tpu", "") raised torch's own RuntimeError: an internal error, exit 4
+    result = invoke("calibrate", "--device", device)
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "not supported: use cpu or cuda" in result.stderr
+
+
 def _stored(**over) -> dict:
     return {"schema": "fxacct.device/1", **dataclasses.asdict(fake_calibration()), **over}
 

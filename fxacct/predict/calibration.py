@@ -82,7 +82,10 @@ def profile_path(kind: str, name: str | None = None) -> Path:
 
 def check_device(device: str) -> str:
     """'cpu' or 'cuda' for a --device value; a usage error when CUDA is asked for and absent."""
-    kind = torch.device(device).type if device not in ("cpu", "cuda") else device
+    try:
+        kind = torch.device(device).type if device not in ("cpu", "cuda") else device
+    except RuntimeError:  # not a device torch knows ("tpu", ""): as unsupported as one it knows
+        kind = None
     if kind not in ("cpu", "cuda"):
         raise UsageError(f"--device {device!r} is not supported: use cpu or cuda")
     if kind == "cuda" and not torch.cuda.is_available():
