@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -54,7 +55,7 @@ def plan_command(fmt, gpus, global_batch, confirm, jobs, no_cache, output, **opt
     after --) keeps its own checkpointing and pipeline cut; pp is tried under its GPipe or 1F1B schedule.
 
     \b
-    Exit codes: 0 success; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
+    Exit codes: 0 success; 1 no layout fits; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
     """
     given = click.get_current_context().get_parameter_source
     for flag, name in (("--mesh", "mesh"), ("--batch", "batch"), ("--microbatches", "microbatches")):
@@ -68,3 +69,7 @@ def plan_command(fmt, gpus, global_batch, confirm, jobs, no_cache, output, **opt
     text = (json.dumps(plan_json(result), indent=2) + "\n") if fmt == "json" else \
         render_plan(result, gpus, global_batch, config.gpu, terminal_width())
     write_output(text, output)
+    if not any(c.fits for c in result.candidates):
+        click.echo(f"error: no layout of {gpus} GPUs fits at global batch {global_batch}: each row says why; "
+                   "give more --gpus, another --global-batch or a smaller --dtype", err=True)
+        sys.exit(1)  # as a failed budget (DESIGN.md exit codes): the GPUs are the budget

@@ -265,3 +265,16 @@ def test_plan_flags_it_chooses_itself_are_usage_errors(flags, says):
     args = ["plan", target("examples/gpt2.py:GPT"), "--gpus", "4", "--gpu", "h100", "--global-batch", "8", *flags]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (r.stdout, r.stderr)
+
+
+def test_a_plan_where_no_layout_fits_says_so_and_exits_1():
+    # 3 GPUs, global batch 16: 16 does not divide over 3 ranks and tp=3 not over 4 heads, so every layout
+    # is rejected before any trace; the plan printed its table and exited 0, no line saying nothing fits
+    args = ["plan", LLAMA, "-k", "n_layers=2", "--gpus", "3", "--gpu", "h100", "--global-batch", "16", "--no-cache",
+            "--format", "json"]
+    r = CliRunner().invoke(cli, args)
+    doc = json.loads(r.stdout)
+    assert doc["layouts"] and not any(lay["fits"] for lay in doc["layouts"])
+    assert r.exit_code == 1, (r.stdout, r.stderr)
+    line, = r.stderr.strip().splitlines()[-1:]
+    assert line.startswith("error: no layout of 3 GPUs fits at global batch 16"), r.stderr
