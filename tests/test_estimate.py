@@ -162,6 +162,12 @@ def test_train_time_from_a_profile_uses_the_peak_check_uses(tmp_path, precision,
     assert f"{expected}, dense; dtype from {why}" in out, out
 
 
+def test_train_time_without_tokens_names_the_flag_and_a_value():
+    # it said "--tokens None is not a count", the flag's missing value printed as Python's None
+    line = usage_error("train-time", "--params", "70e9", "--gpu", "h100")
+    assert "--tokens is missing" in line and "15e12" in line and "None" not in line, line
+
+
 def test_train_time_from_a_profile_without_tokens_is_a_usage_error(tmp_path):
     doc = {"schema": "fxacct.profile/1", "config": {"batch": 2, "tokens_per_example": None},
            "totals": {"forward_flops_by_class": {"matmul": 1, "attention": 0}}}

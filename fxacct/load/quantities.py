@@ -21,6 +21,8 @@ SECONDS = {"": 1, "s": 1, "ms": Fraction(1, 10**3), "us": Fraction(1, 10**6), "Â
 
 def parse_count(text: str, flag: str) -> int:
     """'70e9', '15e12', '7B', '125M' -> an exact positive integer."""
+    if text is None:  # a required flag not given ("None is not a count" named no fix)
+        raise UsageError(f"{flag} is missing: give a whole number such as 70e9, 15e12 or 7B")
     m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([A-Za-z]?)\s*", str(text))
     if m is not None and m.group(2).upper() in COUNT_SUFFIXES and m.group(2) not in COUNT_SUFFIXES:
         m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([A-Za-z]?)\s*", str(text).upper())  # 7b reads as 7B
