@@ -144,10 +144,16 @@ def cli():
     """
 
 
+def report_stream():
+    """The stdout a command's report goes to: the one it found, while its run sends the rest to
+    stderr (FxacctCommand); whether it is a terminal is asked of this one."""
+    return _REPORT_STREAMS[-1] if _REPORT_STREAMS else sys.stdout
+
+
 def write_output(text: str, path: str | None) -> None:
     """Print to stdout (no path, or '-'), or write the file atomically (fxacct.report.files)."""
     if path is None or path == "-":
-        click.echo(text, nl=False, file=_REPORT_STREAMS[-1] if _REPORT_STREAMS else None)
+        click.echo(text, nl=False, file=report_stream())
         return
     from fxacct.report.files import write_text
 
@@ -191,4 +197,4 @@ def exit_code(code: object) -> int:
     return 1
 
 
-__all__ = ["cli", "main", "run", "write_output", "examples"]
+__all__ = ["cli", "main", "run", "report_stream", "write_output", "examples"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from typing import TYPE_CHECKING
 
 import click
@@ -24,6 +23,7 @@ from fxacct.load.mesh import parse_mesh
 from fxacct.load.output_path import check_writable
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.units import parse_bytes
+from fxacct_cli.main import report_stream
 
 if TYPE_CHECKING:
     from fxacct.load.config import Config
@@ -299,7 +299,7 @@ def terminal_width() -> int | None:
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) > 0:
         return int(columns)
-    if sys.stdout.isatty():
+    if report_stream().isatty():
         return shutil.get_terminal_size().columns
     return None
 

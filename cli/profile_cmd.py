@@ -13,7 +13,7 @@ import fxacct
 from fxacct.errors import InternalError, ModelError, UsageError
 from fxacct.load.flags import DEFAULT_DEPTH, DEFAULT_TOP
 from fxacct.load.run_options import RuntimeOptions
-from fxacct_cli.main import cli, examples, write_output
+from fxacct_cli.main import cli, examples, report_stream, write_output
 from fxacct_cli.options import (
     DEBUG,
     FORMATS,
@@ -52,7 +52,7 @@ def _check_layout_flags(fmt: str, by, depth, top, summary_only=False, wide=False
 def _check_html_destination(fmt: str, output) -> None:
     """An HTML page (hundreds of KB, one line of JSON) written to a terminal is of no use to read:
     refused there, before the work; a pipe or a file takes it."""
-    if fmt == "html" and output in (None, "-") and sys.stdout.isatty():
+    if fmt == "html" and output in (None, "-") and report_stream().isatty():
         raise UsageError("--format html writes a whole page, not for a terminal: add -o FILE.html "
                          "(or pipe stdout to a file)")
 
