@@ -15,18 +15,16 @@ from fxacct.load.output_path import check_writable, in_place, temporary
 @contextlib.contextmanager
 def atomic_file(path: str, binary: bool = False):
     """Yield a file open for writing; on success it replaces ``path`` in one rename (a reader never
-    sees half a report), mode ``0o666 & ~umask`` as open() would give. Any OSError on the way is a
-    UsageError naming ``path`` (exit 2)."""
+    sees half a report), mode ``0o666 & ~umask`` as open() would give; a device or named pipe is
+    written in place (fxacct.load.output_path.in_place). Any OSError on the way is a UsageError
+    naming ``path`` (exit 2)."""
     target = check_writable(path)
-    if in_place(target):
-        try:
+    tmp = None if in_place(target) else temporary(target)
+    try:
+        if tmp is None:
             with open(target, "wb" if binary else "w") as f:
                 yield f
-        except OSError as e:
-            raise UsageError(f"cannot write {path} ({e.strerror or e}); choose a writable path") from e
-        return
-    tmp = temporary(target)
-    try:
+            return
         # 0o666 less the umask, as open() creates files (tempfile.mkstemp's 0o600 would survive the rename)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb" if binary else "w") as f:
@@ -35,8 +33,9 @@ def atomic_file(path: str, binary: bool = False):
     except OSError as e:
         raise UsageError(f"cannot write {path} ({e.strerror or e}); choose a writable path") from e
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def write_text(path: str, text: str) -> None:
