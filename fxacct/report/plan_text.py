@@ -6,9 +6,11 @@ from __future__ import annotations
 from fxacct.report.width import fit_table, wrap_lines
 from fxacct.units import format_bytes
 
-HEADERS = ["#", "mesh", "mb", "×mb", "ckpt", "peak/GPU", "step ms", "tokens/s", "MFU", "from", "verdict"]
-LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; ckpt job: the job's own checkpointing; tokens/s: "
-          "the job's; from: a full trace or the screen (two short traces, extrapolated)")
+HEADERS = ["#", "mesh", "mb", "×mb", "ckpt", "mem/GPU", "step ms", "tokens/s", "MFU", "from", "verdict"]
+LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; ckpt job: the job's own checkpointing; mem/GPU: "
+          "what a rank needs, as fxacct check --gpu judges it (the allocator's reserved peak plus the CUDA context "
+          "and NCCL's buffers; under pp the largest stage's peak); tokens/s: the job's; from: a full trace or the "
+          "screen (two short traces, extrapolated)")
 SOURCES = {"traced": "trace", "screen": "screen", "-": "-"}
 PLAN_SCHEMA = "fxacct.plan/1"
 
@@ -23,7 +25,7 @@ def _row(i: int, c) -> list[str]:
     verdict = "fits" if c.fits else (c.dominated or c.rejected)
     return [str(i + 1) if c.fits else "-", lay.mesh, str(lay.micro_batch) if lay.micro_batch else "-",
             str(lay.accumulation) if lay.accumulation else "-", _ckpt(lay.checkpoint) if lay.micro_batch else "-",
-            format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-",
+            format_bytes(c.fit_bytes) if c.fit_bytes is not None else "-",
             f"{1e3 * c.step_s:,.1f}" if c.step_s is not None else "-",
             f"{c.tokens_per_s:,.0f}" if c.tokens_per_s is not None else "-",
             f"{c.mfu:.1%}" if c.mfu is not None else "-", SOURCES[c.source], verdict]
@@ -63,5 +65,7 @@ def plan_json(result) -> dict:
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
          "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
          "checkpoint": "job" if c.layout.checkpoint is None else c.layout.checkpoint, "peak_bytes": c.peak_bytes,
-         "step_ms": None if c.step_s is None else 1e3 * c.step_s, "model_flops": c.model_flops, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
-         "source": c.source, "fits": c.fits, "dominated": c.dominated, "rejected": c.rejected} for c in result.candidates]}
+         "fit_bytes": c.fit_bytes, "step_ms": None if c.step_s is None else 1e3 * c.step_s,
+         "model_flops": c.model_flops, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "source": c.source,
+         "rank": i + 1 if c.fits else None, "fits": c.rejected is None, "dominated": c.dominated,
+         "rejected": c.rejected} for i, c in enumerate(result.candidates)]}

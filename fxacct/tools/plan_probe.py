@@ -40,17 +40,21 @@ from fxacct.units import format_bytes
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    peak_bytes: int | None = None  # per rank, for the whole step
+    peak_bytes: int | None = None  # per rank, for the whole step: the tensors' bytes at their peak
     step_s: float | None = None
     tokens_per_s: float | None = None  # the job's
     mfu: float | None = None
     source: str = "-"  # "traced" (a full trace), "screen" (extrapolated), "-" (no trace of its own)
     rejected: str | None = None  # why it does not fit or cannot run, None if it does
     dominated: str | None = None  # fits, but a layout of its group is faster (not traced)
-    over_bytes: int | None = None  # peak − capacity when over memory (a lower bound from the screen)
+    over_bytes: int | None = None  # fit − capacity when over memory (a lower bound from the screen)
     # forward + backward matmul and attention FLOPs of one step: A × the traced micro-step's, with
     # pp summed over the pipeline's stages (one replica of the model); None where nothing was traced
     model_flops: int | None = None
+    # what a rank needs of the GPU, as `fxacct check --gpu` judges it and as the layout is judged here:
+    # the allocator's reserved peak plus the fixed costs outside it (Point.fit_bytes; a lower bound
+    # from the screen), under pp the largest stage's peak as check takes it
+    fit_bytes: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -179,10 +183,11 @@ class Planner:
 
     def _candidate(self, lay: Layout, p: Point, source: str) -> Candidate:
         a = lay.accumulation
-        peak = p.peak_bytes + (p.grad_bytes if a > 1 else 0)
+        kept = p.grad_bytes if a > 1 else 0  # the gradients accumulate across the micro-steps
         # a micro-steps of forward and backward, then one optimizer step
         step = a * (p.step_s - p.optimizer_s) + p.optimizer_s
-        return self._judge(lay, peak, step, p.tokens_per_example, a * p.model_flops, source)
+        return self._judge(lay, (p.peak_bytes + kept, p.fit_bytes + kept), step, p.tokens_per_example,
+                           a * p.model_flops, source)
 
     def _pipeline_candidate(self, lay: Layout, pipe: PipePoint, source: str) -> Candidate:
         if not pipe.timed:
@@ -195,17 +200,21 @@ class Planner:
         # slowest micro-step for GPipe and 1F1B), then one optimizer step, the slowest rank's
         step = max(a * (s - o) for s, o in zip(pipe.step_s, pipe.optimizer_s)) / (1 - pipe.bubble_fraction) + \
             max(pipe.optimizer_s)
-        return self._judge(lay, pipe.peak_bytes, step, pipe.tokens_per_example, a * sum(pipe.model_flops), source,
-                           len(pipe.model_flops))
+        # fxacct check judges a pipeline by its largest stage's peak (fxacct.tools.budgets): so is it here
+        return self._judge(lay, (pipe.peak_bytes, pipe.peak_bytes), step, pipe.tokens_per_example,
+                           a * sum(pipe.model_flops), source, len(pipe.model_flops))
 
-    def _judge(self, lay, peak: int, step_s: float, tokens: int, flops: int, source: str, ranks: int = 1) -> Candidate:
-        """``flops``: the step's over ``ranks`` GPUs (a pipeline's stages), for MFU a GPU's share."""
+    def _judge(self, lay, memory: tuple[int, int], step_s: float, tokens: int, flops: int, source: str,
+               ranks: int = 1) -> Candidate:
+        """``memory``: (the peak, what the rank needs of the GPU: judged against its capacity);
+        ``flops``: the step's over ``ranks`` GPUs (a pipeline's stages), for MFU a GPU's share."""
+        peak, need = memory
         c = Candidate(lay, peak, step_s, self.global_batch * tokens / step_s if tokens else None,
-                      flops / ranks / step_s / self.peak_flops, source, model_flops=flops)
-        if peak > self.capacity:
-            least = " at least" if source == "screen" else ""  # the screen's peak is a lower bound
-            return replace(c, rejected=f"over memory by{least} {format_bytes(peak - self.capacity)} "
-                                       f"({peak / self.capacity:.2f}×)", over_bytes=peak - self.capacity)
+                      flops / ranks / step_s / self.peak_flops, source, model_flops=flops, fit_bytes=need)
+        if need > self.capacity:
+            least = " at least" if source == "screen" else ""  # the screen's figure is a lower bound
+            return replace(c, rejected=f"over memory by{least} {format_bytes(need - self.capacity)} "
+                                       f"({need / self.capacity:.2f}×)", over_bytes=need - self.capacity)
         return c
 
 

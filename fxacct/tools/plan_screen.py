@@ -18,7 +18,7 @@ Face's loop over it); a model that does not is traced in full instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -44,16 +44,23 @@ class Point:
     comm_s: float
     tokens_per_example: int  # 0 when the model has no token input (the same at any block count)
     optimizer_s: float = 0.0  # the optimizer step's part of step_s (once per step, whatever the micro-steps)
+    # what the rank needs of the GPU, as `fxacct check --gpu` judges it (MemoryAccount.fit_bytes): the
+    # caching allocator's reserved bytes at their peak plus the fixed costs outside it; from the screen a
+    # lower bound, the extrapolated peak plus those fixed costs (``screen``)
+    fit_bytes: int = 0
+    fixed_bytes: int = 0  # the fixed costs outside the allocator (CUDA context, NCCL buffers): the same at any block count
 
 
 def point(prof) -> Point:
     """The figures of a Profile under --mesh (with --gpu)."""
     mem, totals, par = prof.memory, prof.accounting.totals, prof.parallel
-    t = par.time
+    t, reserved = par.time, mem.reserved
     return Point(mem.rank_peak.bytes, totals.model_flops, totals.recompute_flops,
                  mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.master_bytes, mem.grad_bytes,
                  mem.activation_bytes, par.comm_wire_bytes, t.step_s, t.compute_s, t.comm_s,
-                 totals.tokens_per_example or 0, t.optimizer_s)
+                 totals.tokens_per_example or 0, t.optimizer_s,
+                 reserved.fit_bytes if reserved is not None else mem.rank_peak.bytes,
+                 reserved.fixed_outside_bytes if reserved is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -89,9 +96,15 @@ def _line(a, b, n: int):
 def extrapolate(a, b, k: int, blocks: int):
     """f(blocks) from f(k) = a and f(k + 1) = b (the rule of the module docstring), for a Point,
     or a PipePoint with ``blocks`` and k per stage (its schedule's figures are the same at any k)."""
-    keep = {"tokens_per_example", "bubble_fraction", "timed"} if isinstance(a, PipePoint) else set()
-    return type(a)(**{f.name: getattr(a, f.name) if f.name in keep else
-                      _line(getattr(a, f.name), getattr(b, f.name), blocks - k) for f in fields(a)})
+    keep = {"tokens_per_example", "bubble_fraction", "timed"} if isinstance(a, PipePoint) else {"fixed_bytes"}
+    got = type(a)(**{f.name: getattr(a, f.name) if f.name in keep else
+                     _line(getattr(a, f.name), getattr(b, f.name), blocks - k) for f in fields(a)})
+    if isinstance(got, Point):
+        # reserved bytes round to the allocator's blocks and segments, which no line through two
+        # traces extrapolates; reserved is at least what is allocated, which is at least the
+        # tensors' bytes at their peak: the extrapolated peak plus the fixed costs is a lower bound
+        got = replace(got, fit_bytes=got.peak_bytes + got.fixed_bytes)
+    return got
 
 
 def block_container(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]] | None:
