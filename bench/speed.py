@@ -356,7 +356,8 @@ def plan_main(runs: int, jobs: int | None) -> None:
             raise SystemExit(f"{PLAN_CASE} failed (exit {os.waitstatus_to_exitcode(status)})")
         doc = json.loads(out)
         top = doc["layouts"][0]
-        verdict = f"{top['mesh']} mb {top['micro_batch']} ({top['source']}, {'fits' if top['fits'] else 'no fit'})"
+        verdict = (f"{top['mesh']} mb {top['micro_batch']} ({top['source']}, "
+                   f"{'fits' if top['rank'] == 1 else 'no fit'}, needs {top['fit_bytes'] / 2**30:.2f} GiB)")
         print(f"{PLAN_CASE:<10} {wall:>8.1f} {usage.ru_utime + usage.ru_stime:>8.1f} {doc['layouts_total']:>8} "
               f"{doc['layouts_traced']:>7} {doc['layouts_reused']:>7} {doc['layouts_pruned']:>7} {doc['traces']:>7}  "
               f"{verdict}")

@@ -16,14 +16,17 @@ import traceback
 import click
 import cloup
 
-from fxacct.errors import FxacctError, ModelError, classify, internal_error
+from fxacct.errors import INTERNAL_HINT, USER_FRAMES_HINT, FxacctError, ModelError, classify, internal_error
 from fxacct.heap import rarer_full_collections
 
 
 def _fail(e: FxacctError, debug: bool):
-    if debug:
+    message = str(e)
+    if debug:  # the traceback is printed: the line no longer asks for --debug
         traceback.print_exc()
-    click.echo(f"error: {e}", err=True)
+        message = message.replace(f"; {USER_FRAMES_HINT}", "").replace(f"; {INTERNAL_HINT}",
+                                                                       "; report it with the traceback above")
+    click.echo(f"error: {message}", err=True)
     sys.exit(e.exit_code)
 
 

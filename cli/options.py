@@ -282,6 +282,24 @@ def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward
                    expert_load=expert_load)
 
 
+def refuse_idle_mesh_flags(mesh) -> None:
+    """--gpus-per-node without --mesh and --pp-schedule without pp, given on the command line, would
+    change nothing: a usage error, as --microbatches without pp is (their defaults pass)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    given = {name for name in ("gpus_per_node", "pp_schedule")
+             if ctx.get_parameter_source(name) in (click.core.ParameterSource.COMMANDLINE,
+                                                   click.core.ParameterSource.ENVIRONMENT)}
+    if mesh is None and "gpus_per_node" in given:
+        raise UsageError("--gpus-per-node says how the ranks of a --mesh sit on nodes, and one device has none: "
+                         "add --mesh (e.g. --mesh fsdp=8) or drop --gpus-per-node")
+    if "pp_schedule" in given and (mesh is None or mesh.size("pp") == 1):
+        example = f"pp=2,{mesh}" if mesh is not None else "pp=2"
+        raise UsageError(f"--pp-schedule says how a pipeline runs, but --mesh has no pp dimension: add one "
+                         f"(e.g. --mesh {example}) or drop --pp-schedule")
+
+
 def model_options(fn=None, *, hide=()):
     """The model, precision and hardware flags in their sections of --help; ``hide`` as mesh_options'
     (BATCH)."""
@@ -357,6 +375,6 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
 
 
 __all__ = ["TORCHTITAN_ARGS", "FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
-           "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
+           "refuse_idle_mesh_flags", "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
            "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COMPILE", "COMPILE_BLOCKS", "COMPILE_MODE", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

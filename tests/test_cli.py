@@ -506,6 +506,13 @@ BAD_INPUTS = [
     ("loss-output-negative", [f"{MODELS}/two_outputs.py:TwoOutputs", "--loss-output", "-3"], 2,
      ["--loss-output -3", "0 to 1"], True),
     ("loss-output-single-output", [TWO_LAYER, "--loss-output", "1"], 2, ["--loss-output 1", "0"], True),
+    # --- files other flags name: the hint names the flag and the kind of class it wants ---
+    ("parallelize-syntax-error", [TWO_LAYER, "--mesh", "fsdp=2", "--parallelize", f"{MODELS}/syntax_error.py:fn"],
+     3, ["syntax_error.py:5", "fix the --parallelize file"], True),
+    ("optimizer-syntax-error", [TWO_LAYER, "--optimizer", f"{MODELS}/syntax_error.py:Opt"], 3,
+     ["syntax_error.py:5", "fix the --optimizer file"], True),
+    ("optimizer-missing-name", [TWO_LAYER, "--optimizer", f"{MODELS}/my_optimizer.py:Nope"], 2,
+     ["--optimizer", "'Nope'", "torch.optim.Optimizer classes defined there: PlainSGD"], True),
     # --- click-level usage errors ---
     ("unknown-option", [TWO_LAYER, "--frobnicate"], 2, ["--frobnicate", "--help"], False),
     ("unknown-format", [TWO_LAYER, "--format", "xml"], 2, ["--format", "'xml'", "json"], False),
@@ -532,6 +539,7 @@ def test_debug_shows_the_traceback(args, code):
     assert result.exit_code == code, msg
     assert "Traceback (most recent call last)" in result.stderr, msg
     assert result.stderr.splitlines()[-1].startswith("error:"), msg  # the one-line summary still ends it
+    assert "--debug" not in result.stderr.splitlines()[-1], msg  # which no longer asks for it
 
 
 def test_unknown_command():
@@ -738,6 +746,10 @@ def test_a_bug_in_fxacct_during_the_trace_is_an_internal_error(monkeypatch):
                                  "internal error", "KeyError", "--debug")
     assert "dispatch_recorder.py" in line and "during the model's backward" in line, line
     assert "raised" not in line, line
+    result = invoke("profile", f"{ROOT}/examples/two_layer.py:TwoLayer", "--debug")
+    last = result.stderr.splitlines()[-1]
+    assert result.exit_code == 4 and "Traceback" in result.stderr and "KeyError" in last, result.stderr
+    assert last.endswith("; report it with the traceback above") and "--debug" not in last, last
 
 
 def test_torch_calling_an_fxacct_hook_wrongly_inside_the_forward_is_an_internal_error(tmp_path, monkeypatch):

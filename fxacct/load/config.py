@@ -106,6 +106,9 @@ class Config:
             raise UsageError(f"Config(alloc_conf={self.alloc_conf!r}): give a string such as 'expandable_segments:True'")
         if self.alloc_conf is not None or self.gpu is not None:
             self.allocator_conf()  # a bad --alloc-conf (or, for a GPU, environment value) fails here, before any trace
+        if self.alloc_conf is not None and self.gpu is None:
+            raise UsageError("--alloc-conf sets PYTORCH_CUDA_ALLOC_CONF for the caching-allocator replay, which runs "
+                             "on a CUDA target only: add --gpu NAME (e.g. --gpu h100) or drop --alloc-conf")
         if self.interconnect is not None:
             network(self.interconnect)
         if self.sdpa_backend not in SDPA_BACKENDS:

@@ -25,7 +25,7 @@ _HOW_INPUTS = ("no inputs: pass --input 'long[B,1024]' (repeatable; B is --batch
                "example_inputs(self, batch) on the model class or example_inputs(batch) in the file")
 
 
-def _import_file(path: Path) -> ModuleType:
+def _import_file(path: Path, what: str = "the model file") -> ModuleType:
     name = f"fxacct_user_{path.stem}_{abs(hash(str(path.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
@@ -38,7 +38,7 @@ def _import_file(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except SyntaxError as e:
         del sys.modules[name]
-        raise ModelError(f"{path}:{e.lineno}: syntax error ({e.msg}); fix the model file") from e
+        raise ModelError(f"{path}:{e.lineno}: syntax error ({e.msg}); fix {what}") from e
     except Exception as e:
         del sys.modules[name]
         raise classify(e, f"importing {path}") from e
@@ -48,17 +48,23 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def resolve(target: str):
-    """'examples/gpt2.py:GPT' -> (the object named GPT, the imported file module)."""
+KIND_NAMES = {torch.nn.Module: "nn.Module", torch.optim.Optimizer: "torch.optim.Optimizer"}
+
+
+def resolve(target: str, base: type = torch.nn.Module, flag: str | None = None):
+    """'examples/gpt2.py:GPT' -> (the object named GPT, the imported file module). ``base``: the kind
+    of class the name should be (the model's nn.Module, an --optimizer's torch.optim.Optimizer),
+    those defined there listed when the name is not; ``flag``: the flag that named the file, if not the model."""
     path, name = model_file(target)
     path_text = target.rpartition(":")[0]
-    module = _import_file(path)
+    module = _import_file(path, f"the {flag} file" if flag else "the model file")
     obj = getattr(module, name, None)
     if obj is None:
         found = sorted(n for n, v in vars(module).items()
-                       if isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == module.__name__)
-        hint = f"modules defined there: {', '.join(found)}" if found else "no nn.Module class is defined there"
-        raise UsageError(f"{path_text} has no name {name!r}; {hint}")
+                       if isinstance(v, type) and issubclass(v, base) and v.__module__ == module.__name__)
+        kind = KIND_NAMES.get(base, base.__name__)
+        hint = f"{kind} classes defined there: {', '.join(found)}" if found else f"no {kind} class is defined there"
+        raise UsageError(f"{(flag + ' ') if flag else ''}{path_text} has no name {name!r}; {hint}")
     return obj, module
 
 
@@ -112,7 +118,7 @@ def resolve_function(target: str, flag: str, form: str):
         raise UsageError(f"{flag} {target}: give PATH.py:fn, a function called as {form}")
     if not Path(path_text).is_file():
         raise UsageError(f"{flag} {target}: file {path_text!r} not found (relative to {os.getcwd()})")
-    module = _import_file(Path(path_text))
+    module = _import_file(Path(path_text), f"the {flag} file")
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(n for n, v in vars(module).items()

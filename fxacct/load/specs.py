@@ -69,7 +69,7 @@ class OptimizerSpec:
         if key in OPTIMIZERS:
             cls = OPTIMIZERS[key]
         elif ":" in self.name:
-            cls, _ = resolve(self.name)
+            cls, _ = resolve(self.name, torch.optim.Optimizer, "--optimizer")
             if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
                 raise UsageError(f"{self.name} is not a torch.optim.Optimizer subclass")
         else:
