@@ -124,9 +124,13 @@ def _pipeline(config: Config, build=profile_pipeline) -> Profile:
         par, mesh=config.mesh, pipeline=pipe, rows=pipe.stages[0].collectives)
     prof = replace(first, config=config, parallel=par,
                    model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
-    # no allocator replay of the schedule's order yet: stage 0's one micro-batch is not what a rank reserves
-    prof = replace(prof, memory=replace(prof.memory, reserved=None))
-    return _fitted_rank(prof, pipe.peak_bytes, "pipeline_peak_bytes")
+    # stage 0's one micro-batch is not what a rank reserves: on a CUDA target the schedule's whole step
+    # replayed through the allocator is, on the rank that needs the most of its GPU
+    reserved = pipe.largest_reserved
+    prof = replace(prof, memory=replace(prof.memory, reserved=reserved))
+    if reserved is None:
+        return _fitted_rank(prof, pipe.peak_bytes, "pipeline_peak_bytes")
+    return _fitted_rank(prof, reserved.fit_bytes, "peak_reserved_bytes + fixed (the largest rank's step)")
 
 
 def _checkpoint_whatif(model, args, kwargs, config: Config, prof: Profile, inputs_for) -> CheckpointWhatIf:

@@ -105,6 +105,10 @@ def test_pipeline_screen_is_exact_in_flops_and_a_lower_bound_in_peak():
     assert got.model_flops == full.model_flops
     assert got.peak_bytes <= full.peak_bytes
     assert got.bubble_fraction == full.bubble_fraction
+    # what a rank needs of the GPU: the screen's is its peak plus the fixed costs (400 MiB of CUDA
+    # context, NCCL's buffers for the pp and fsdp groups), below the full replay through the allocator
+    assert got.fixed_bytes == full.fixed_bytes == (400 + 2 * 8) * 2**20
+    assert got.fit_bytes == got.peak_bytes + got.fixed_bytes <= full.fit_bytes
 
 
 def test_pruned_layouts_are_counted_and_truly_over(monkeypatch):

@@ -119,11 +119,21 @@ def communicators(mesh) -> int:
 def reserved_account(life: Lifetimes, gpu: str, capacity: int, conf: AllocConf, streams=None, shards=None,
                      extra=None, comms: int = 0) -> ReservedAccount:
     """Replay one rank's step on ``gpu`` (a fxacct.devices key) of ``capacity`` bytes."""
-    fixed = fixed_costs(gpu, comms)
-    room = capacity - sum(f.bytes for f in fixed if not f.inside_reserved)
-    allocator = CachingAllocator(conf, room)
+    allocator, fixed = rank_allocator(gpu, capacity, conf, comms)
     for event in step_events(life, streams, shards, extra, cublas_workspace_bytes(gpu)):
         allocator.apply(event)
+    return replayed(allocator, fixed, conf)
+
+
+def rank_allocator(gpu: str, capacity: int, conf: AllocConf, comms: int = 0) -> tuple[CachingAllocator, tuple]:
+    """(a caching allocator with what the GPU leaves it, the rank's fixed costs): the capacity less
+    the fixed lines outside the allocator (the CUDA context, NCCL's buffers for ``comms`` groups)."""
+    fixed = fixed_costs(gpu, comms)
+    return CachingAllocator(conf, capacity - sum(f.bytes for f in fixed if not f.inside_reserved)), fixed
+
+
+def replayed(allocator: CachingAllocator, fixed: tuple, conf: AllocConf) -> ReservedAccount:
+    """The ReservedAccount of a replay that has run (rank_allocator's, its events applied)."""
     r = allocator.result()
     return ReservedAccount(r.peak_reserved_bytes, r.peak_allocated_bytes, r.reserved_at_peak, conf.text,
                            conf.expandable_segments, fixed, math.floor(allocator.capacity), r.alloc_retries,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxacct.load.mesh import MeshSpec
+from fxacct.memory.reserved import ReservedAccount
 from fxacct.parallel.collectives import CollectiveNode, CollectiveRow
 from fxacct.parallel.timing import ParallelTime, Throughput
 from fxacct.step import Profile
@@ -23,6 +24,8 @@ class StageAccount:
     sends: int = 0  # per step: send ops (one per tensor per micro-batch)
     recvs: int = 0
     collectives: tuple = ()  # CollectiveRow of one step on the rest of the mesh (pipeline_collectives)
+    # on a CUDA target: the same step through the caching allocator (fxacct.memory.reserved), else None
+    reserved: ReservedAccount | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,13 @@ class PipelineAccount:
     def peak_bytes(self) -> int:
         """The largest rank's peak over the whole step (its in-flight micro-batches included)."""
         return max(s.peak_bytes for s in self.stages)
+
+    @property
+    def largest_reserved(self) -> ReservedAccount | None:
+        """On a CUDA target, the ReservedAccount of the rank that needs the most of its GPU (reserved
+        at its peak plus the fixed costs outside the allocator), else None."""
+        accounts = [s.reserved for s in self.stages if s.reserved is not None]
+        return max(accounts, key=lambda r: r.fit_bytes) if accounts else None
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fxacct.devices import get_device
 from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import without_pp
 from fxacct.load.model_spec import call_user, check_call, resolve_function
 from fxacct.load.source import load_model
+from fxacct.memory.fixed import cublas_workspace_bytes, device_key
+from fxacct.memory.reserved import communicators, fsdp_streams, rank_allocator, replayed
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.pipeline_collectives import rank_rows
-from fxacct.parallel.pipeline_memory import LocalStage, stage_peak
+from fxacct.parallel.pipeline_memory import AllocatorMirror, LocalStage, stage_peak
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate, step_seconds
 from fxacct.parallel.pipeline_shape import same_figures, stage_shape
 from fxacct.parallel.pipeline_split import (
@@ -202,7 +205,7 @@ def assemble(config, profs: list, received: list[list[StageInput]], ranks: int, 
     ``m`` micro-batches and ``v`` stages per rank: each rank's peak, collectives and traffic."""
     orders = simulate(config.pp_schedule, ranks, m, v)
     flows = [traffic(received, s) for s in range(len(profs))]
-    accounts = tuple(_rank_account(profs, flows, r, ranks, m, orders[r], config.pp_schedule) for r in range(ranks))
+    accounts = tuple(_rank_account(config, profs, flows, r, ranks, m, orders[r]) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
     return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, model_class,
                            _step_seconds(config, profs, ranks, m, v))
@@ -255,16 +258,25 @@ def _profile_stage(config, s: int, stages: int, points, args, kwargs, loader=loa
     return account_step(cfg, OneDevice(model, args, kwargs))
 
 
-def _rank_account(profs, flows: list[Traffic], r: int, ranks: int, m: int, order, schedule: str) -> StageAccount:
-    """Rank r's stages r, r + P, ...: their peak replayed together, their sends and receives."""
+def _rank_account(config, profs, flows: list[Traffic], r: int, ranks: int, m: int, order) -> StageAccount:
+    """Rank r's stages r, r + P, ...: their peak replayed together (on a CUDA target through the
+    caching allocator as well), their sends and receives."""
     local, mine = {}, []
     for s in range(r, len(profs), ranks):
         par = profs[s].parallel
         local[s] = LocalStage(profs[s].capture, s == len(profs) - 1, flows[s].grad_recv_bytes,
                               par.resizes if par is not None else ())
         mine.append(flows[s])
-    peak = stage_peak(local, order.actions, m, releases(schedule, order.actions, ranks, r, m))
+    mirror = None
+    if config.gpu is not None:  # a rank joins a process group for each mesh dimension, pp's included
+        gpu = device_key(config.gpu)
+        allocator, fixed = rank_allocator(gpu, get_device(config.gpu).capacity_reported, config.allocator_conf(),
+                                          communicators(config.mesh))
+        mirror = AllocatorMirror(allocator, {s: fsdp_streams(st.capture.graph) for s, st in local.items()},
+                                 cublas_workspace_bytes(gpu))
+    peak = stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m), mirror)
     collectives = rank_rows({s: profs[s].parallel for s in local}, order.actions, m)
     return StageAccount(r, profs[r], order.in_flight, peak, m * sum(f.send_bytes for f in mine),
                         m * sum(f.recv_bytes for f in mine), tuple(local), m * sum(f.sends for f in mine),
-                        m * sum(f.recvs for f in mine), collectives)
+                        m * sum(f.recvs for f in mine), collectives,
+                        replayed(mirror.allocator, fixed, config.allocator_conf()) if mirror else None)

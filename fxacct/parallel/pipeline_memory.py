@@ -30,6 +30,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+from fxacct.memory.allocator_rules import DEFAULT_STREAM, Free, Malloc
 from fxacct.memory.peak import INPUTS, lifetimes
 from fxacct.parallel.pipeline_fsdp import Gathered, fsdp_stage
 from fxacct.trace.capture import Capture
@@ -70,8 +71,11 @@ class _Prepared:
 
     def __init__(self, st: LocalStage, microbatches: int):
         life = lifetimes(st.capture)
-        self.resident = sum(b * (microbatches if c == INPUTS else 1) for c, b in life.resident)
-        self.resident += microbatches * st.grad_recv_bytes
+        # one block each: a stage's input is one buffer of all M micro-batches (the first stage's
+        # batch, its micro-batches views of it) or one receive buffer per micro-batch (a later stage's)
+        self.resident_blocks = [b * (microbatches if c == INPUTS else 1) for c, b in life.resident]
+        self.resident_blocks += [st.grad_recv_bytes] * microbatches if st.grad_recv_bytes else []
+        self.resident = sum(self.resident_blocks)
         self.ops, born = _storages_born(st.capture, life)
         phases = [trace_of(n).phase for n in self.ops]
         self.out_sids, self.in_grads = st.capture.output_storages, _input_grad_storages(st.capture)
@@ -92,12 +96,15 @@ class _Prepared:
             self.skipped |= self.fsdp.region_ops
 
 
-def stage_peak(stages: dict, actions, microbatches: int, releases) -> int:
+def stage_peak(stages: dict, actions, microbatches: int, releases, allocator=None) -> int:
     """A rank's peak live bytes over one step of ``actions`` ((kind, stage, micro-batch)) on its
     ``stages`` (stage index -> LocalStage; module docstring); ``releases``: (output, input
-    gradient) of each (stage, micro-batch) -> the action index after which it is freed."""
+    gradient) of each (stage, micro-batch) -> the action index after which it is freed.
+    ``allocator`` (an AllocatorMirror): sent every allocation and free, in the same order."""
     prep = {k: _Prepared(st, microbatches) for k, st in stages.items()}
-    walk = _Walk(sum(p.resident for p in prep.values()))
+    walk = _Walk(sum(p.resident for p in prep.values()), allocator)
+    if allocator is not None:
+        allocator.resident([b for p in prep.values() for b in p.resident_blocks])
     freed_after: dict[int, list] = {}
     for (st, mb), a in releases[0].items():
         if not stages[st].last:
@@ -149,23 +156,60 @@ def _node_ends(ops, bwd) -> dict[int, int]:
     return ends
 
 
-class _Walk:
-    """Live bytes over the replayed ops: (storage, micro-batch) -> bytes, and the peak."""
+class AllocatorMirror:
+    """The walk's allocations and frees sent to a CUDA caching allocator replay
+    (fxacct.memory.allocator.CachingAllocator, its ``apply``), each on the stream its stage's
+    trace puts it on (fxacct.memory.reserved.fsdp_streams, per stage)."""
 
-    def __init__(self, resident: int):
+    def __init__(self, allocator, streams: dict[int, dict[int, str]], workspace: int = 0):
+        self.allocator, self.streams = allocator, streams
+        if workspace:  # the cuBLAS workspace, allocated through the allocator (fxacct.memory.fixed)
+            allocator.apply(Malloc(("cublas", DEFAULT_STREAM), workspace))
+
+    def resident(self, blocks: list[int]) -> None:
+        for i, nbytes in enumerate(blocks):
+            if nbytes:
+                self.allocator.apply(Malloc(("resident", i), nbytes))
+
+    def malloc(self, key, nbytes: int) -> None:
+        if nbytes:  # key: (storage, (stage, micro-batch or a tag)), or a transient's own
+            stage = key[1][0] if isinstance(key[1], tuple) else None
+            self.allocator.apply(Malloc(key, nbytes, self.streams.get(stage, {}).get(key[0], DEFAULT_STREAM)))
+
+    def free(self, key, nbytes: int) -> None:
+        if nbytes:
+            self.allocator.apply(Free(key))
+
+
+class _Walk:
+    """Live bytes over the replayed ops: (storage, micro-batch) -> bytes, and the peak; an
+    AllocatorMirror, if given, sees each allocation and free."""
+
+    def __init__(self, resident: int, allocator: AllocatorMirror | None = None):
         self.live = self.peak = resident
         self.held: dict[tuple, int] = {}
         self.dies: dict[tuple[int, int], list] = {}  # (op, micro-batch) -> keys freed after it
+        self.allocator = allocator
 
     def note(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.live + extra)
+        if extra and self.allocator is not None:  # a transient beside what is live (the outputs' torch.cat)
+            self.allocator.malloc(("transient", ("note",)), extra)
+            self.allocator.free(("transient", ("note",)), extra)
 
     def free(self, sid, mb) -> None:
-        self.live -= self.held.pop((sid, mb), 0)
+        nbytes = self.held.pop((sid, mb), 0)
+        self.live -= nbytes
+        if self.allocator is not None:
+            self.allocator.free((sid, mb), nbytes)
 
     def hold(self, key, nbytes: int) -> None:
+        if key in self.held:  # held again: the block it had is given back first
+            self.free(*key)
         self.held[key] = nbytes
         self.live += nbytes
+        if self.allocator is not None:
+            self.allocator.malloc(key, nbytes)
 
     def run(self, op_indices, births, mb, keep=frozenset(), skipped=frozenset(), transient=None, fsdp=None,
             forward=True):

@@ -28,7 +28,10 @@ def pipeline_json(pipe) -> dict:
                         "params": s.profile.accounting.totals.params, "param_bytes": s.profile.accounting.totals.param_bytes,
                         "forward_flops": s.profile.accounting.totals.forward.total,
                         "backward_flops": s.profile.accounting.totals.backward.total,
-                        "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes, "sends": s.sends, "recvs": s.recvs}
+                        "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes, "sends": s.sends, "recvs": s.recvs,
+                        # on a CUDA target: the rank's step through the caching allocator, plus the fixed costs
+                        "peak_reserved_bytes": s.reserved.peak_reserved_bytes if s.reserved is not None else None,
+                        "fit_bytes": s.reserved.fit_bytes if s.reserved is not None else None}
                        for s in pipe.stages]}
 
 

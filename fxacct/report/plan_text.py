@@ -9,7 +9,7 @@ from fxacct.units import format_bytes
 HEADERS = ["#", "mesh", "mb", "×mb", "ckpt", "mem/GPU", "step ms", "tokens/s", "MFU", "from", "verdict"]
 LEGEND = ("mb: micro-batch per rank; ×mb: micro-batches per step; ckpt job: the job's own checkpointing; mem/GPU: "
           "what a rank needs, as fxacct check --gpu judges it (the allocator's reserved peak plus the CUDA context "
-          "and NCCL's buffers; under pp the largest stage's peak); tokens/s: the job's; from: a full trace or the "
+          "and NCCL's buffers; under pp the largest rank's); tokens/s: the job's; from: a full trace or the "
           "screen (two short traces, extrapolated)")
 SOURCES = {"traced": "trace", "screen": "screen", "-": "-"}
 PLAN_SCHEMA = "fxacct.plan/1"

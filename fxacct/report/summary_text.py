@@ -91,8 +91,10 @@ def _pipeline_memory(label: str, text: str, p: Profile, pipe) -> str:
                 f"flight); the largest rank's {format_bytes(worst)}; one micro-batch of stage 0: "
                 f"{format_bytes(p.memory.rank_peak.bytes)}")
     if label == "fit" and p.memory.fit is not None:
-        f = p.memory.fit
-        return f"{fit_verdict(f.capacity_bytes - worst)} of {format_bytes(f.capacity_bytes)} on {f.gpu} (the largest rank's peak)"
+        f = p.memory.fit  # the largest rank's step through the allocator on a CUDA target (fxacct.api._pipeline)
+        what = f"the largest rank's peak reserved + fixed {format_bytes(f.peak_bytes)}" \
+            if p.memory.reserved is not None else "the largest rank's peak"
+        return f"{fit_verdict(f.headroom_bytes)} of {format_bytes(f.capacity_bytes)} on {f.gpu} ({what})"
     return text
 
 

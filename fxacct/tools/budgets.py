@@ -110,6 +110,8 @@ def _rank_peak(profile: Profile) -> tuple[int, str]:
     --shard or --mesh), or the inference peak of a model that does not train."""
     c, m, par = profile.config, profile.memory, profile.parallel
     if par is not None and par.pipeline is not None:
+        if m.reserved is not None:  # the schedule's step through the allocator (fxacct.api._pipeline)
+            return m.reserved.fit_bytes, "peak_reserved_bytes + fixed (the largest rank's step)"
         return par.pipeline.peak_bytes, "pipeline_peak_bytes (the largest rank's step)"
     shared = f" ({c.shard} over {c.world_size})" if c.shard != "none" else f" (--mesh {par.mesh})" if par else ""
     if m.reserved is not None:

@@ -52,8 +52,8 @@ class Candidate:
     # pp summed over the pipeline's stages (one replica of the model); None where nothing was traced
     model_flops: int | None = None
     # what a rank needs of the GPU, as `fxacct check --gpu` judges it and as the layout is judged here:
-    # the allocator's reserved peak plus the fixed costs outside it (Point.fit_bytes; a lower bound
-    # from the screen), under pp the largest stage's peak as check takes it
+    # the allocator's reserved peak plus the fixed costs outside it (Point.fit_bytes, PipePoint's for
+    # the largest rank of a pipeline; a lower bound from the screen)
     fit_bytes: int | None = None
 
     @property
@@ -200,8 +200,7 @@ class Planner:
         # slowest micro-step for GPipe and 1F1B), then one optimizer step, the slowest rank's
         step = max(a * (s - o) for s, o in zip(pipe.step_s, pipe.optimizer_s)) / (1 - pipe.bubble_fraction) + \
             max(pipe.optimizer_s)
-        # fxacct check judges a pipeline by its largest stage's peak (fxacct.tools.budgets): so is it here
-        return self._judge(lay, (pipe.peak_bytes, pipe.peak_bytes), step, pipe.tokens_per_example,
+        return self._judge(lay, (pipe.peak_bytes, pipe.fit_bytes), step, pipe.tokens_per_example,
                            a * sum(pipe.model_flops), source, len(pipe.model_flops))
 
     def _judge(self, lay, memory: tuple[int, int], step_s: float, tokens: int, flops: int, source: str,

@@ -74,6 +74,10 @@ class PipePoint:
     tokens_per_example: int
     bubble_fraction: float  # the schedule's: the same at any block count
     timed: bool  # every stage carries a mesh time (pp with fsdp or tp)
+    # what the largest rank needs of its GPU: its step through the caching allocator plus the fixed
+    # costs outside it (PipelineAccount.largest_reserved; from the screen a lower bound, as Point's)
+    fit_bytes: int = 0
+    fixed_bytes: int = 0
 
 
 def pipe_point(pipe) -> PipePoint:
@@ -81,9 +85,12 @@ def pipe_point(pipe) -> PipePoint:
     stages = pipe.stages
     timed = all(s.profile.parallel is not None and s.profile.parallel.time is not None for s in stages)
     times = [s.profile.parallel.time for s in stages] if timed else []
+    reserved = pipe.largest_reserved
     return PipePoint(pipe.peak_bytes, tuple(t.step_s for t in times), tuple(t.optimizer_s for t in times),
                      tuple(s.profile.accounting.totals.model_flops for s in stages),
-                     stages[0].profile.accounting.totals.tokens_per_example or 0, pipe.bubble_fraction, timed)
+                     stages[0].profile.accounting.totals.tokens_per_example or 0, pipe.bubble_fraction, timed,
+                     reserved.fit_bytes if reserved is not None else pipe.peak_bytes,
+                     reserved.fixed_outside_bytes if reserved is not None else 0)
 
 
 def _line(a, b, n: int):
@@ -96,15 +103,14 @@ def _line(a, b, n: int):
 def extrapolate(a, b, k: int, blocks: int):
     """f(blocks) from f(k) = a and f(k + 1) = b (the rule of the module docstring), for a Point,
     or a PipePoint with ``blocks`` and k per stage (its schedule's figures are the same at any k)."""
-    keep = {"tokens_per_example", "bubble_fraction", "timed"} if isinstance(a, PipePoint) else {"fixed_bytes"}
+    keep = {"tokens_per_example", "bubble_fraction", "timed", "fixed_bytes"} if isinstance(a, PipePoint) \
+        else {"fixed_bytes"}
     got = type(a)(**{f.name: getattr(a, f.name) if f.name in keep else
                      _line(getattr(a, f.name), getattr(b, f.name), blocks - k) for f in fields(a)})
-    if isinstance(got, Point):
-        # reserved bytes round to the allocator's blocks and segments, which no line through two
-        # traces extrapolates; reserved is at least what is allocated, which is at least the
-        # tensors' bytes at their peak: the extrapolated peak plus the fixed costs is a lower bound
-        got = replace(got, fit_bytes=got.peak_bytes + got.fixed_bytes)
-    return got
+    # reserved bytes round to the allocator's blocks and segments, which no line through two traces
+    # extrapolates; reserved is at least what is allocated, which is at least the tensors' bytes at
+    # their peak: the extrapolated peak plus the fixed costs is a lower bound
+    return replace(got, fit_bytes=got.peak_bytes + got.fixed_bytes)
 
 
 def block_container(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]] | None:

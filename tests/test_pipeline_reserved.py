@@ -1,0 +1,114 @@
+"""--mesh pp=P on a CUDA target: each rank's whole step, in the schedule's order, replayed through
+the caching allocator (fxacct.parallel.pipeline_memory.AllocatorMirror), and the fit, the JSON,
+``fxacct check`` and ``fxacct plan`` judging the rank that needs the most of its GPU.
+
+Oracles: the allocator's allocated bytes against an independent count of the same walk's blocks
+rounded as CUDACachingAllocator.cpp's round_size rounds them (kMinBlockSize 512; every tensor of
+this small Llama is under 1 MiB, so each lives in a small-pool block of exactly that size, and the
+32 MiB cuBLAS workspace in a large block of exactly 32 MiB); the fixed costs from their sourced
+constants (400 MiB of CUDA context, 8 MiB of NCCL buffers per communicator: one per mesh
+dimension, pp's included)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from helpers import target
+
+import fxacct
+from fxacct.parallel import pipeline_memory
+from fxacct.tools.plan import plan
+from fxacct_cli.main import cli
+
+MiB = 2**20
+SPLIT = "examples/llama.py:pipeline_stage"
+PARALLELIZE = "examples/llama.py:parallelize"
+
+
+def _config(mesh="pp=2,fsdp=2", schedule="1f1b", gpu="h100", microbatches=2):
+    """examples/llama.py at 4 blocks, micro-batch 1, two micro-batches a step."""
+    return fxacct.Config(target=target("examples/llama.py:Llama"), batch=1, kwargs={"n_layers": 4}, mesh=mesh,
+                         parallelize=target(PARALLELIZE) if "fsdp" in mesh else None, pp_split=target(SPLIT),
+                         microbatches=microbatches, pp_schedule=schedule, gpu=gpu, find_max_batch=False)
+
+
+class _RoundedBlocks:
+    """The walk's allocations counted as the allocator rounds them: max(512, ⌈size / 512⌉ · 512)."""
+
+    def __init__(self):
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _add(self, key, nbytes):
+        size = max(512, -(-nbytes // 512) * 512)
+        self.live[key] = size
+        self.now += size
+        self.peak = max(self.peak, self.now)
+
+    def resident(self, blocks):
+        for i, nbytes in enumerate(blocks):
+            if nbytes:
+                self._add(("resident", i), nbytes)
+
+    def malloc(self, key, nbytes):
+        if nbytes:
+            self._add(key, nbytes)
+
+    def free(self, key, nbytes):
+        if nbytes:
+            self.now -= self.live.pop(key)
+
+
+@pytest.mark.parametrize("mesh,schedule", [("pp=2,fsdp=2", "1f1b"), ("pp=2", "gpipe"),
+                                           ("pp=2,fsdp=2", "interleaved-1f1b")])
+def test_each_rank_is_replayed_through_the_allocator(monkeypatch, mesh, schedule):
+    counts = []
+
+    def counted(stages, actions, microbatches, releases, allocator=None):
+        oracle = _RoundedBlocks()
+        peak = original(stages, actions, microbatches, releases, oracle)
+        assert original(stages, actions, microbatches, releases, allocator) == peak  # the mirror changes no peak
+        counts.append(oracle.peak)
+        return peak
+
+    original = pipeline_memory.stage_peak
+    monkeypatch.setattr("fxacct.parallel.pipeline.stage_peak", counted)
+    pipe = fxacct.profile(_config(mesh, schedule)).parallel.pipeline
+    assert len(counts) == len(pipe.stages) == 2
+    for stage, blocks in zip(pipe.stages, counts):
+        r = stage.reserved
+        assert r.peak_allocated_bytes == blocks + 32 * MiB  # the cuBLAS workspace (compute capability 9.0)
+        assert blocks >= stage.peak_bytes  # rounding only adds
+        assert r.peak_reserved_bytes >= r.peak_allocated_bytes and r.peak_reserved_bytes % (2 * MiB) == 0
+        dims = mesh.count("=")
+        assert r.fixed_outside_bytes == 400 * MiB + dims * 8 * MiB
+        assert r.fit_bytes == r.peak_reserved_bytes + r.fixed_outside_bytes
+    assert pipe.largest_reserved.fit_bytes == max(s.reserved.fit_bytes for s in pipe.stages)
+
+
+def test_profile_check_and_plan_judge_the_rank_that_needs_most():
+    """The fit, JSON's memory.reserved and fit, fxacct check's memory budget and fxacct plan's row of
+    the same layout all carry the largest rank's reserved + fixed; without --gpu the op-level peak."""
+    prof = fxacct.profile(_config())
+    need = prof.parallel.pipeline.largest_reserved.fit_bytes
+    assert prof.memory.reserved.fit_bytes == prof.memory.fit.peak_bytes == need
+    assert prof.memory.fit.basis == "peak_reserved_bytes + fixed (the largest rank's step)"
+    assert need > prof.parallel.pipeline.peak_bytes + 400 * MiB
+    args = ["examples/llama.py:Llama", "-k", "n_layers=4", "--batch", "1", "--mesh", "pp=2,fsdp=2", "--parallelize",
+            PARALLELIZE, "--pp-split", SPLIT, "--microbatches", "2", "--gpu", "h100"]
+    doc = json.loads(CliRunner().invoke(cli, ["profile", *args, "--format", "json"]).stdout)
+    assert doc["memory"]["reserved"]["fit_bytes"] == doc["memory"]["fit"]["peak_bytes"] == need
+    r = CliRunner().invoke(cli, ["check", *args, "--format", "json"])
+    assert r.exit_code == 0, r.output
+    memory = [b for b in json.loads(r.stdout)["budgets"] if b["name"] == "memory"]
+    assert memory and memory[0]["value"] == need and "largest rank" in memory[0]["figure"]
+    base = fxacct.Config(target=target("examples/llama.py:Llama"), kwargs={"n_layers": 4}, mesh="fsdp=4", gpu="h100",
+                         parallelize=target(PARALLELIZE), pp_split=target(SPLIT), find_max_batch=False)
+    # 4 GPUs, global batch 4: pp=2,fsdp=2 has 2 examples a rank, micro-batch 1 in 2 micro-batches
+    row = [c for c in plan(base, 4, 4, confirm_top=0).candidates if c.mesh == "pp=2,fsdp=2" and c.micro_batch == 1
+           and c.layout.accumulation == 2 and c.layout.checkpoint is False]
+    assert row and row[0].fit_bytes == need and row[0].peak_bytes == prof.parallel.pipeline.peak_bytes
+    cpu = fxacct.profile(_config(gpu=None))
+    assert cpu.memory.reserved is None and cpu.memory.fit is None
+    assert all(s.reserved is None for s in cpu.parallel.pipeline.stages)
