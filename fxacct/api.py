@@ -117,7 +117,7 @@ def _pipeline(config: Config, build=profile_pipeline) -> Profile:
     """--mesh pp=P: stage 0's Profile (one micro-batch), carrying every rank's (PipelineAccount, from
     ``build``: fxacct's own stages, or a torchtitan job's); the fit holds the largest rank's peak over
     the whole step."""
-    pipe = build(config)
+    pipe = build(config).with_reserved()  # on a CUDA target each rank's step through the allocator
     first = pipe.stages[0].profile
     par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
     par = ParallelAccount(config.mesh, 0, (), (), pipeline=pipe) if par is None else replace(

@@ -66,18 +66,21 @@ def test_each_rank_is_replayed_through_the_allocator(monkeypatch, mesh, schedule
     counts = []
 
     def counted(stages, actions, microbatches, releases, allocator=None):
+        if allocator is None:  # the op-level walk of the account
+            return original(stages, actions, microbatches, releases)
         oracle = _RoundedBlocks()
         peak = original(stages, actions, microbatches, releases, oracle)
         assert original(stages, actions, microbatches, releases, allocator) == peak  # the mirror changes no peak
-        counts.append(oracle.peak)
+        counts.append((oracle.peak, peak))
         return peak
 
     original = pipeline_memory.stage_peak
     monkeypatch.setattr("fxacct.parallel.pipeline.stage_peak", counted)
     pipe = fxacct.profile(_config(mesh, schedule)).parallel.pipeline
     assert len(counts) == len(pipe.stages) == 2
-    for stage, blocks in zip(pipe.stages, counts):
+    for stage, (blocks, peak) in zip(pipe.stages, counts):
         r = stage.reserved
+        assert peak == stage.peak_bytes  # the walk again, as the account walked it
         assert r.peak_allocated_bytes == blocks + 32 * MiB  # the cuBLAS workspace (compute capability 9.0)
         assert blocks >= stage.peak_bytes  # rounding only adds
         assert r.peak_reserved_bytes >= r.peak_allocated_bytes and r.peak_reserved_bytes % (2 * MiB) == 0
@@ -112,3 +115,33 @@ def test_profile_check_and_plan_judge_the_rank_that_needs_most():
     cpu = fxacct.profile(_config(gpu=None))
     assert cpu.memory.reserved is None and cpu.memory.fit is None
     assert all(s.reserved is None for s in cpu.parallel.pipeline.stages)
+
+
+def test_plan_replays_no_pipeline_already_over_at_its_peak(monkeypatch):
+    """A full pipeline trace whose peak plus fixed costs is over the GPU is rejected on that lower
+    bound ("at least"), with no replay through the allocator; one under it is replayed."""
+    from dataclasses import replace
+
+    from fxacct import devices
+    from fxacct.parallel import pipeline
+
+    pipe = fxacct.profile(_config()).parallel.pipeline
+    bound = pipe.peak_bytes + pipe.fixed_outside_bytes
+    assert pipe.fixed_outside_bytes == (400 + 2 * 8) * MiB
+    replayed = []
+    original = pipeline._rank_reserved
+
+    def noted(config, *args):
+        replayed.append((str(config.mesh), config.batch, config.microbatches, bool(config.checkpoint)))
+        return original(config, *args)
+
+    monkeypatch.setattr(pipeline, "_rank_reserved", noted)
+    monkeypatch.setitem(devices.DEVICES, "h100", replace(devices.DEVICES["h100"], capacity_reported=bound - 1))
+    base = fxacct.Config(target=target("examples/llama.py:Llama"), kwargs={"n_layers": 4}, mesh="fsdp=4", gpu="h100",
+                         parallelize=target(PARALLELIZE), pp_split=target(SPLIT), find_max_batch=False)
+    cands = plan(base, 4, 4, confirm_top=0).candidates
+    row = [c for c in cands if c.mesh == "pp=2,fsdp=2" and c.micro_batch == 1 and c.layout.accumulation == 2
+           and c.layout.checkpoint is False]
+    assert row and row[0].rejected == "over memory by at least 1 B (1.00×)" and row[0].fit_bytes == bound
+    assert ("pp=2,fsdp=2", 1, 2, False) not in replayed
+    assert ("pp=2,fsdp=2", 1, 2, True) in replayed  # checkpointing on: a lower peak, under the bound, replayed

@@ -3,7 +3,8 @@ pp, every rank's stages (PipelineAccount)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from fxacct.load.mesh import MeshSpec
 from fxacct.memory.reserved import ReservedAccount
@@ -40,16 +41,26 @@ class PipelineAccount:
     # micro-batch (forward with the loss, backward) and then the slowest rank's optimizer step;
     # sends, receives and the collectives inside a stage are not on it
     step_s: float | None = None
+    # on a CUDA target: the fixed costs outside the caching allocator on each rank (the CUDA context,
+    # NCCL's buffers), and what replays every rank's step through the allocator (with_reserved)
+    fixed_outside_bytes: int = 0
+    replay: Callable[[], tuple[ReservedAccount, ...]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak_bytes(self) -> int:
         """The largest rank's peak over the whole step (its in-flight micro-batches included)."""
         return max(s.peak_bytes for s in self.stages)
 
+    def with_reserved(self) -> PipelineAccount:
+        """Each rank's StageAccount with its ReservedAccount (on a CUDA target; else as it is)."""
+        if self.replay is None or all(s.reserved is not None for s in self.stages):
+            return self
+        return replace(self, stages=tuple(replace(s, reserved=r) for s, r in zip(self.stages, self.replay())))
+
     @property
     def largest_reserved(self) -> ReservedAccount | None:
-        """On a CUDA target, the ReservedAccount of the rank that needs the most of its GPU (reserved
-        at its peak plus the fixed costs outside the allocator), else None."""
+        """After with_reserved on a CUDA target, the ReservedAccount of the rank that needs the most of
+        its GPU (reserved at its peak plus the fixed costs outside the allocator), else None."""
         accounts = [s.reserved for s in self.stages if s.reserved is not None]
         return max(accounts, key=lambda r: r.fit_bytes) if accounts else None
 

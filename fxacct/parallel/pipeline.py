@@ -31,8 +31,8 @@ from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import without_pp
 from fxacct.load.model_spec import call_user, check_call, resolve_function
 from fxacct.load.source import load_model
-from fxacct.memory.fixed import cublas_workspace_bytes, device_key
-from fxacct.memory.reserved import communicators, fsdp_streams, rank_allocator, replayed
+from fxacct.memory.fixed import cublas_workspace_bytes, device_key, fixed_costs
+from fxacct.memory.reserved import ReservedAccount, communicators, fsdp_streams, rank_allocator, replayed
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.pipeline_collectives import rank_rows
@@ -202,13 +202,23 @@ def assemble(config, profs: list, received: list[list[StageInput]], ranks: int, 
              model_class: str) -> PipelineAccount:
     """The PipelineAccount of stages traced for one micro-batch each (``profs``, in stage order;
     ``received``: what each stage receives), run by ``config.pp_schedule`` over ``ranks`` ranks with
-    ``m`` micro-batches and ``v`` stages per rank: each rank's peak, collectives and traffic."""
+    ``m`` micro-batches and ``v`` stages per rank: each rank's peak, collectives and traffic, and
+    on a CUDA target what replays each rank's step through the caching allocator
+    (PipelineAccount.with_reserved: a layout's screen or one over memory at its peak needs none)."""
     orders = simulate(config.pp_schedule, ranks, m, v)
     flows = [traffic(received, s) for s in range(len(profs))]
-    accounts = tuple(_rank_account(config, profs, flows, r, ranks, m, orders[r]) for r in range(ranks))
+    local = [_local_stages(profs, flows, r, ranks) for r in range(ranks)]
+    accounts = tuple(_rank_account(config, profs, flows, local[r], r, ranks, m, orders[r]) for r in range(ranks))
     bubble = max(1 - o.busy / o.span for o in orders)
+    replay, fixed = None, 0
+    if config.gpu is not None:
+        fixed = sum(f.bytes for f in fixed_costs(device_key(config.gpu), communicators(config.mesh))
+                    if not f.inside_reserved)
+
+        def replay():
+            return tuple(_rank_reserved(config, local[r], orders[r], ranks, r, m) for r in range(ranks))
     return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, model_class,
-                           _step_seconds(config, profs, ranks, m, v))
+                           _step_seconds(config, profs, ranks, m, v), fixed, replay)
 
 
 def _step_seconds(config, profs, ranks: int, m: int, v: int) -> float | None:
@@ -258,25 +268,32 @@ def _profile_stage(config, s: int, stages: int, points, args, kwargs, loader=loa
     return account_step(cfg, OneDevice(model, args, kwargs))
 
 
-def _rank_account(config, profs, flows: list[Traffic], r: int, ranks: int, m: int, order) -> StageAccount:
-    """Rank r's stages r, r + P, ...: their peak replayed together (on a CUDA target through the
-    caching allocator as well), their sends and receives."""
-    local, mine = {}, []
+def _local_stages(profs, flows: list[Traffic], r: int, ranks: int) -> dict:
+    """Rank r's stages r, r + P, ...: stage index -> LocalStage."""
+    local = {}
     for s in range(r, len(profs), ranks):
         par = profs[s].parallel
         local[s] = LocalStage(profs[s].capture, s == len(profs) - 1, flows[s].grad_recv_bytes,
                               par.resizes if par is not None else ())
-        mine.append(flows[s])
-    mirror = None
-    if config.gpu is not None:  # a rank joins a process group for each mesh dimension, pp's included
-        gpu = device_key(config.gpu)
-        allocator, fixed = rank_allocator(gpu, get_device(config.gpu).capacity_reported, config.allocator_conf(),
-                                          communicators(config.mesh))
-        mirror = AllocatorMirror(allocator, {s: fsdp_streams(st.capture.graph) for s, st in local.items()},
-                                 cublas_workspace_bytes(gpu))
-    peak = stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m), mirror)
+    return local
+
+
+def _rank_account(config, profs, flows: list[Traffic], local: dict, r: int, ranks: int, m: int, order) -> StageAccount:
+    """Rank r's stages (``local``): their peak replayed together, their sends and receives."""
+    mine = [flows[s] for s in local]
+    peak = stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m))
     collectives = rank_rows({s: profs[s].parallel for s in local}, order.actions, m)
     return StageAccount(r, profs[r], order.in_flight, peak, m * sum(f.send_bytes for f in mine),
                         m * sum(f.recv_bytes for f in mine), tuple(local), m * sum(f.sends for f in mine),
-                        m * sum(f.recvs for f in mine), collectives,
-                        replayed(mirror.allocator, fixed, config.allocator_conf()) if mirror else None)
+                        m * sum(f.recvs for f in mine), collectives)
+
+
+def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> ReservedAccount:
+    """Rank r's step, walked again in the schedule's order, through the caching allocator of
+    config.gpu; the rank joins a process group for each mesh dimension, pp's included."""
+    gpu, conf = device_key(config.gpu), config.allocator_conf()
+    allocator, fixed = rank_allocator(gpu, get_device(config.gpu).capacity_reported, conf, communicators(config.mesh))
+    mirror = AllocatorMirror(allocator, {s: fsdp_streams(st.capture.graph) for s, st in local.items()},
+                             cublas_workspace_bytes(gpu))
+    stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m), mirror)
+    return replayed(allocator, fixed, conf)

@@ -140,10 +140,13 @@ class Planner:
 
     def _pipeline(self, cfg, loader) -> PipePoint:
         blocks = getattr(loader, "blocks", None)
+        # a full trace is replayed through the allocator unless over memory at its peak; a screen's never
+        capacity = self.capacity if loader is None else 0
         if self.titan:
-            return self._cached(cfg, ("pipe", None), lambda: pipe_point(profile_torchtitan_pipeline(cfg)))
+            return self._cached(cfg, ("pipe", None), lambda: pipe_point(profile_torchtitan_pipeline(cfg), capacity))
         return self._cached(cfg, ("pipe", blocks), lambda: pipe_point(
-            profile_pipeline(cfg, loader, reuse_stages=True) if loader else profile_pipeline(cfg, reuse_stages=True)))
+            profile_pipeline(cfg, loader, reuse_stages=True) if loader else profile_pipeline(cfg, reuse_stages=True),
+            capacity))
 
     def probe(self, lay: Layout, full: bool = False) -> Candidate:
         """The layout's account: screened, or ``full``: one trace of the whole model."""
@@ -201,17 +204,18 @@ class Planner:
         step = max(a * (s - o) for s, o in zip(pipe.step_s, pipe.optimizer_s)) / (1 - pipe.bubble_fraction) + \
             max(pipe.optimizer_s)
         return self._judge(lay, (pipe.peak_bytes, pipe.fit_bytes), step, pipe.tokens_per_example,
-                           a * sum(pipe.model_flops), source, len(pipe.model_flops))
+                           a * sum(pipe.model_flops), source, len(pipe.model_flops), pipe.fit_is_bound)
 
     def _judge(self, lay, memory: tuple[int, int], step_s: float, tokens: int, flops: int, source: str,
-               ranks: int = 1) -> Candidate:
-        """``memory``: (the peak, what the rank needs of the GPU: judged against its capacity);
-        ``flops``: the step's over ``ranks`` GPUs (a pipeline's stages), for MFU a GPU's share."""
+               ranks: int = 1, bound: bool = False) -> Candidate:
+        """``memory``: (the peak, what the rank needs of the GPU: judged against its capacity; a lower
+        bound from the screen, or where ``bound``); ``flops``: the step's over ``ranks`` GPUs (a
+        pipeline's stages), for MFU a GPU's share."""
         peak, need = memory
         c = Candidate(lay, peak, step_s, self.global_batch * tokens / step_s if tokens else None,
                       flops / ranks / step_s / self.peak_flops, source, model_flops=flops, fit_bytes=need)
         if need > self.capacity:
-            least = " at least" if source == "screen" else ""  # the screen's figure is a lower bound
+            least = " at least" if source == "screen" or bound else ""
             return replace(c, rejected=f"over memory by{least} {format_bytes(need - self.capacity)} "
                                        f"({need / self.capacity:.2f}×)", over_bytes=need - self.capacity)
         return c

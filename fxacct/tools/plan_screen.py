@@ -78,19 +78,26 @@ class PipePoint:
     # costs outside it (PipelineAccount.largest_reserved; from the screen a lower bound, as Point's)
     fit_bytes: int = 0
     fixed_bytes: int = 0
+    fit_is_bound: bool = False  # fit_bytes is the peak plus the fixed costs, a lower bound (pipe_point)
 
 
-def pipe_point(pipe) -> PipePoint:
-    """The figures of a PipelineAccount (with --gpu)."""
+def pipe_point(pipe, capacity: int | None = None) -> PipePoint:
+    """The figures of a PipelineAccount (with --gpu). What the largest rank needs of its GPU comes
+    from every rank's step replayed through the caching allocator, unless its lower bound, the peak
+    plus the fixed costs, is over ``capacity`` already (the replay can only add to it) or
+    ``capacity`` is 0 (a screen's trace: the screen takes the bound)."""
     stages = pipe.stages
     timed = all(s.profile.parallel is not None and s.profile.parallel.time is not None for s in stages)
     times = [s.profile.parallel.time for s in stages] if timed else []
-    reserved = pipe.largest_reserved
+    bound = pipe.peak_bytes + pipe.fixed_outside_bytes
+    reserved = None
+    if capacity is None or bound <= capacity:
+        reserved = pipe.with_reserved().largest_reserved
     return PipePoint(pipe.peak_bytes, tuple(t.step_s for t in times), tuple(t.optimizer_s for t in times),
                      tuple(s.profile.accounting.totals.model_flops for s in stages),
                      stages[0].profile.accounting.totals.tokens_per_example or 0, pipe.bubble_fraction, timed,
-                     reserved.fit_bytes if reserved is not None else pipe.peak_bytes,
-                     reserved.fixed_outside_bytes if reserved is not None else 0)
+                     reserved.fit_bytes if reserved is not None else bound, pipe.fixed_outside_bytes,
+                     reserved is None and pipe.replay is not None)
 
 
 def _line(a, b, n: int):
@@ -103,8 +110,8 @@ def _line(a, b, n: int):
 def extrapolate(a, b, k: int, blocks: int):
     """f(blocks) from f(k) = a and f(k + 1) = b (the rule of the module docstring), for a Point,
     or a PipePoint with ``blocks`` and k per stage (its schedule's figures are the same at any k)."""
-    keep = {"tokens_per_example", "bubble_fraction", "timed", "fixed_bytes"} if isinstance(a, PipePoint) \
-        else {"fixed_bytes"}
+    keep = {"tokens_per_example", "bubble_fraction", "timed", "fixed_bytes", "fit_is_bound"} \
+        if isinstance(a, PipePoint) else {"fixed_bytes"}
     got = type(a)(**{f.name: getattr(a, f.name) if f.name in keep else
                      _line(getattr(a, f.name), getattr(b, f.name), blocks - k) for f in fields(a)})
     # reserved bytes round to the allocator's blocks and segments, which no line through two traces

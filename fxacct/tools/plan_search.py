@@ -37,8 +37,9 @@ def _others(group: list[Layout], probed: dict) -> dict:
         if fit is not None and lay.micro_batch < fit:
             out[lay] = Candidate(lay, dominated=f"slower than mb {fit}")
         elif over is not None and lay.micro_batch > over.micro_batch:
+            least = over.source == "screen" or "at least" in over.rejected  # a lower bound
             out[lay] = Candidate(lay, rejected=f"over memory (mb {over.micro_batch} is, by "
-                                               f"{'≥ ' if over.source == 'screen' else ''}"
+                                               f"{'≥ ' if least else ''}"
                                                f"{format_bytes(over.over_bytes)})")
         elif failed is not None:
             out[lay] = Candidate(lay, rejected=f"as mb {failed.micro_batch}: {failed.rejected}")
