@@ -188,7 +188,8 @@ def _with_fit(memory, model, config: Config, inputs_for, cap: Capture) -> memory
     device = get_device(config.gpu)
     need = memory.fit_bytes  # reserved + fixed on a CUDA target (MemoryAccount.fit_bytes)
     max_batch, verified = None, False
-    if config.find_max_batch and inputs_for is not None:
+    # the search sizes a training step: a model of which nothing trains is fitted at its batch alone
+    if config.find_max_batch and inputs_for is not None and memory.rank_peak is not None:
         traces = {config.batch: TracedFit.of(cap, lifetimes(cap))}  # no graph kept: a fit reads none
         guess = LineGuess(lambda b, traced, life: fit_of(replace(config, batch=b), traces[traced], model, life)[0],
                           device.capacity_reported)

@@ -440,6 +440,8 @@ BAD_INPUTS = [
     ("missing-file", ["nope_missing.py:X"], 2, ["nope_missing.py", "not found", "path"], True),
     ("missing-file-in-dir", ["examples/nope.py:GPT"], 2, ["examples/nope.py", "not found"], True),
     ("no-colon", ["examples/two_layer.py"], 2, ["examples/two_layer.py", "PATH.py:Name"], True),
+    ("not-a-py-file", ["README.md:X"], 2, ["'README.md'", "not a Python file"], True),  # was exit 4
+    ("a-directory", ["examples/ci:GPT"], 2, ["'examples/ci' is a directory", "defines GPT", "hf:examples/ci"], True),
     ("empty-name", ["examples/two_layer.py:"], 2, ["PATH.py:Name"], True),
     ("syntax-error", [f"{MODELS}/syntax_error.py:Broken"], 3, ["syntax_error.py:5", "syntax error"], True),
     ("import-fails", [f"{MODELS}/import_fails.py:Anything"], 3,

@@ -168,6 +168,16 @@ def test_train_time_without_tokens_names_the_flag_and_a_value():
     assert "--tokens is missing" in line and "15e12" in line and "None" not in line, line
 
 
+def test_numbers_beyond_a_float_are_usage_errors(gpt_profile):
+    """1e400 overflowed a float inside the estimate (an internal error, exit 4); 1e30 is the largest
+    a flag takes, and three such numbers multiplied stay in a float's range."""
+    line = usage_error("train-time", "--params", "1e400", "--tokens", "1e12", "--gpu", "h100")
+    assert line == "error: --params '1e400' is too large: give a number up to 1e30", line
+    assert "years" in ok("train-time", "--params", "1e30", "--tokens", "1e30", "--gpu", "h100")
+    result = CliRunner().invoke(cli, ["diff", str(gpt_profile), str(gpt_profile), "--max-increase", "flops=1e400%"])
+    assert result.exit_code == 2 and "--max-increase flops '1e400%' is too large" in result.stderr, result.output
+
+
 def test_train_time_from_a_profile_without_tokens_is_a_usage_error(tmp_path):
     doc = {"schema": "fxacct.profile/1", "config": {"batch": 2, "tokens_per_example": None},
            "totals": {"forward_flops_by_class": {"matmul": 1, "attention": 0}}}

@@ -186,8 +186,13 @@ def test_too_few_microbatches_for_1f1b_is_a_usage_error():
 
 
 def test_stages_per_rank_needs_the_interleaved_schedule():
-    assert "--pp-stages-per-rank 2: a positive count, with --pp-schedule interleaved-1f1b" in _usage(
+    assert "--pp-stages-per-rank 2 goes with --pp-schedule interleaved-1f1b" in _usage(
         "--mesh", "pp=2", "--pp-stages-per-rank", "2")
+    # one stage per rank is 1F1B (torch's interleaved schedule took it, and fxacct's replay of it failed: exit 4)
+    for v in ("1", "0"):
+        assert f"--pp-stages-per-rank {v}: interleaved 1F1B runs 2 or more stages per rank (one stage per rank is " \
+            "--pp-schedule 1f1b)" in _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b",
+                                            "--pp-stages-per-rank", v)
 
 
 def test_interleaved_microbatches_in_whole_rounds():
@@ -197,10 +202,14 @@ def test_interleaved_microbatches_in_whole_rounds():
 
 
 def test_interleaved_stages_beyond_the_blocks_is_a_usage_error():
-    """The default llama has 2 layers: pp=2 with 2 stages per rank needs 4. The fix offered is one
-    stage per rank (it said "use pp <= 1": no pipeline at all)."""
+    """The default llama has 2 layers: pp=2 with 2 stages per rank needs 4. The fix offered is 1F1B
+    (it said "use pp <= 1": no pipeline at all; then "--pp-stages-per-rank 1", which interleaving refuses);
+    at 6 layers and pp=2 with 4 stages per rank, 3 stages per rank."""
     assert "pp=2 with 2 stages per rank asks for more pipeline stages than the model has repeated blocks (2): " \
-        "use --pp-stages-per-rank 1 or --pp-schedule 1f1b" in _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b")
+        "use --pp-schedule 1f1b" in _usage("--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b")
+    assert "pp=2 with 4 stages per rank asks for more pipeline stages than the model has repeated blocks (6): " \
+        "use --pp-stages-per-rank 3 or --pp-schedule 1f1b" in _usage(
+            "-k", "n_layers=6", "--mesh", "pp=2", "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "4")
 
 
 def test_split_points_must_match_the_stage_count():

@@ -115,3 +115,38 @@ def test_register_rejects_duplicates_and_non_ops():
         register(torch.ops.aten.mm)(lambda *a, **k: Flops())
     with pytest.raises(ValueError, match="torch.ops"):
         register("mylib::op")(lambda *a, **k: Flops())
+
+
+_WRONG_FORMULAS = {  # a --costs formula's body -> what the one error line says of it
+    "raise ValueError('cost boom')": "raised ValueError: cost boom; fix it",
+    "return 42": "returned 42; return fxacct.costs.Flops(",
+    "return Flops(other=-100)": "returned Flops(matmul=0, attention=0, other=-100); return fxacct.costs.Flops(",
+}
+
+
+@pytest.mark.parametrize("body", list(_WRONG_FORMULAS))
+def test_a_wrong_formula_in_a_costs_file_is_the_users_to_fix(tmp_path, body):
+    """A --costs formula that raises, returns something other than Flops, or a negative count: one
+    line naming the file, exit 2 (it was fxacct's internal error, exit 4, or a silent -100 FLOPs).
+    Each case defines an op of its own: the registry is the process's."""
+    name = f"wrong_{abs(hash(body))}"
+    model = tmp_path / "model.py"
+    model.write_text(
+        "import torch\nimport torch.nn as nn\n\n"
+        f"@torch.library.custom_op('fxacct_test_costs::{name}', mutates_args=())\n"
+        "def op(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n\n"
+        "op.register_fake(lambda x: torch.empty_like(x))\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(4, 4)\n\n"
+        f"    def forward(self, x):  # on the input: no gradient through the op\n"
+        f"        return self.lin(torch.ops.fxacct_test_costs.{name}(x))\n\n"
+        "    def example_inputs(self, batch):\n        return (torch.randn(batch, 4),)\n")
+    costs = tmp_path / "costs.py"
+    costs.write_text("import torch\nfrom fxacct.costs import Flops, register\n\n"
+                     f"@register(torch.ops.fxacct_test_costs.{name})\n"
+                     f"def formula(x, *, out_shape, ctx, **kwargs):\n    {body}\n")
+    result = CliRunner().invoke(cli, ["profile", f"{model}:M", "--costs", str(costs)])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: --costs {costs}: the formula for fxacct_test_costs.{name}.default ")
+    assert _WRONG_FORMULAS[body] in lines[0], lines[0]

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from fxacct.costs import CostContext, Flops, lookup
 from fxacct.costs.registry import ZERO
+from fxacct.errors import FxacctError, UsageError
 from fxacct.trace import aliasing
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, RECOMPUTE
 from fxacct.trace.graph_builder import INPUT, OP, NodeTrace, trace_of
@@ -110,10 +111,28 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
         return NodeCost(ZERO, kind, new_bytes, saved_bytes, saved_pairs, True)
     ctx = CostContext(causal_attention, _grad_mask(trace) if info.wants_grad_mask else None, op)
     out_shape = _shape(val)
-    flops = info.formula(*_shape(node.args), out_shape=out_shape, ctx=ctx, **_shape(node.kwargs))
+    if info.source is None:
+        flops = info.formula(*_shape(node.args), out_shape=out_shape, ctx=ctx, **_shape(node.kwargs))
+    else:
+        flops = _user_formula(info, op, _shape(node.args), _shape(node.kwargs), out_shape, ctx)
     if flops.matmul and _in_attention(trace):  # SDPA's math path: its products are attention
         flops = Flops(matmul=0, attention=flops.attention + flops.matmul, other=flops.other)
     return NodeCost(flops, kind, new_bytes, saved_bytes, saved_pairs, False)
+
+
+def _user_formula(info, op, args, kwargs, out_shape, ctx) -> Flops:
+    """A --costs formula's Flops: what it raises or a return that is no Flops of counts >= 0 is the
+    user's to fix (a usage error naming the file), not an error of fxacct."""
+    try:
+        flops = info.formula(*args, out_shape=out_shape, ctx=ctx, **kwargs)
+    except Exception as e:
+        raise UsageError(f"--costs {info.source}: the formula for {op} raised {type(e).__name__}: {e}; "
+                         "fix it") from e
+    if not isinstance(flops, Flops) or any(not isinstance(v, (int, float)) or v < 0
+                                            for v in (flops.matmul, flops.attention, flops.other)):
+        raise UsageError(f"--costs {info.source}: the formula for {op} returned {flops!r}; return "
+                         "fxacct.costs.Flops(matmul=..., attention=..., other=...) with counts >= 0")
+    return flops
 
 
 def _in_attention(trace: NodeTrace) -> bool:
@@ -137,6 +156,8 @@ def annotate(graph: fx.Graph, causal_attention: str = "full") -> fx.Graph:
         if cost is None:
             try:
                 cost = node_cost(node, causal_attention)
+            except FxacctError:  # a --costs formula's (_user_formula): the user's, said as such
+                raise
             except Exception as e:  # a formula bug must name the node it failed on
                 raise RuntimeError(f"costing {node.format_node()} failed: {e}") from e
             if key is not None:

@@ -11,6 +11,7 @@ output shape(s) as ``out_shape``, and a ``CostContext``; it returns ``Flops``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,9 +68,21 @@ class OpInfo:
     movement: bool = False
     creation: bool = False
     wants_grad_mask: bool = False
+    source: str | None = None  # the --costs file that registered it (a user's formula), None for fxacct's
 
 
 _REGISTRY: dict[object, OpInfo] = {}
+_SOURCE: list[str] = []  # the --costs file being imported (fxacct.costs.user.load_costs), if any
+
+
+@contextlib.contextmanager
+def registering_from(path: str):
+    """The formulas registered meanwhile are the user's, from ``path`` (OpInfo.source)."""
+    _SOURCE.append(path)
+    try:
+        yield
+    finally:
+        _SOURCE.pop()
 FOREACH = "foreach"  # registry key of the _foreach_* family (multi-tensor optimizer ops)
 
 
@@ -85,7 +98,7 @@ def register(*ops, movement: bool = False, creation: bool = False, wants_grad_ma
         for op in ops:
             if op in _REGISTRY:
                 raise ValueError(f"{op} already has a cost formula")
-            _REGISTRY[op] = OpInfo(formula, movement, creation, wants_grad_mask)
+            _REGISTRY[op] = OpInfo(formula, movement, creation, wants_grad_mask, _SOURCE[-1] if _SOURCE else None)
         return formula
 
     return wrap

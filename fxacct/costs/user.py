@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from fxacct.costs.registry import registering_from
 from fxacct.errors import UsageError
 
 _LOADED: set[Path] = set()
@@ -33,7 +34,8 @@ def load_costs(path: str) -> None:
     spec = importlib.util.spec_from_file_location(f"fxacct_user_costs_{len(_LOADED)}", file)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        with registering_from(path):
+            spec.loader.exec_module(module)
     except Exception as e:  # the user's file: one line naming it and what it raised
         raise UsageError(f"--costs {path} failed to load: {type(e).__name__}: {e}") from None
     _LOADED.add(file)

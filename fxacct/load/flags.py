@@ -70,8 +70,14 @@ def model_file(target: str) -> tuple[Path, str]:
         raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT, "
                          "package.module:Name such as torch.nn:Linear, or hf:DIR_OR_CONFIG_JSON")
     path = Path(path_text)
+    if path.is_dir():
+        raise UsageError(f"model file {path_text!r} is a directory; give the .py file in it that defines {name} "
+                         f"(PATH.py:{name}), or hf:{path_text} for a Hugging Face config there")
     if not path.is_file():
         raise UsageError(f"model file {path_text!r} not found; give a path to a .py file, relative to {os.getcwd()}")
+    if path.suffix != ".py":
+        raise UsageError(f"model file {path_text!r} is not a Python file (.py); give PATH.py:Name such as "
+                         "examples/gpt2.py:GPT")
     return path, name
 
 

@@ -92,9 +92,13 @@ def check_config(config) -> None:
                          "drop --parallelize")
     if config.pp_schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise UsageError(f"--pp-schedule {config.pp_schedule}: use gpipe, 1f1b or interleaved-1f1b")
-    if config.pp_stages_per_rank is not None and (config.pp_stages_per_rank < 1 or config.pp_schedule != "interleaved-1f1b"):
-        raise UsageError(f"--pp-stages-per-rank {config.pp_stages_per_rank}: a positive count, with "
-                         "--pp-schedule interleaved-1f1b (the other schedules run one stage per rank)")
+    v = config.pp_stages_per_rank
+    if v is not None and config.pp_schedule != "interleaved-1f1b":
+        raise UsageError(f"--pp-stages-per-rank {v} goes with --pp-schedule interleaved-1f1b (the other schedules "
+                         "run one stage per rank): add it or drop --pp-stages-per-rank")
+    if v is not None and v < 2:
+        raise UsageError(f"--pp-stages-per-rank {v}: interleaved 1F1B runs 2 or more stages per rank (one stage "
+                         "per rank is --pp-schedule 1f1b)")
     if config.microbatches is not None and config.microbatches < 1:
         raise UsageError(f"--microbatches must be positive, got {config.microbatches}")
     if config.parallelize is not None and without_pp(spec) is None:

@@ -14,6 +14,19 @@ _NUMBER = r"([+-]?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 
 # SI count suffixes as model cards use them ("7B" parameters): k = 1e3, M = 1e6, B = G = 1e9, T = 1e12.
 COUNT_SUFFIXES = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+# The largest number a flag takes. The estimates multiply and divide up to three such numbers as
+# floats (FLOPs = 6 · params · tokens, then seconds at FLOP/s): 1e30³ = 1e90 stays inside a
+# double's range (IEEE 754: about 1.8e308), where 1e400 overflowed (an internal error). No real
+# figure comes near: the largest training runs are of order 1e26 FLOPs.
+LARGEST = 10**30
+
+
+def _bounded(value: Fraction, text: str, flag: str) -> Fraction:
+    if abs(value) > LARGEST:
+        raise UsageError(f"{flag} {text!r} is too large: give a number up to 1e30")
+    return value
+
+
 # Durations: a bare number is seconds.
 SECONDS = {"": 1, "s": 1, "ms": Fraction(1, 10**3), "us": Fraction(1, 10**6), "µs": Fraction(1, 10**6),
            "min": 60, "h": 3600}
@@ -28,7 +41,7 @@ def parse_count(text: str, flag: str) -> int:
         m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([A-Za-z]?)\s*", str(text).upper())  # 7b reads as 7B
     if m is None or m.group(2) not in COUNT_SUFFIXES:
         raise UsageError(f"{flag} {text!r} is not a count: write a whole number such as 70e9, 15e12 or 7B")
-    value = Fraction(m.group(1)) * COUNT_SUFFIXES[m.group(2)]
+    value = _bounded(Fraction(m.group(1)) * COUNT_SUFFIXES[m.group(2)], text, flag)
     if value <= 0:
         raise UsageError(f"{flag} must be positive, got {text}")
     if value.denominator != 1:
@@ -41,7 +54,7 @@ def parse_percent(text: str, flag: str) -> Fraction:
     m = re.fullmatch(r"\s*" + _NUMBER + r"\s*%?\s*", str(text))
     if m is None:
         raise UsageError(f"{flag} {text!r} is not a percentage: write e.g. 5% or 0.5%")
-    value = Fraction(m.group(1))
+    value = _bounded(Fraction(m.group(1)), text, flag)
     if value < 0:
         raise UsageError(f"{flag} {text!r} is negative: give the largest allowed increase, 0% or more")
     return value
@@ -52,7 +65,7 @@ def parse_duration(text: str, flag: str) -> Fraction:
     m = re.fullmatch(r"\s*" + _NUMBER + r"\s*([a-zµ]*)\s*", str(text))
     if m is None or m.group(2) not in SECONDS:
         raise UsageError(f"{flag} {text!r} is not a duration: write e.g. 250ms, 1.5s, 10min or 1h")
-    value = Fraction(m.group(1)) * SECONDS[m.group(2)]
+    value = _bounded(Fraction(m.group(1)) * SECONDS[m.group(2)], text, flag)
     if value <= 0:
         raise UsageError(f"{flag} must be positive, got {text}")
     return value

@@ -80,14 +80,18 @@ class MemoryAccount:
     @property
     def fit_bytes(self) -> int | None:
         """What one rank needs of the GPU: reserved at its peak plus the fixed costs outside the
-        allocator where the allocator was replayed (a CUDA target), else the op-level peak."""
+        allocator where the allocator was replayed (a CUDA target), else the op-level peak; for a
+        model of which nothing trains (no backward, no training peak), its inference peak."""
         if self.reserved is not None:
             return self.reserved.fit_bytes
-        return self.rank_peak.bytes if self.rank_peak is not None else None
+        peak = self.rank_peak or self.peak_inference
+        return peak.bytes if peak is not None else None
 
     @property
     def fit_basis(self) -> str:
-        return "peak_reserved_bytes + fixed" if self.reserved is not None else "peak_train_bytes"
+        if self.reserved is not None:
+            return "peak_reserved_bytes + fixed"
+        return "peak_train_bytes" if self.rank_peak is not None else "peak_inference_bytes"
 
 
 def view_summary(accounting: Accounting, capture: Capture) -> ViewSummary:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fxacct.errors import classify
+from fxacct.errors import UsageError, classify
 from fxacct.trace import torch_private as tp
 from fxacct.trace.fake_model import fake_like
 from fxacct.trace.loss import training_loss
@@ -30,7 +30,11 @@ def is_ddp(spec) -> bool:
 
 def apply_ddp(model: torch.nn.Module, mesh) -> None:
     """replicate(model) on the dp dimension; DDP itself is built on the materialized parameters
-    (``ready``), as replicate builds it at the first forward."""
+    (``ready``), as replicate builds it at the first forward. torch's DDP refuses a module with no
+    parameter that requires grad (its constructor raises): a usage error, said first."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError(f"--mesh dp={mesh['dp'].size()} is DDP, and DDP refuses a model with no parameter that "
+                         "requires grad (nothing trains): profile it without --mesh, or with --mesh fsdp=N")
     tpd.replicate_api()(model, device_mesh=mesh["dp"])
 
 

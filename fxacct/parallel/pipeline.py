@@ -187,8 +187,8 @@ def profile_pipeline(config, loader=load_model, reuse_stages: bool = False):
                          "--pp-split FQN,... (the modules where stages 1, 2, ... begin) or --pp-split PATH.py:fn")
     if blocks and stages > blocks:
         fix = f"use pp <= {blocks // v}" if blocks // v >= 2 else \
-            f"use --pp-stages-per-rank {blocks // ranks} or --pp-schedule 1f1b" if blocks >= ranks else \
-            f"use pp <= {blocks}"
+            f"use --pp-stages-per-rank {blocks // ranks} or --pp-schedule 1f1b" if blocks // ranks >= 2 else \
+            "use --pp-schedule 1f1b" if blocks >= ranks else f"use pp <= {blocks}"
         raise UsageError(f"--mesh {asked} asks for more pipeline stages than the model has repeated blocks "
                          f"({blocks}): {fix}")
     check_microbatches(config.pp_schedule, ranks, m)

@@ -109,6 +109,10 @@ def plan(config, gpus: int, global_batch: int, confirm_top: int = 1, jobs: int =
         raise UsageError("fxacct plan times --pp-schedule gpipe or 1f1b; profile an interleaved layout with "
                          "fxacct profile --mesh pp=P,... --pp-schedule interleaved-1f1b")
     planner = Planner(config, gpus, global_batch, TraceCache(cache_dir) if cache_dir is not None else None, on_probe)
+    if not planner.titan and not config.input_requires_grad and \
+            not any(p.requires_grad for p in planner.model.parameters()):
+        raise UsageError("nothing in the model trains (no parameter requires grad), and fxacct plan lays out a "
+                         "training step: profile it with fxacct profile --gpu NAME for its inference fit")
     # pipelines: where --pp-split says how to cut (a torchtitan job: its own cut, under a schedule
     # plan times, GPipe or 1F1B); checkpointing on is a layout of its own only where there is
     # something to checkpoint (a torchtitan job's is its config's)
