@@ -26,6 +26,7 @@ from fxacct.memory.peak import lifetimes
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
 from fxacct.parallel.profile import profile_parallel
+from fxacct.parallel.timing import pipeline_throughput
 from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
@@ -120,8 +121,10 @@ def _pipeline(config: Config, build=profile_pipeline) -> Profile:
     pipe = build(config).with_reserved()  # on a CUDA target each rank's step through the allocator
     first = pipe.stages[0].profile
     par = first.parallel  # the collectives of rank 0's step: its stage's, as the schedule drives FSDP2
-    par = ParallelAccount(config.mesh, 0, (), (), pipeline=pipe) if par is None else replace(
-        par, mesh=config.mesh, pipeline=pipe, rows=pipe.stages[0].collectives)
+    whole = dict(model_params=pipe.model_params, model_frozen_params=pipe.model_frozen_params)  # not stage 0's
+    par = ParallelAccount(config.mesh, 0, (), (), pipeline=pipe, **whole) if par is None else replace(
+        par, mesh=config.mesh, pipeline=pipe, rows=pipe.stages[0].collectives, **whole,
+        throughput=pipeline_throughput(pipe, first.accounting.totals, config.mesh, config, first.capture.graph))
     prof = replace(first, config=config, parallel=par,
                    model_class=pipe.model_class)  # stage 0's module may be a cut of it (InterpreterModule)
     # stage 0's one micro-batch is not what a rank reserves: on a CUDA target the schedule's whole step

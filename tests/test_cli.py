@@ -619,6 +619,19 @@ def test_a_model_where_nothing_trains_says_so(tmp_path):
     assert doc["memory"]["peak_train"] is None and any("nothing trains" in w for w in doc["warnings"])
     doc = json.loads(invoke("profile", model, "--batch", "2", "--input-requires-grad", "--format", "json").stdout)
     assert doc["memory"]["peak_train"] is not None and not any("nothing trains" in w for w in doc["warnings"])
+    # on a GPU its fit is its inference peak, as check's memory budget is (both were exit 4), and
+    # the largest-batch search, of a training step, is not run; plan, of training layouts, refuses it
+    gpu = json.loads(invoke("profile", model, "--batch", "2", "--gpu", "h100", "--format", "json").stdout)
+    fit, inference = gpu["memory"]["fit"], gpu["memory"]["peak_inference"]["bytes"]
+    assert (fit["basis"], fit["peak_bytes"], fit["max_batch"]) == ("peak_inference_bytes", inference, None), fit
+    assert fit["headroom_bytes"] == fit["capacity_bytes"] - inference
+    check = json.loads(invoke("check", model, "--batch", "2", "--gpu", "h100", "--format", "json").stdout)
+    assert [(b["figure"], b["value"]) for b in check["budgets"]] == [("peak_inference_bytes per rank", inference)]
+    assert_one_line_error(invoke("plan", model, "--gpus", "2", "--gpu", "h100", "--global-batch", "4"), 2,
+                          "nothing in the model trains", "fxacct profile --gpu")
+    # DDP refuses a module of which nothing trains (torch's constructor raises): said as such, not exit 4
+    assert_one_line_error(invoke("profile", model, "--batch", "2", "--mesh", "dp=2"), 2,
+                          "--mesh dp=2 is DDP", "nothing trains", "--mesh fsdp=N")
 
 
 def test_a_plain_dataclass_output_is_opened_field_by_field(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 from helpers import target
 
@@ -145,3 +146,25 @@ def test_plan_replays_no_pipeline_already_over_at_its_peak(monkeypatch):
     assert row and row[0].rejected == "over memory by at least 1 B (1.00×)" and row[0].fit_bytes == bound
     assert ("pp=2,fsdp=2", 1, 2, False) not in replayed
     assert ("pp=2,fsdp=2", 1, 2, True) in replayed  # checkpointing on: a lower peak, under the bound, replayed
+
+
+def test_the_whole_model_and_the_whole_step_under_pp():
+    """The report under pp is stage 0's one micro-batch, but N and the tokens per second are the
+    job's: the example Llama's 139,584 parameters at its defaults (counted by hand in
+    tests/test_parallel_plan.py; it said stage 0's 69,760), and every micro-batch through the
+    schedule (it gave stage 0's micro-batch rate, about 1.5× the summary's per pipeline): at
+    pp=2,fsdp=2, micro-batch 2 of 64 tokens, 2 micro-batches, 4 GPUs make 2 pipelines."""
+    import math
+
+    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, mesh="pp=2,fsdp=2",
+                        parallelize=target(PARALLELIZE), pp_split=target(SPLIT), microbatches=2, gpu="h100",
+                        find_max_batch=False)
+    par = fxacct.profile(cfg).parallel
+    pipe, th = par.pipeline, par.throughput
+    assert (par.model_params, par.model_frozen_params) == (139_584, 0)
+    per_pipeline = 2 * 2 * 64 / pipe.step_s
+    assert math.isclose(th.tokens_per_s_job, 2 * per_pipeline, rel_tol=1e-12)
+    assert math.isclose(th.tokens_per_s_gpu, 2 * per_pipeline / 4, rel_tol=1e-12)
+    stage_flops = sum(s.profile.accounting.totals.model_flops for s in pipe.stages)
+    peak = fxacct.devices.get_device("h100").matmul_peak(torch.float32)
+    assert math.isclose(th.mfu, 2 * stage_flops / 2 / pipe.step_s / peak, rel_tol=1e-12)

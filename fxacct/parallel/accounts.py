@@ -45,6 +45,8 @@ class PipelineAccount:
     # NCCL's buffers), and what replays every rank's step through the allocator (with_reserved)
     fixed_outside_bytes: int = 0
     replay: Callable[[], tuple[ReservedAccount, ...]] | None = field(default=None, compare=False, repr=False)
+    model_params: int = 0  # the whole model's parameters (global shapes), every stage's
+    model_frozen_params: int = 0
 
     @property
     def peak_bytes(self) -> int:

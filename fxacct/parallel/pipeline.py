@@ -195,16 +195,23 @@ def profile_pipeline(config, loader=load_model, reuse_stages: bool = False):
     points = resolve_points(config, stages, loader)
     parts = _stage_inputs(config, stages, points, loader)
     profs = _profile_stages(config, stages, points, parts, loader, reuse_stages)
-    return assemble(config, profs, [r for _, _, r, _ in parts], ranks, m, v, type(whole).__name__)
+    return assemble(config, profs, [r for _, _, r, _ in parts], ranks, m, v, type(whole).__name__,
+                    (sum(t.numel() for t in whole.parameters()),
+                     sum(t.numel() for t in whole.parameters() if not t.requires_grad)))
 
 
 def assemble(config, profs: list, received: list[list[StageInput]], ranks: int, m: int, v: int,
-             model_class: str) -> PipelineAccount:
+             model_class: str, model_params: tuple[int, int] | None = None) -> PipelineAccount:
     """The PipelineAccount of stages traced for one micro-batch each (``profs``, in stage order;
     ``received``: what each stage receives), run by ``config.pp_schedule`` over ``ranks`` ranks with
     ``m`` micro-batches and ``v`` stages per rank: each rank's peak, collectives and traffic, and
     on a CUDA target what replays each rank's step through the caching allocator
-    (PipelineAccount.with_reserved: a layout's screen or one over memory at its peak needs none)."""
+    (PipelineAccount.with_reserved: a layout's screen or one over memory at its peak needs none).
+    ``model_params``: (parameters, frozen ones) of the whole model; else the stages' summed."""
+    if model_params is None:
+        pars = [p.parallel for p in profs]
+        model_params = (sum(p.model_params or 0 for p in pars if p is not None),
+                        sum(p.model_frozen_params for p in pars if p is not None))
     orders = simulate(config.pp_schedule, ranks, m, v)
     flows = [traffic(received, s) for s in range(len(profs))]
     local = [_local_stages(profs, flows, r, ranks) for r in range(ranks)]
@@ -218,7 +225,7 @@ def assemble(config, profs: list, received: list[list[StageInput]], ranks: int, 
         def replay():
             return tuple(_rank_reserved(config, local[r], orders[r], ranks, r, m) for r in range(ranks))
     return PipelineAccount(accounts, config.pp_schedule, m, bubble, v, model_class,
-                           _step_seconds(config, profs, ranks, m, v), fixed, replay)
+                           _step_seconds(config, profs, ranks, m, v), fixed, replay, *model_params)
 
 
 def _step_seconds(config, profs, ranks: int, m: int, v: int) -> float | None:

@@ -79,6 +79,25 @@ def step_schedule(cap, peak, spec, config, nodes):
     return critical_path(cap.graph, {**compute, **comm}), comm, algorithms, links, optimizer
 
 
+def pipeline_throughput(pipe, totals, spec, config, graph: fx.Graph) -> Throughput:
+    """Under pp: tokens per second and MFU of the whole step (pipe.step_s: every micro-batch through
+    the schedule), not of stage 0's one micro-batch. A pipeline of pp × tp GPUs runs M micro-batches
+    of ``totals.batch`` examples a step; the job has world ÷ (pp × tp) of them. MFU: every stage's
+    model FLOPs (a rank's × tp) for each micro-batch, shared by the pipeline's GPUs; under
+    interleaving a rank's account holds its first stage alone, so none."""
+    if pipe.step_s is None or pipe.step_s <= 0 or config.gpu is None:
+        return Throughput(None, None, None, None)
+    tp_size, gpus = spec.size("tp"), spec.size("pp") * spec.size("tp")
+    tokens = totals.batch * pipe.microbatches * totals.tokens_per_example if totals.tokens_per_example else None
+    job = tokens / pipe.step_s * spec.world_size / gpus if tokens else None
+    mfu = None
+    if pipe.stages_per_rank == 1:
+        flops = pipe.microbatches * tp_size * sum(s.profile.accounting.totals.model_flops for s in pipe.stages)
+        mfu = flops / gpus / pipe.step_s / get_device(config.gpu).matmul_peak(matmul_dtype(graph))
+    per_gpu = job / spec.world_size if job else None
+    return Throughput(per_gpu, per_gpu * tp_size if per_gpu else None, job, mfu)
+
+
 def throughput(time: ParallelTime | None, totals, spec, config, graph: fx.Graph) -> Throughput:
     """The step's tokens per second and MFU; the peak is the GPU's in the dtype the traced
     matmuls run in (fxacct.predict.roofline.matmul_dtype), whatever casts the parameters."""

@@ -79,6 +79,13 @@ def _six_n_d(p: Profile, tokens: int) -> str:
         tp_size = par.mesh.size("tp")
         n, exact, frozen = par.model_params, t.model_flops * tp_size, par.model_frozen_params
         whose = f" of a tp group (rank's × {tp_size})" if tp_size > 1 else ""
+        pipe = par.pipeline
+        if pipe is not None:  # the report is stage 0's micro-batch; N is the whole model's: every stage's work
+            if pipe.stages_per_rank > 1:  # a rank's account holds its first stage alone
+                return (f"6·N·D rule of thumb: {_flops(6 * n * tokens)} (N={n:,}, D={tokens:,}); the exact "
+                        "matmul+attention FLOPs are per stage (the pipeline table)")
+            exact = tp_size * sum(st.profile.accounting.totals.model_flops for st in pipe.stages)
+            whose = " of every stage" + (f" (× tp {tp_size})" if tp_size > 1 else "")
     six = 6 * n * tokens
     frozen = (f"; N counts all parameters, {frozen:,} of them frozen (their "
               "weight gradients are not computed)" if frozen else "")
