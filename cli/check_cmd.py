@@ -80,7 +80,7 @@ def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_
     profile = fxacct.profile(config)
     result = evaluate(profile, limits)
     if fmt == "json":
-        text = json.dumps(check_document(result, document(profile)), indent=2) + "\n"
+        text = json.dumps(check_document(result, document(profile, profile.prediction)), indent=2) + "\n"
     else:
         text = render_check(result)
     write_output(text, output)

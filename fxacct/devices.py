@@ -66,16 +66,22 @@ class Device:
     # GPU (fxacct.predict.gpu_kernels.attention_backend); --sdpa-backend names another
     sdpa_backend: str = "auto"
 
+    @staticmethod
+    def _peak_key(dtype: torch.dtype) -> str:
+        key = str(dtype).removeprefix("torch.")
+        return "float8" if key.startswith("float8") else key
+
+    def has_peak(self, dtype: torch.dtype) -> bool:
+        """Whether the datasheet gives a matmul rate in ``dtype`` (else matmul_peak takes float32's)."""
+        return self._peak_key(dtype) in self.peak_flops
+
     def matmul_peak(self, dtype: torch.dtype | None) -> float:
         """Tensor-core peak for a matmul in ``dtype`` (float32 matmuls: TF32, PyTorch's default for
         cuDNN convolutions; torch.backends.cuda.matmul.allow_tf32 is off by default, so fp32 mm
         runs at the float32 rate); None (no --dtype or --amp: the model's own float32) the float32 rate."""
         if dtype is None:
             return self.peak_flops["float32"]
-        key = str(dtype).removeprefix("torch.")
-        if key.startswith("float8"):
-            key = "float8"
-        return self.peak_flops.get(key, self.peak_flops["float32"])
+        return self.peak_flops.get(self._peak_key(dtype), self.peak_flops["float32"])
 
 
 # --sdpa-backend: "auto" (what torch 2.13's SDPA picks on the GPU), or the backend a run forces

@@ -182,8 +182,10 @@ def _reserved(config: Config, has_backward: bool, streams: dict, life: Lifetimes
     if config.gpu is None or not has_backward:
         return None
     shards, extra, _ = _sharding(model, config)
+    # --world-size N --shard S on one device: the ranks reduce (and gather) over one process group
+    comms = communicators(config.mesh) if config.mesh is not None else int(bool(shards) and config.world_size > 1)
     return reserved_account(life, device_key(config.gpu), get_device(config.gpu).capacity_reported,
-                            config.allocator_conf(), streams, shards, extra, communicators(config.mesh))
+                            config.allocator_conf(), streams, shards, extra, comms)
 
 
 def training_peak(config: Config, capturer: Capturer) -> Peak:

@@ -81,6 +81,12 @@ def test_check_defaults_the_memory_budget_to_the_gpu_as_the_driver_reports_it():
     memory = doc["budgets"][0]
     assert (memory["name"], memory["limit"], memory["ok"]) == ("memory", H100_REPORTED, True), doc
     assert "zero2 over 8" in memory["figure"], doc
+    # the 8 ranks reduce over one process group: NCCL's buffers (8 MiB) beside the CUDA context (400
+    # MiB), as --mesh dp=8 counts them (they were left out)
+    prof = json.loads(exits(0, "profile", *MLP, "--batch", "32", "--amp", "bf16", "--gpu", "h100", "--world-size", "8",
+                            "--shard", "zero2", "--no-max-batch", "--format", "json").stdout)
+    assert prof["memory"]["reserved"]["fixed_outside_bytes"] == (400 + 8) * 2**20
+    assert memory["value"] == prof["memory"]["reserved"]["fit_bytes"], (memory, prof["memory"]["reserved"])
 
 
 def test_check_memory_on_a_gpu_budgets_reserved_plus_the_fixed_costs():
@@ -96,6 +102,9 @@ def test_check_memory_on_a_gpu_budgets_reserved_plus_the_fixed_costs():
     assert (memory["name"], memory["limit"], memory["ok"]) == ("memory", 100 * 10**6, False), doc
     assert memory["value"] == reserved + 400 * 2**20, doc
     assert memory["figure"].startswith("peak_reserved_bytes + fixed"), doc
+    # the totals check carries are the profile's, the predicted step time too (it was null in check)
+    assert prof["totals"]["predicted_step_ms"] is not None
+    assert doc["totals"] == prof["totals"], (doc["totals"], prof["totals"])
     exits(0, "check", *MLP, "--max-memory", "100MB")
 
 

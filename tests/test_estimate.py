@@ -168,6 +168,13 @@ def test_train_time_without_tokens_names_the_flag_and_a_value():
     assert "--tokens is missing" in line and "15e12" in line and "None" not in line, line
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bool", "complex64"])
+def test_a_dtype_without_a_datasheet_peak_is_a_usage_error(dtype):
+    # it took the float32 peak silently ("GPU peak 67 TFLOP/s ..., int8, dense")
+    line = usage_error("train-time", "--params", "7e9", "--tokens", "1e12", "--gpu", "h100", "--dtype", dtype)
+    assert f"--dtype {dtype}: fxacct knows" in line and "bfloat16, float16, float8 only" in line, line
+
+
 def test_numbers_beyond_a_float_are_usage_errors(gpt_profile):
     """1e400 overflowed a float inside the estimate (an internal error, exit 4); 1e30 is the largest
     a flag takes, and three such numbers multiplied stay in a float's range."""

@@ -87,6 +87,9 @@ def train_time(tokens: int, gpu: str, mfu: float, world_size: int = 1, params: i
     if (params is None) == (profile_doc is None):
         raise UsageError("give either --params N (6·N·D) or --from PROFILE.json (the profile's FLOPs per token)")
     device = get_device(gpu)
+    if peak_dtype is not None and not device.has_peak(peak_dtype):  # int8, bool, complex, float64: no rate known
+        raise UsageError(f"--dtype {dtype_name(peak_dtype)}: fxacct knows {device.name}'s matmul peak in "
+                         f"{', '.join(device.peak_flops)} only; give one of them")
     six = None
     why = "--dtype" if peak_dtype is not None else "default (the seeds' bf16)"
     if profile_doc is not None:
