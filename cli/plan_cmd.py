@@ -58,7 +58,8 @@ def plan_command(fmt, gpus, global_batch, confirm, jobs, no_cache, output, **opt
     Exit codes: 0 success; 1 no layout fits; 2 usage error; 3 the model failed; 4 an internal error of fxacct.
     """
     given = click.get_current_context().get_parameter_source
-    for flag, name in (("--mesh", "mesh"), ("--batch", "batch"), ("--microbatches", "microbatches")):
+    for flag, name in (("--mesh", "mesh"), ("--batch", "batch"), ("--microbatches", "microbatches"),
+                       ("--world-size", "world_size"), ("--shard", "shard")):  # its fsdp layouts shard as FSDP2 does
         if given(name) == click.core.ParameterSource.COMMANDLINE:  # the plan chooses each of these per layout
             raise UsageError(f"fxacct plan chooses {flag} for each layout it tries: drop {flag} (give --gpus and "
                              "--global-batch)")

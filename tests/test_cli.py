@@ -441,6 +441,9 @@ BAD_INPUTS = [
     ("missing-file-in-dir", ["examples/nope.py:GPT"], 2, ["examples/nope.py", "not found"], True),
     ("no-colon", ["examples/two_layer.py"], 2, ["examples/two_layer.py", "PATH.py:Name"], True),
     ("not-a-py-file", ["README.md:X"], 2, ["'README.md'", "not a Python file"], True),  # was exit 4
+    # a ModuleList runs no forward: checkpointing it changed nothing, silently
+    ("checkpoint-a-container", ["examples/mlp.py:MLP", "--checkpoint", "blocks"], 2,
+     ["'blocks', a ModuleList", "'blocks.*'"], True),
     ("a-directory", ["examples/ci:GPT"], 2, ["'examples/ci' is a directory", "defines GPT", "hf:examples/ci"], True),
     ("empty-name", ["examples/two_layer.py:"], 2, ["PATH.py:Name"], True),
     ("syntax-error", [f"{MODELS}/syntax_error.py:Broken"], 3, ["syntax_error.py:5", "syntax error"], True),

@@ -149,6 +149,9 @@ def test_plan_ranks_fitting_layouts_and_confirms_the_best(monkeypatch):
     assert [lay["rank"] for lay in doc["layouts"][:len(fit)]] == list(range(1, len(fit) + 1))
     assert all(lay["fits"] == (lay["rejected"] is None) for lay in doc["layouts"])  # a dominated layout fits
     assert any(lay["fits"] and lay["rank"] is None for lay in doc["layouts"])
+    # the tp=4 mesh, rejected before any micro-batch: one entry, its micro-batch figures null (they were 0)
+    (tp4,) = [lay for lay in doc["layouts"] if lay["mesh"] == "fsdp=2,tp=4"]
+    assert (tp4["micro_batch"], tp4["micro_batches_per_step"], tp4["checkpoint"]) == (None, None, None), tp4
 
 
 def test_plan_pipeline_layouts_carry_the_bubble():
@@ -177,6 +180,11 @@ def test_plan_pipeline_layouts_carry_the_bubble():
     few = [x for x in cands if x.mesh == "pp=2,fsdp=2" and x.micro_batch == 2]
     assert few and all(x.rejected == "1 micro-batch per step, fewer than the 2 stages 1F1B needs "
                        "(a smaller micro-batch makes more)" for x in few)
+    # checkpointing where the same micro-batch fits without it only adds the recompute: not ranked,
+    # for a pipeline as for the other meshes (the pipeline's was ranked below its twin)
+    assert c.layout.checkpoint is False and not any(x.layout.checkpoint for x in pipe.values())
+    (on,) = [x for x in cands if x.mesh == "pp=2,fsdp=2" and x.micro_batch == 1 and x.layout.checkpoint]
+    assert on.dominated == "slower than ckpt off at mb 1" and on.source == "-", on
 
 
 def test_plan_cli_table_fits_the_width_and_json():
@@ -280,6 +288,9 @@ def test_a_pipeline_alone_gets_no_parallelize_function():
     (["--batch", "4"], "chooses --batch for each layout"),
     (["--microbatches", "2"], "chooses --microbatches for each layout"),
     (["--gpus", "0"], "--gpus must be at least 2"),  # it named a --mesh 'fsdp=0' nobody gave
+    (["--world-size", "4"], "chooses --world-size for each layout"),  # it named a --mesh nobody gave
+    (["--shard", "zero3"], "chooses --shard for each layout"),  # it asked for a --world-size, then refused that
+    (["--checkpoint", "nomatch.*"], "--checkpoint 'nomatch.*' matches no module"),  # it exited 0, rows rejected
 ])
 def test_plan_flags_it_chooses_itself_are_usage_errors(flags, says):
     args = ["plan", target("examples/gpt2.py:GPT"), "--gpus", "4", "--gpu", "h100", "--global-batch", "8", *flags]

@@ -63,8 +63,10 @@ def plan_json(result) -> dict:
             "layouts_total": result.layouts, "layouts_traced": result.traced, "layouts_reused": result.reused,
             "layouts_pruned": result.pruned, "layouts": [
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,
-         "micro_batch": c.micro_batch, "micro_batches_per_step": c.layout.accumulation,
-         "checkpoint": "job" if c.layout.checkpoint is None else c.layout.checkpoint, "peak_bytes": c.peak_bytes,
+         # a mesh rejected before any micro-batch was chosen (one row for all): null, not 0
+         "micro_batch": c.micro_batch or None, "micro_batches_per_step": c.layout.accumulation or None,
+         "checkpoint": None if not c.micro_batch else "job" if c.layout.checkpoint is None else c.layout.checkpoint,
+         "peak_bytes": c.peak_bytes,
          "fit_bytes": c.fit_bytes, "step_ms": None if c.step_s is None else 1e3 * c.step_s,
          "model_flops": c.model_flops, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "source": c.source,
          "rank": i + 1 if c.fits else None, "fits": c.rejected is None, "dominated": c.dominated,

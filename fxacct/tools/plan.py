@@ -39,6 +39,7 @@ from fxacct.tools.plan_cache import TraceCache
 from fxacct.tools.plan_layouts import enumerate_layouts
 from fxacct.tools.plan_probe import Candidate, Planner, Probe
 from fxacct.tools.plan_search import search
+from fxacct.trace.checkpointing import matched_modules
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ def plan(config, gpus: int, global_batch: int, confirm_top: int = 1, jobs: int =
         raise UsageError("fxacct plan times --pp-schedule gpipe or 1f1b; profile an interleaved layout with "
                          "fxacct profile --mesh pp=P,... --pp-schedule interleaved-1f1b")
     planner = Planner(config, gpus, global_batch, TraceCache(cache_dir) if cache_dir is not None else None, on_probe)
+    if config.checkpoint:  # a pattern that matches nothing fails here, not in each layout that checkpoints
+        matched_modules(planner.model, config.checkpoint)
     if not planner.titan and not config.input_requires_grad and \
             not any(p.requires_grad for p in planner.model.parameters()):
         raise UsageError("nothing in the model trains (no parameter requires grad), and fxacct plan lays out a "

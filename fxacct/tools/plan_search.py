@@ -126,6 +126,12 @@ def _search_mesh(planner: Planner, groups: dict) -> dict:
                    if lay.micro_batch <= max(off)}
             rest = [lay for lay in lays if lay.micro_batch > max(off)]
             got.update(_search_group(planner, rest) if rest else {})
+        elif g[3] and off:  # a pipeline ranks each micro-batch that fits (its bubble differs): checkpointing
+            # at one of them only adds the recompute
+            got = {lay: Candidate(lay, dominated=f"slower than ckpt off at mb {lay.micro_batch}") for lay in lays
+                   if lay.micro_batch in off}
+            rest = [lay for lay in lays if lay.micro_batch not in off]
+            got.update(_search_group(planner, rest) if rest else {})
         else:
             got = _search_group(planner, lays)
         out.update(got)

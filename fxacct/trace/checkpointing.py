@@ -51,6 +51,11 @@ def matched_modules(model: torch.nn.Module, patterns) -> list[str]:
     for n in names:
         if any(fnmatchcase(n, p) for p in patterns) and not any(n.startswith(c + ".") for c in chosen):
             chosen.append(n)
+    modules = dict(model.named_modules())
+    for n in chosen:  # a ModuleList / ModuleDict holds modules but runs no forward: wrapping it changes nothing
+        if type(modules[n]).forward is torch.nn.Module.forward:
+            raise UsageError(f"--checkpoint matches {n!r}, a {type(modules[n]).__name__}, which runs no forward of "
+                             f"its own, so checkpointing it would change nothing: give its items, '{n}.*'")
     return chosen
 
 
