@@ -12,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 from helpers import target
 
+from fxacct.load.profile_file import READS
+from fxacct.report.document import SCHEMA
 from fxacct_cli.main import cli
 
 MLP = [target("examples/mlp.py:MLP"), "-k", "d_model=64", "-k", "d_hidden=128", "-k", "n_blocks=2"]
@@ -203,6 +205,20 @@ def test_diff_of_different_schema_versions_is_a_usage_error(profiles, tmp_path):
     other.write_text(json.dumps(doc))
     line = exits(2, "diff", str(profiles["baseline"]), str(other)).stderr
     assert "fxacct.profile/1" in line and "fxacct.profile/2" in line, line
+    # two files of a version this fxacct does not read were compared silently
+    line = exits(2, "diff", str(other), str(other)).stderr
+    assert "has schema fxacct.profile/2, which this fxacct does not read (it reads fxacct.profile/1)" in line, line
+    assert SCHEMA in READS
+    line = exits(2, "diff", str(profiles["baseline"]), str(tmp_path)).stderr  # it said "no such file"
+    assert f"{tmp_path} is a directory" in line, line
+
+
+def test_diff_top_0_says_how_many_modules_changed(profiles):
+    """--top 0 shows no module; it said none had changed."""
+    for fmt in ("table", "markdown"):
+        out = exits(0, "diff", str(profiles["baseline"]), str(profiles["wider"]), "--top", "0", "--format", fmt).stdout
+        assert "module(s) changed their FLOPs or activations (--top 0 shows none)" in out, out
+        assert "no module changed" not in out.lower(), out
 
 
 @pytest.mark.parametrize("content, says", [

@@ -444,6 +444,10 @@ BAD_INPUTS = [
     # a ModuleList runs no forward: checkpointing it changed nothing, silently
     ("checkpoint-a-container", ["examples/mlp.py:MLP", "--checkpoint", "blocks"], 2,
      ["'blocks', a ModuleList", "'blocks.*'"], True),
+    # a class is callable but no policy: torch called it inside the forward ("the model's forward raised", exit 3)
+    ("checkpoint-policy-a-class", ["examples/mlp.py:MLP", "--checkpoint", "blocks.*", "--checkpoint-policy",
+                                   f"{MODELS}/not_a_module.py:NotATorchModule"], 2,
+     ["--checkpoint-policy", "NotATorchModule is no policy fn(ctx, op"], True),
     ("a-directory", ["examples/ci:GPT"], 2, ["'examples/ci' is a directory", "defines GPT", "hf:examples/ci"], True),
     ("empty-name", ["examples/two_layer.py:"], 2, ["PATH.py:Name"], True),
     ("syntax-error", [f"{MODELS}/syntax_error.py:Broken"], 3, ["syntax_error.py:5", "syntax error"], True),

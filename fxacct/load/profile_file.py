@@ -10,11 +10,16 @@ from pathlib import Path
 from fxacct.errors import UsageError
 
 SCHEMA_PREFIX = "fxacct.profile/"
+# the versions this fxacct reads: its own (fxacct.report.document.SCHEMA; tests/test_check_diff.py
+# holds it among them)
+READS = ("fxacct.profile/1",)
 
 
 def read_profile(path: str) -> dict:
     """The document in ``path``, checked to be an fxacct profile (any schema version)."""
     file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"{path} is a directory: give a file written by fxacct profile --format json")
     if not file.is_file():
         raise UsageError(f"{path}: no such file; write one with fxacct profile MODEL --format json -o {path}")
     try:
@@ -28,6 +33,9 @@ def read_profile(path: str) -> dict:
     if not isinstance(schema, str) or not schema.startswith(SCHEMA_PREFIX):
         raise UsageError(f"{path} is not an fxacct profile (no \"schema\": \"{SCHEMA_PREFIX}N\"): "
                          "write it with fxacct profile --format json")
+    if schema not in READS:  # a later version's keys may mean other things
+        raise UsageError(f"{path} has schema {schema}, which this fxacct does not read (it reads "
+                         f"{', '.join(READS)}): profile it again with this fxacct")
     if not isinstance(doc.get("totals"), dict):
         raise UsageError(f"{path} has no \"totals\" object: write it with fxacct profile --format json")
     return doc

@@ -51,6 +51,8 @@ def render_diff_markdown(result: DiffResult, old_path: str, new_path: str) -> st
     if result.modules:
         parts += [f"#### Modules that changed most ({len(result.modules)} of {result.modules_changed} changed; "
                   "FLOPs forward+backward, inclusive)", "", modules_table(result)]
+    elif result.modules_changed:  # --top 0: none shown, but they did change
+        parts.append(f"{result.modules_changed} module(s) changed their FLOPs or activations (--top 0 shows none).")
     else:
         parts.append("No module changed its FLOPs or activations.")
     return "\n".join(parts).rstrip("\n") + "\n"

@@ -57,6 +57,8 @@ def render_diff(result: DiffResult, old_path: str, new_path: str) -> str:
                   tabulate(rows, headers=["module", "status", "old FLOPs", "new FLOPs", "change %",
                                           "activation bytes change"],
                            colalign=("left", "left", "right", "right", "right", "right")), ""]
+    elif result.modules_changed:  # --top 0: none shown, but they did change
+        lines += [f"{result.modules_changed} module(s) changed their FLOPs or activations (--top 0 shows none)", ""]
     else:
         lines += ["no module changed its FLOPs or activations", ""]
     if result.budgets:

@@ -77,7 +77,20 @@ def policy_function(spec: str | None):
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UsageError(f"--checkpoint-policy: {path} has no function {name!r}")
+    if isinstance(fn, type) or not (is_factory(fn) or _takes(fn, None, None)):  # an nn.Module class, fn(x)
+        raise UsageError(f"--checkpoint-policy {spec}: {name} is no policy fn(ctx, op, *args, **kwargs) -> "
+                         "CheckpointPolicy, nor a factory fn() returning one")
     return fn
+
+
+def _takes(fn, *args) -> bool:
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): torch's call will tell
+        return True
+    return True
 
 
 def is_factory(fn) -> bool:
