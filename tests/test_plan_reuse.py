@@ -171,3 +171,43 @@ def test_a_pooled_search_gives_the_plan_of_one_process():
     one, two = plan(cfg, 4, 8, jobs=1), plan(cfg, 4, 8, jobs=2)
     assert two.candidates == one.candidates
     assert (two.layouts, two.traced, two.reused, two.pruned) == (one.layouts, one.traced, one.reused, one.pruned)
+
+
+@pytest.mark.slow  # a 70B-shaped plan's workers, interrupted once they run
+def test_ctrl_c_stops_the_plan_and_its_workers_quietly(tmp_path):
+    """Ctrl-C reaches the plan's whole process group: exit 130 with one "interrupted" line, no
+    worker's KeyboardInterrupt traceback and no leaked-semaphore warning (both were printed), and no
+    worker left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+
+    example = str(ROOT / "examples" / "llama.py")
+    args = [sys.executable, "-m", "fxacct", "plan", f"{example}:Llama", "-k", "dim=8192", "-k", "n_layers=80",
+            "-k", "n_heads=64", "-k", "n_kv_heads=8", "-k", "hidden=28672", "-k", "max_seq=4096",
+            "--parallelize", f"{example}:parallelize", "--gpus", "64", "--gpu", "h100", "--global-batch", "512",
+            "--no-cache", "--jobs", "2"]
+    err = tmp_path / "stderr"
+    with open(err, "w") as stream:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stream, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while "plan: " not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)  # a progress line: the workers are tracing
+        assert proc.poll() is None, err.read_text()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+    text = err.read_text()
+    assert code == 130 and text.rstrip().endswith("error: interrupted"), text
+    assert "Traceback" not in text and "leaked" not in text, text
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the group empties: every worker (and multiprocessing's tracker) gone
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    raise AssertionError("a process of the plan's group is still running 20 s after it exited")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import signal
 import sys
 from dataclasses import replace
 
@@ -144,6 +145,9 @@ _WORKER: Planner | None = None  # a pool worker's own Planner (_start)
 def _start(config, gpus: int, global_batch: int, cache_dir) -> None:
     global _WORKER
     sys.stdout = sys.stderr  # a worker's results go back through its pipe: what the model prints, to stderr
+    # Ctrl-C reaches the whole process group: the plan's own process says it was interrupted and stops
+    # its workers; each worker printed its KeyboardInterrupt's traceback besides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = Planner(config, gpus, global_batch, TraceCache(cache_dir) if cache_dir is not None else None)
 
 
@@ -184,6 +188,9 @@ def search(planner: Planner, layouts: list[Layout], jobs: int = 1, cache_dir=Non
                     planner.on_probe(p)
     except BaseException:  # an interrupt or a worker's error: start no other mesh, wait for none
         pool.shutdown(wait=False, cancel_futures=True)
+        for worker in multiprocessing.active_children():  # the meshes under way: stopped, not finished
+            worker.terminate()
+        pool.shutdown(wait=True)  # the pool, its workers gone, closes its queues (no leaked semaphores)
         raise
     pool.shutdown()
     for mesh in meshes:  # in mesh order, whatever order the workers finished in
