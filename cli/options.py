@@ -283,14 +283,21 @@ def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward
 
 
 def refuse_idle_mesh_flags(mesh) -> None:
-    """--gpus-per-node without --mesh and --pp-schedule without pp, given on the command line, would
-    change nothing: a usage error, as --microbatches without pp is (their defaults pass)."""
+    """--gpus-per-node without --mesh, --pp-schedule without pp, --[no-]reshard-after-forward
+    without fsdp and --no-max-batch without --gpu, given on the command line, would change nothing:
+    a usage error, as --microbatches without pp is (their defaults pass)."""
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return
-    given = {name for name in ("gpus_per_node", "pp_schedule")
-             if ctx.get_parameter_source(name) in (click.core.ParameterSource.COMMANDLINE,
-                                                   click.core.ParameterSource.ENVIRONMENT)}
+    given = {name for name in ("gpus_per_node", "pp_schedule", "reshard_after_forward", "no_max_batch")
+             if name in ctx.params and ctx.get_parameter_source(name) in (
+                 click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)}
+    if "reshard_after_forward" in given and (mesh is None or mesh.size("fsdp") == 1):
+        flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
+        raise UsageError(f"{flag} says what FSDP2 does after a block's forward, and --mesh has no fsdp dimension: "
+                         f"add one (e.g. --mesh fsdp=8) or drop {flag}")
+    if "no_max_batch" in given and ctx.params.get("gpu") is None:
+        raise UsageError("--no-max-batch skips the largest-batch search, which runs with --gpu only: drop it")
     if mesh is None and "gpus_per_node" in given:
         raise UsageError("--gpus-per-node says how the ranks of a --mesh sit on nodes, and one device has none: "
                          "add --mesh (e.g. --mesh fsdp=8) or drop --gpus-per-node")

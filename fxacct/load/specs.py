@@ -65,6 +65,9 @@ class OptimizerSpec:
         """The optimizer class, or None for "none"."""
         key = self.name.lower()
         if key == NONE:
+            if self.args:  # options of no optimizer change nothing
+                raise UsageError(f"--optim-arg {', '.join(self.args)} with --optimizer none: there is no optimizer "
+                                 "to take it; drop --optim-arg or name an optimizer")
             return None
         if key in OPTIMIZERS:
             cls = OPTIMIZERS[key]

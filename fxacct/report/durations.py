@@ -18,8 +18,9 @@ def format_seconds(s: float | None) -> str:
     if s == 0:
         return "0 s"
     for unit, size, below in _UNITS:
-        if abs(s) < below:
-            return f"{s / size:.3g} {unit}"
+        shown = float(f"{s / size:.3g}")  # 999.9 µs rounds to 1000: the next unit's 1 (it read "1e+03 µs")
+        if abs(shown * size) < below * (1 - 1e-12):
+            return f"{shown:g} {unit}"
     raise AssertionError("unreachable")
 
 
