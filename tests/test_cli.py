@@ -440,7 +440,7 @@ BAD_INPUTS = [
     ("missing-file", ["nope_missing.py:X"], 2, ["nope_missing.py", "not found", "path"], True),
     ("missing-file-in-dir", ["examples/nope.py:GPT"], 2, ["examples/nope.py", "not found"], True),
     ("no-colon", ["examples/two_layer.py"], 2, ["examples/two_layer.py", "PATH.py:Name"], True),
-    ("not-a-py-file", ["README.md:X"], 2, ["'README.md'", "not a Python file"], True),  # was exit 4
+    ("not-a-py-file", ["./README.md:X"], 2, ["'./README.md'", "not a Python file"], True),  # was exit 4
     # a ModuleList runs no forward: checkpointing it changed nothing, silently
     ("checkpoint-a-container", ["examples/mlp.py:MLP", "--checkpoint", "blocks"], 2,
      ["'blocks', a ModuleList", "'blocks.*'"], True),
@@ -472,6 +472,9 @@ BAD_INPUTS = [
     ("data-dependent-control-flow", [f"{MODELS}/data_dependent.py:DataDependent"], 3,
      ["tensor values", "fake tensors"], True),
     ("input-shape-mismatch", [TWO_LAYER, "--input", "float32[B,5]"], 3, ["[1, 5]"], True),
+    # eager's mm refuses int64 @ float32; the meta kernel does not, and the step was accounted as if it ran
+    ("input-dtype-mismatch", [TWO_LAYER, "--input", "long[B,3]"], 3,
+     ["the model's forward runs aten.mm.default on tensors of int64, float32", "eager PyTorch refuses"], True),
     # --- malformed --input ---
     ("input-no-brackets", [TWO_LAYER, "--input", "float32"], 2, ["--input", "'float32'", "DTYPE[DIM"], True),
     ("input-unclosed", [TWO_LAYER, "--input", "float32[B,3"], 2, ["'float32[B,3'", "DTYPE[DIM"], True),
@@ -636,6 +639,9 @@ def test_a_model_where_nothing_trains_says_so(tmp_path):
     assert [(b["figure"], b["value"]) for b in check["budgets"]] == [("peak_inference_bytes per rank", inference)]
     assert_one_line_error(invoke("plan", model, "--gpus", "2", "--gpu", "h100", "--global-batch", "4"), 2,
                           "nothing in the model trains", "fxacct profile --gpu")
+    # the real run of a training step would raise in loss.backward() (it did: exit 3); --inference times one
+    assert_one_line_error(invoke("profile", model, "--batch", "2", "--runtime", "--steps", "1"), 2,
+                          "nothing in the model trains", "give --inference")
     # DDP refuses a module of which nothing trains (torch's constructor raises): said as such, not exit 4
     assert_one_line_error(invoke("profile", model, "--batch", "2", "--mesh", "dp=2"), 2,
                           "--mesh dp=2 is DDP", "nothing trains", "--mesh fsdp=N")

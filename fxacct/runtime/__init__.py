@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxacct import api
+from fxacct.errors import UsageError
 from fxacct.load.config import Config
 from fxacct.load.run_options import RuntimeOptions
 from fxacct.predict.fused_time import predict_profile
@@ -47,6 +48,9 @@ def run(config: Config, options: RuntimeOptions = DEFAULT_OPTIONS,
     device = resolve_device(options.device)
     config = prediction_config(config, device)
     profile = api.profile(config)
+    if not options.inference and not profile.capture.has_backward:  # loss.backward() would raise in the real run
+        raise UsageError("nothing in the model trains (no parameter or input requires grad), so a training step "
+                         "has no backward to time: give --inference to time the forward (eval, no_grad)")
     model = for_local(device.type, config.gpu, sdpa_backend=config.sdpa_backend)  # the step is timed plain (fxacct.runtime.run)
     prediction = predict_profile(profile, model) if model is not None else None
     memory = profile.memory

@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fxacct.errors import acts_for_torch, passes_through
+from fxacct.errors import ModelError, acts_for_torch, passes_through
 from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.trace.records import (
@@ -109,6 +109,22 @@ _KERNEL_DTYPES = {
 _MHA_PRODUCTS = frozenset({_aten.bmm, _aten.baddbmm})
 _KERNEL_DTYPES.update({op: _unreduced_loss for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default)})
 _KERNEL_DTYPES[_aten.mkldnn_rnn_layer.default] = _onednn_lstm_workspace
+
+
+def _one_dtype(func, args, phase: str) -> None:
+    """Eager's matrix products refuse operands of different dtypes (at::native's addmm/mm/bmm
+    checks: "expected mat1 and mat2 to have the same dtype"); their meta kernels do not check,
+    so a model feeding an int64 input to nn.Linear traced as if it ran."""
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    if len(set(dtypes)) > 1:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ModelError(f"the model's {phase} runs {func} on tensors of {names}, which eager PyTorch refuses (a "
+                         "matrix product takes one dtype): cast them to one (an integer --input to a float one?)")
+
+
+# what eager checks before an op that its fake (meta) kernel does not: raised as eager raises it
+_EAGER_CHECKS = {op: _one_dtype for op in (_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+                                           _aten.baddbmm.default)}
 
 
 class Recorder(tp.TorchDispatchMode):
@@ -235,6 +251,9 @@ class Recorder(tp.TorchDispatchMode):
         if self.defer and not self.defer.isdisjoint(types):
             return self._deferred()
         kwargs = kwargs or {}
+        check = _EAGER_CHECKS.get(func)
+        if check is not None:
+            check(func, args, self.phase)
         if func.namespace == "profiler":
             # record_function markers (FSDP2 puts several around every block) hold no tensor:
             # their kernel runs as it is, without a trip through the fake mode below
