@@ -315,3 +315,22 @@ def test_train_time_from_a_mesh_profile_is_a_usage_error(gpt_profile, tmp_path):
     path.write_text(json.dumps(doc))
     line = usage_error("train-time", "--from", str(path), "--tokens", "1e12", "--gpu", "h100")
     assert "one rank's account under --mesh tp=2" in line, line
+    doc["mesh"] = {"dims": {"pp": 2, "fsdp": 2}, "world_size": 4, "rank": 0, "model_params": 1}
+    doc["config"]["mesh"] = "pp=2,fsdp=2"
+    path.write_text(json.dumps(doc))
+    line = usage_error("train-time", "--from", str(path), "--tokens", "1e12", "--gpu", "h100")
+    assert "a share of the model's FLOPs" in line, line
+
+
+def test_train_time_from_an_fsdp_profile_is_the_models(gpt_profile, tmp_path):
+    """Under fsdp (and dp) each rank runs the whole model on its batch: its FLOPs per token are the
+    model's, and N is the whole model's (the rank's totals.params is its shard). It was refused."""
+    single = as_json("train-time", "--from", str(gpt_profile), "--tokens", "1e12", "--gpu", "h100")
+    path = tmp_path / "fsdp.json"
+    r = CliRunner().invoke(cli, ["profile", str(ROOT / "examples/gpt2.py") + ":GPT", "-k", "n_layer=1", "-k",
+                                 "n_embd=32", "-k", "n_head=2", "-k", "block_size=16", "-k", "vocab_size=64",
+                                 "--batch", "2", "--mesh", "fsdp=4", "--format", "json", "-o", str(path)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(path.read_text())["totals"]["params"] < single["params"]  # the rank's shard
+    sharded = as_json("train-time", "--from", str(path), "--tokens", "1e12", "--gpu", "h100")
+    assert (sharded["flops_per_token"], sharded["params"]) == (single["flops_per_token"], single["params"])

@@ -22,7 +22,7 @@ def test_json_has_mesh_collectives_and_wire_total():
     r = _invoke(LLAMA, "--batch", "2", "--mesh", "fsdp=2,tp=2", "--parallelize", PAR, "--format", "json")
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["mesh"] == {"dims": {"fsdp": 2, "tp": 2}, "world_size": 4, "rank": 0}
+    assert d["mesh"] == {"dims": {"fsdp": 2, "tp": 2}, "world_size": 4, "rank": 0, "model_params": 139_584}
     assert d["config"]["world_size"] == 4 and d["config"]["mesh"] == "fsdp=2,tp=2"
     keys = {"op", "mesh_dim", "phase", "module", "count", "bytes", "wire_bytes", "predicted_ms"}
     assert d["collectives"] and all(set(c) == keys for c in d["collectives"])
@@ -165,7 +165,7 @@ def test_mixed_dtypes_in_one_fsdp_unit_is_a_usage_error(tmp_path):
                  "        super().__init__()\n"
                  "        self.a, self.b = nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8)\n\n"
                  "    def forward(self, x):\n"
-                 "        return self.b(self.a(x.to(torch.bfloat16)).float())\n\n"
+                 "        return self.b(self.a(x.to(self.a.weight.dtype)).to(self.b.weight.dtype))\n\n"
                  "    def example_inputs(self, batch):\n"
                  "        return (torch.randn(batch, 8),)\n")
     r = _invoke(f"{f}:Mixed", "--mesh", "fsdp=2")

@@ -9,7 +9,7 @@ from fxacct.units import format_bytes
 
 def mesh_json(parallel) -> dict:
     return {"dims": {name: size for name, size in parallel.mesh.dims}, "world_size": parallel.mesh.world_size,
-            "rank": parallel.rank}
+            "rank": parallel.rank, "model_params": parallel.model_params}
 
 
 def collectives_json(parallel) -> list[dict]:

@@ -114,9 +114,14 @@ def profile_flops_per_token(doc: dict) -> tuple[Fraction, int | None]:
     """(forward + backward matmul + attention FLOPs ÷ (batch × tokens per example), parameters)
     of a profile document (fxacct.load.profile_file.read_profile has checked its schema)."""
     totals, config = doc.get("totals") or {}, doc.get("config") or {}
-    if config.get("mesh"):  # its FLOPs are one rank's share: a tp group's, a pipeline stage's
-        raise UsageError(f"the profile is one rank's account under --mesh {config['mesh']}, not the model's: "
-                         "estimate from a profile written without --mesh")
+    dims = (doc.get("mesh") or {}).get("dims") or {}
+    split = [d for d, size in dims.items() if size > 1 and d not in ("fsdp", "dp")]
+    if config.get("mesh") and (split or not dims):  # its FLOPs are a tp group's or a pipeline stage's share
+        raise UsageError(f"the profile is one rank's account under --mesh {config['mesh']}, a share of the model's "
+                         "FLOPs: estimate from a profile written without --mesh or with fsdp and dp only")
+    params = totals.get("params")
+    if config.get("mesh"):  # fsdp / dp: each rank runs the whole model on its batch; its parameters are a shard
+        params = (doc.get("mesh") or {}).get("model_params")
     tokens, batch = config.get("tokens_per_example"), config.get("batch")
     if not isinstance(batch, int) or batch <= 0:
         raise UsageError("the profile has no config.batch: write it with fxacct profile --format json")
@@ -129,7 +134,7 @@ def profile_flops_per_token(doc: dict) -> tuple[Fraction, int | None]:
     except (KeyError, TypeError):
         raise UsageError("the profile lacks totals.forward_flops_by_class/backward_flops_by_class: "
                          "write it with fxacct profile --format json") from None
-    return Fraction(model_flops, batch * tokens), totals.get("params")
+    return Fraction(model_flops, batch * tokens), params
 
 
 def profile_dtype(doc: dict) -> tuple[torch.dtype, str]:
