@@ -213,6 +213,17 @@ def test_diff_of_different_schema_versions_is_a_usage_error(profiles, tmp_path):
     assert f"{tmp_path} is a directory" in line, line
 
 
+def test_diff_budget_on_a_total_that_is_not_a_number(profiles, tmp_path):
+    """A total a file holds as a string: said as such (it read "null ... profile with the flags that
+    compute it")."""
+    doc = json.loads(profiles["wider"].read_text())
+    doc["totals"]["params"] = "many"
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    line = exits(2, "diff", str(profiles["baseline"]), str(edited), "--max-increase", "params=5%").stderr
+    assert "totals.params is 'many' in the new profile, not a number" in line, line
+
+
 def test_diff_top_0_says_how_many_modules_changed(profiles):
     """--top 0 shows no module; it said none had changed."""
     for fmt in ("table", "markdown"):

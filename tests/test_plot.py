@@ -108,6 +108,23 @@ def test_png_written(mlp_profile, tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["memory.png"]  # no temporary file left behind
 
 
+def test_the_title_says_which_step_it_shows(mlp_profile):
+    """A model of which nothing trains has no training step (no backward, no training peak): its
+    plot is of the forward and says so (it was titled "one training step")."""
+    from dataclasses import replace
+
+    from fxacct.report.plot import _title
+
+    assert _title(mlp_profile).endswith("memory over one training step")
+    frozen = torch.nn.Linear(8, 4).requires_grad_(False)
+    with torch.device("meta"):
+        x = torch.empty(2, 8)
+    prof = fxacct.profile_module(frozen, (x,), {}, fxacct.Config(batch=2))
+    assert not prof.capture.has_backward and prof.memory.peak_train is None
+    assert _title(replace(prof, config=replace(prof.config, target="m.py:M"))).endswith(
+        "memory over its forward (nothing trains: no training step)")
+
+
 def test_missing_matplotlib_is_a_usage_error(mlp_profile, tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -51,7 +51,9 @@ def _title(profile) -> str:
     path, sep, name = target.rpartition(":")
     if sep and os.path.isabs(path):
         target = f"{Path(path).name}:{name}"
-    title = f"{target}, batch {cfg.batch}: memory over one training step"
+    # a model of which nothing trains has no backward and no training peak: its step is the forward
+    step = "one training step" if profile.capture.has_backward else "its forward (nothing trains: no training step)"
+    title = f"{target}, batch {cfg.batch}: memory over {step}"
     if profile.memory.per_rank is not None:
         title += f"\nper rank, --shard {cfg.shard} --world-size {cfg.world_size}"
     return title

@@ -105,6 +105,14 @@ def flatten_totals(totals: dict) -> dict[str, int | float | None]:
     return out
 
 
+def _raw(totals: dict, key: str):
+    """The value at a dotted key of a totals object, as the file has it (None where absent)."""
+    value = totals
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def _scalar(v) -> bool:
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
@@ -154,6 +162,10 @@ def diff(old: dict, new: dict, max_increase: tuple[str, ...] = (), top: int = 10
         if change.old is None or change.new is None:
             which = "both files" if change.old is None and change.new is None else (
                 "the baseline" if change.old is None else "the new profile")
+            raw = _raw(old["totals"] if change.old is None else new["totals"], key)
+            if raw is not None:  # a value fxacct never writes there: the file was edited or is not fxacct's
+                raise UsageError(f"--max-increase {key}: totals.{key} is {raw!r} in {which}, not a number; give "
+                                 "files written by fxacct profile --format json")
             raise UsageError(f"--max-increase {key}: totals.{key} is null in {which}; profile with the flags "
                              "that compute it, or drop the budget")
         budgets.append(IncreaseBudget(change, pct))
