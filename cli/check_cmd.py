@@ -23,7 +23,7 @@ from fxacct_cli.options import (
     max_memory_option,
     mesh_options,
     model_options,
-    refuse_idle_mesh_flags,
+    refuse_idle_flags,
     to_config,
     with_mesh,
 )
@@ -67,7 +67,7 @@ def check_command(max_memory, max_params, max_flops, max_flops_per_example, max_
         max_flops_per_example=count_or_none(max_flops_per_example, "--max-flops-per-example"),
         max_step_seconds=parse_duration(max_step_time, "--max-step-time") if max_step_time is not None else None,
         mfu=mfu, require_no_unsupported_ops=require_no_unsupported_ops)
-    refuse_idle_mesh_flags(options.get("mesh"))
+    refuse_idle_flags(options.get("mesh"))
     config = dataclasses.replace(with_mesh(to_config(**options), **options), find_max_batch=False)
     # torch comes in with Config (to_config): every flag that needs no torch has been checked
     from fxacct.report import document

@@ -282,7 +282,7 @@ def with_mesh(config: Config, mesh=None, parallelize=None, reshard_after_forward
                    expert_load=expert_load)
 
 
-def refuse_idle_mesh_flags(mesh) -> None:
+def refuse_idle_flags(mesh) -> None:
     """--gpus-per-node without --mesh, --pp-schedule without pp, --[no-]reshard-after-forward
     without fsdp and --no-max-batch without --gpu, given on the command line, would change nothing:
     a usage error, as --microbatches without pp is (their defaults pass)."""
@@ -382,6 +382,6 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
 
 
 __all__ = ["TORCHTITAN_ARGS", "FORMATS", "format_option", "file_option", "max_memory_option", "world_size_option", "OUTPUT",
-           "refuse_idle_mesh_flags", "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
+           "refuse_idle_flags", "DEBUG", "MFU", "GPU", "GPU_HELP", "BATCH", "MESH", "MICROBATCHES", "DTYPE", "AMP", "MASTER_WEIGHTS", "FP8", "OPTIMIZER", "OPTIM_ARG",
            "SHARD", "LOSS", "HF_CLASS", "SEQ_LEN", "CHECKPOINT", "CHECKPOINT_POLICY", "COMPILE", "COMPILE_BLOCKS", "COMPILE_MODE", "COSTS", "CONFIRM", "model_options", "mesh_options", "with_mesh", "group", "terminal_width", "OUTPUT_GROUP", "RUNTIME_GROUP",
            "MODEL_AND_INPUTS", "PRECISION_AND_OPTIMIZER", "HARDWARE_AND_PARALLELISM", "to_config", "count_or_none", "dtype_or_none"]

@@ -26,7 +26,7 @@ from fxacct_cli.options import (
     group,
     mesh_options,
     model_options,
-    refuse_idle_mesh_flags,
+    refuse_idle_flags,
     terminal_width,
     to_config,
     with_mesh,
@@ -124,7 +124,7 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
     """
     _check_layout_flags(fmt, by, depth, top, summary_only, wide)
     _check_html_destination(fmt, output)
-    refuse_idle_mesh_flags(options.get("mesh"))
+    refuse_idle_flags(options.get("mesh"))
     config = with_mesh(to_config(**options), **options)
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
