@@ -62,6 +62,11 @@ def cublas_workspace_bytes(gpu: str) -> int:
     return HOPPER_WORKSPACE if COMPUTE_CAPABILITY_MAJOR.get(gpu, 0) in (9, 10) else DEFAULT_WORKSPACE
 
 
+def outside_allocator(fixed) -> int:
+    """The bytes of the lines that live outside the caching allocator (not in peak_reserved_bytes)."""
+    return sum(f.bytes for f in fixed if not f.inside_reserved)
+
+
 def fixed_costs(gpu: str, communicators: int = 0, gemm_streams: int = 1) -> tuple[FixedCost, ...]:
     """The lines for one rank on ``gpu`` (a fxacct.devices key): the CUDA context, the cuBLAS
     workspace of each stream that runs matmuls, and NCCL's buffers for ``communicators`` process

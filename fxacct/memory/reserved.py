@@ -30,7 +30,7 @@ import torch.fx as fx
 from fxacct.load.alloc_conf import AllocConf
 from fxacct.memory.allocator import CachingAllocator
 from fxacct.memory.allocator_rules import DEFAULT_STREAM, Free, Malloc
-from fxacct.memory.fixed import FixedCost, cublas_workspace_bytes, fixed_costs
+from fxacct.memory.fixed import FixedCost, cublas_workspace_bytes, fixed_costs, outside_allocator
 from fxacct.memory.peak import Lifetimes
 from fxacct.trace.records import tensor_metas
 
@@ -57,7 +57,7 @@ class ReservedAccount:
     @property
     def fixed_outside_bytes(self) -> int:
         """The fixed lines that are not already inside peak_reserved_bytes."""
-        return sum(f.bytes for f in self.fixed if not f.inside_reserved)
+        return outside_allocator(self.fixed)
 
     @property
     def fit_bytes(self) -> int:
@@ -129,7 +129,7 @@ def rank_allocator(gpu: str, capacity: int, conf: AllocConf, comms: int = 0) -> 
     """(a caching allocator with what the GPU leaves it, the rank's fixed costs): the capacity less
     the fixed lines outside the allocator (the CUDA context, NCCL's buffers for ``comms`` groups)."""
     fixed = fixed_costs(gpu, comms)
-    return CachingAllocator(conf, capacity - sum(f.bytes for f in fixed if not f.inside_reserved)), fixed
+    return CachingAllocator(conf, capacity - outside_allocator(fixed)), fixed
 
 
 def replayed(allocator: CachingAllocator, fixed: tuple, conf: AllocConf) -> ReservedAccount:

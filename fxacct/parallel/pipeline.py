@@ -31,7 +31,7 @@ from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import without_pp
 from fxacct.load.model_spec import call_user, check_call, resolve_function
 from fxacct.load.source import load_model
-from fxacct.memory.fixed import cublas_workspace_bytes, device_key, fixed_costs
+from fxacct.memory.fixed import cublas_workspace_bytes, device_key, fixed_costs, outside_allocator
 from fxacct.memory.reserved import ReservedAccount, communicators, fsdp_streams, rank_allocator, replayed
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
@@ -219,8 +219,7 @@ def assemble(config, profs: list, received: list[list[StageInput]], ranks: int, 
     bubble = max(1 - o.busy / o.span for o in orders)
     replay, fixed = None, 0
     if config.gpu is not None:
-        fixed = sum(f.bytes for f in fixed_costs(device_key(config.gpu), communicators(config.mesh))
-                    if not f.inside_reserved)
+        fixed = outside_allocator(fixed_costs(device_key(config.gpu), communicators(config.mesh)))
 
         def replay():
             return tuple(_rank_reserved(config, local[r], orders[r], ranks, r, m) for r in range(ranks))

@@ -172,9 +172,9 @@ class AllocatorMirror:
                 self.allocator.apply(Malloc(("resident", i), nbytes))
 
     def malloc(self, key, nbytes: int) -> None:
-        if nbytes:  # key: (storage, (stage, micro-batch or a tag)), or a transient's own
-            stage = key[1][0] if isinstance(key[1], tuple) else None
-            self.allocator.apply(Malloc(key, nbytes, self.streams.get(stage, {}).get(key[0], DEFAULT_STREAM)))
+        if nbytes:  # key: (storage, (stage, micro-batch or a tag)); the stage picks the trace's streams
+            stream = self.streams.get(key[1][0], {}).get(key[0], DEFAULT_STREAM)
+            self.allocator.apply(Malloc(key, nbytes, stream))
 
     def free(self, key, nbytes: int) -> None:
         if nbytes:
@@ -194,8 +194,9 @@ class _Walk:
     def note(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.live + extra)
         if extra and self.allocator is not None:  # a transient beside what is live (the outputs' torch.cat)
-            self.allocator.malloc(("transient", ("note",)), extra)
-            self.allocator.free(("transient", ("note",)), extra)
+            merged = ("merged outputs", (None, "transient"))  # of no stage's trace: the default stream
+            self.allocator.malloc(merged, extra)
+            self.allocator.free(merged, extra)
 
     def free(self, sid, mb) -> None:
         nbytes = self.held.pop((sid, mb), 0)
