@@ -122,21 +122,25 @@ def _search_mesh(planner: Planner, groups: dict) -> dict:
     for g in sorted(groups, key=lambda g: g[3]):
         lays = groups[g]
         off = {lay.micro_batch for lay, c in out.items() if lay.group == g[:3] + (False,) and c.fits}
-        if g[3] and off and g[0] == 1:
-            got = {lay: Candidate(lay, dominated=f"slower than ckpt off at mb {max(off)}") for lay in lays
-                   if lay.micro_batch <= max(off)}
-            rest = [lay for lay in lays if lay.micro_batch > max(off)]
-            got.update(_search_group(planner, rest) if rest else {})
-        elif g[3] and off:  # a pipeline ranks each micro-batch that fits (its bubble differs): checkpointing
-            # at one of them only adds the recompute
-            got = {lay: Candidate(lay, dominated=f"slower than ckpt off at mb {lay.micro_batch}") for lay in lays
-                   if lay.micro_batch in off}
-            rest = [lay for lay in lays if lay.micro_batch not in off]
+        if g[3] and off:
+            twins = {lay: _ckpt_off_twin(lay, off) for lay in lays}
+            got = {lay: Candidate(lay, dominated=f"slower than ckpt off at mb {mb}") for lay, mb in twins.items()
+                   if mb is not None}
+            rest = [lay for lay, mb in twins.items() if mb is None]
             got.update(_search_group(planner, rest) if rest else {})
         else:
             got = _search_group(planner, lays)
         out.update(got)
     return out
+
+
+def _ckpt_off_twin(lay: Layout, off: set[int]) -> int | None:
+    """The micro-batch of the same mesh without checkpointing, ranked (``off``), that makes ``lay``
+    only slower (the recompute), or None. Without pp the largest that fits is faster than any
+    smaller micro-batch; a pipeline ranks each that fits (its bubble differs): the same one only."""
+    if lay.pp > 1:
+        return lay.micro_batch if lay.micro_batch in off else None
+    return max(off) if lay.micro_batch <= max(off) else None
 
 
 _WORKER: Planner | None = None  # a pool worker's own Planner (_start)
