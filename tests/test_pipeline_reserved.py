@@ -82,7 +82,8 @@ def test_each_rank_is_replayed_through_the_allocator(monkeypatch, mesh, schedule
     for stage, (blocks, peak) in zip(pipe.stages, counts):
         r = stage.reserved
         assert peak == stage.peak_bytes  # the walk again, as the account walked it
-        assert r.peak_allocated_bytes == blocks + 32 * MiB  # the cuBLAS workspace (compute capability 9.0)
+        # the cuBLAS workspaces (32 MiB on compute capability 9.0) of the forward's and the backward's threads
+        assert r.peak_allocated_bytes == blocks + 2 * 32 * MiB
         assert blocks >= stage.peak_bytes  # rounding only adds
         assert r.peak_reserved_bytes >= r.peak_allocated_bytes and r.peak_reserved_bytes % (2 * MiB) == 0
         dims = mesh.count("=")

@@ -45,20 +45,46 @@ def test_reserved_of_a_step_of_16mib_tensors_by_hand(linear_2048):
     three 16 MiB tensors are live (W, x, y; then W, x, dW).
     Allocator (CUDACachingAllocator.cpp): a 16 MiB request is >= kMinLargeAlloc, so its segment is 16 MiB
     exactly (a multiple of kRoundLarge) and never split; dW reuses y's cached block (same size, same
-    stream). The cuBLAS workspace (32 MiB on compute capability 9.0, allocated through the allocator)
-    is one more 32 MiB segment. The scalars (loss, its gradient seed: < 1 MiB) share one 2 MiB
-    small-pool segment. Reserved: 32 + 3·16 + 2 = 82 MiB; allocated at most 32 + 3·16 MiB + two 512 B
-    blocks (the round_size of two live scalars)."""
+    stream). cuBLAS workspaces (32 MiB on compute capability 9.0, allocated through the allocator), one
+    per thread's handle: the forward's at y's mm, autograd's backward thread's at dW's mm, each one more
+    32 MiB segment. The scalars (loss, its gradient seed: < 1 MiB) share one 2 MiB small-pool segment.
+    The second step takes every block from the cache, so the replay ends there. Reserved:
+    2·32 + 3·16 + 2 = 114 MiB; allocated at most 2·32 + 3·16 MiB + two 512 B blocks (the round_size of
+    two live scalars)."""
     m = linear_2048.memory
     r = m.reserved
-    assert r.peak_reserved_bytes == 82 * MiB
-    assert r.by_pool_stream == (("large", "default", 80 * MiB), ("small", "default", 2 * MiB))
-    assert r.peak_allocated_bytes == 80 * MiB + 2 * 512
+    assert r.peak_reserved_bytes == 114 * MiB
+    assert r.by_pool_stream == (("large", "default", 112 * MiB), ("small", "default", 2 * MiB))
+    assert r.peak_allocated_bytes == 112 * MiB + 2 * 512
     assert m.rank_peak.bytes == 3 * 16 * MiB + 8  # the op-level peak: W, x, dW and two float32 scalars
     assert r.peak_reserved_bytes >= m.rank_peak.bytes
-    # fixed: the CUDA context outside the allocator; the workspace inside reserved, not counted twice
+    # fixed: the CUDA context outside the allocator; the workspaces inside reserved, not counted twice
     assert r.fixed_outside_bytes == CUDA_CONTEXT_BYTES
-    assert m.fit.peak_bytes == 82 * MiB + CUDA_CONTEXT_BYTES and m.fit.basis == "peak_reserved_bytes + fixed"
+    assert [f.bytes for f in r.fixed if f.inside_reserved] == [32 * MiB, 32 * MiB]
+    assert m.fit.peak_bytes == 114 * MiB + CUDA_CONTEXT_BYTES and m.fit.basis == "peak_reserved_bytes + fixed"
+
+
+def test_the_first_steps_optimizer_state_fragments_the_second_step_by_hand():
+    """The same Linear on x [4096, 2048] (32 MiB; W 16 MiB) with Adam, which makes its state (exp_avg,
+    exp_avg_sq: 16 MiB each) at its first step, where torch.optim's _init_group does. By hand:
+    set-up x, W: 48 MiB. Step 1: y (32 MiB) a new segment A, the forward's workspace 32: 112; the loss
+    scalars a 2 MiB small segment: 114. y dies; dW (16 MiB) takes A's first half (a large block is split
+    when more than 1 MiB remains), the backward thread's workspace a new 32: 146. The optimizer makes
+    exp_avg in A's free half, exp_avg_sq a new 16: 162, and _foreach_sqrt's temporary a new 16: 178.
+    Step 2: y finds no free block of 32 MiB (A holds exp_avg): a new segment, 210; dW and the temporary
+    take the freed 16 MiB blocks. Step 3 takes everything from the cache. A replay of one steady step
+    with the state resident from the start says 178 MiB: that is what torch.cuda.max_memory_reserved of
+    a run's first step is, not of the run."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(2048, 2048, bias=False)
+    x = torch.empty(4096, 2048, device="meta")
+    prof = fxacct.profile_module(model, (x,), config=Config(gpu="h100", optimizer="adam", find_max_batch=False,
+                                                                  alloc_conf=""))
+    r = prof.memory.reserved
+    assert r.peak_reserved_bytes == 210 * MiB
+    assert r.by_pool_stream == (("large", "default", 208 * MiB), ("small", "default", 2 * MiB))
+    # at _foreach_sqrt: x, W, two workspaces, dW, both states, the temporary; the loss and the step count
+    assert r.peak_allocated_bytes == (32 + 16 + 64 + 4 * 16) * MiB + 2 * 512
 
 
 def test_json_and_text_carry_reserved_allocated_and_fixed():
@@ -68,7 +94,8 @@ def test_json_and_text_carry_reserved_allocated_and_fixed():
     assert sum(p["bytes"] for p in r["by_pool_stream"]) == r["peak_reserved_bytes"]
     assert r["fit_bytes"] == r["peak_reserved_bytes"] + sum(f["bytes"] for f in fixed if not f["inside_reserved"])
     assert doc["memory"]["fit"]["peak_bytes"] == r["fit_bytes"]
-    assert {f["name"] for f in fixed} == {"CUDA context", "cuBLAS/cuBLASLt workspace"}
+    assert {f["name"] for f in fixed} == {"CUDA context", "cuBLAS/cuBLASLt workspace (forward thread)",
+                                          "cuBLAS/cuBLASLt workspace (backward thread)"}
     assert all(f["source"] for f in fixed)
     text = run("profile", *MLP, "--gpu", "h100", "--no-max-batch", "--summary")
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("reserved"))

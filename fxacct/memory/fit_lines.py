@@ -31,7 +31,7 @@ LINE_EVALUATIONS = 4 * MAX_FIT_TRACES
 def _structure(life: Lifetimes) -> tuple:
     """What must be equal for two Lifetimes to be one program at two batches: all but the sizes."""
     return (tuple(c for c, _ in life.resident), tuple(entry[:3] for entry in life.born), life.op_names,
-            life.op_phases, life.born_storages, life.resident_storages)
+            life.op_phases, life.born_storages, life.resident_storages, life.resident_births, life.first_cublas_ops)
 
 
 def _line(y0: int, y1: int, b0: int, b1: int) -> tuple[int, int] | None:

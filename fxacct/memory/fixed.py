@@ -36,7 +36,18 @@ CUDA_CONTEXT_SOURCE = ("pytorch/pytorch#109888 (ptrblck, NVIDIA, 2023): ~400 MB 
 # CUBLAS_WORKSPACE_CONFIG: ":4096:8" (32 MiB) on compute capability 9.x and 10.x (Hopper, Blackwell),
 # else ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB. cuBLASLt takes its workspace from the same one when
 # the workspaces are unified (unified_cublas_and_lt_workspaces, on unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=0).
+# Handles are per thread (getCurrentCUDABlasHandle: a thread_local PoolWindow reserves one), and
+# autograd runs a CUDA backward on its own device thread (torch/csrc/autograd/engine.cpp,
+# Engine::start_device_threads, one worker per device), so a training step whose backward runs
+# matmuls holds two workspaces on the default stream: the forward thread's, allocated at its first
+# matmul, and the backward thread's, at the backward's first. Seen on an H200 (torch 2.11, a GPT-2
+# and an MLP step under torch.cuda.memory._record_memory_history): two 32 MiB blocks, at those ops.
 CUBLAS_SOURCE = "aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize (torch 2.13), through the allocator"
+CUBLAS_THREADS = ("forward thread", "backward thread")  # the backward's: autograd's device thread
+# The aten ops that call cuBLAS and so take their thread's workspace: the matrix products
+# (aten/src/ATen/native/cuda/Blas.cpp). Convolutions run cuDNN, attention kernels their own.
+CUBLAS_OPS = frozenset(f"aten.{name}.default" for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "mv", "addmv", "dot", "vdot", "_scaled_mm"))
 HOPPER_WORKSPACE = 4096 * KiB * 8
 DEFAULT_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8
 COMPUTE_CAPABILITY_MAJOR = {  # NVIDIA CUDA GPUs table (developer.nvidia.com/cuda-gpus): H100/H200 9.0, A100 8.0
@@ -67,15 +78,16 @@ def outside_allocator(fixed) -> int:
     return sum(f.bytes for f in fixed if not f.inside_reserved)
 
 
-def fixed_costs(gpu: str, communicators: int = 0, gemm_streams: int = 1) -> tuple[FixedCost, ...]:
+def fixed_costs(gpu: str, communicators: int = 0, cublas_threads: tuple[str, ...] = CUBLAS_THREADS[:1]
+                ) -> tuple[FixedCost, ...]:
     """The lines for one rank on ``gpu`` (a fxacct.devices key): the CUDA context, the cuBLAS
-    workspace of each stream that runs matmuls, and NCCL's buffers for ``communicators`` process
-    groups of more than one rank."""
+    workspace of each thread that runs matmuls (``cublas_threads``, of CUBLAS_THREADS), and NCCL's
+    buffers for ``communicators`` process groups of more than one rank."""
     workspace = cublas_workspace_bytes(gpu)
     lines = [FixedCost("CUDA context", CUDA_CONTEXT_BYTES, False, CUDA_CONTEXT_SOURCE)]
-    lines += [FixedCost("cuBLAS/cuBLASLt workspace" + (f" (stream {i})" if gemm_streams > 1 else ""), workspace, True,
+    lines += [FixedCost(f"cuBLAS/cuBLASLt workspace ({thread})", workspace, True,
                         CUBLAS_SOURCE + (" (compute capability 9.x: 32 MiB)" if workspace == HOPPER_WORKSPACE
-                                         else " (:4096:2:16:8)")) for i in range(gemm_streams)]
+                                         else " (:4096:2:16:8)")) for thread in cublas_threads]
     if communicators:
         lines.append(FixedCost(f"NCCL buffers ({communicators} communicator{'s' if communicators > 1 else ''})",
                                communicators * NCCL_BUFFSIZE * NCCL_RING_PEERS, False, NCCL_SOURCE))

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxacct.trace.capture import FORWARD, Capture, tensor_metas
+from fxacct.memory.fixed import CUBLAS_OPS
+from fxacct.trace.capture import BACKWARD, FORWARD, Capture, tensor_metas
 from fxacct.trace.graph_builder import CONSTANT, INPUT, PARAMETER, trace_of
 
 PARAMETERS, BUFFERS, INPUTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES = (
@@ -48,6 +49,13 @@ class Lifetimes:
     op_phases: tuple[str, ...]
     born_storages: tuple[int, ...] = ()  # the storage id of each ``born`` entry, in the same order
     resident_storages: tuple[int | None, ...] = ()  # likewise for ``resident`` (None: a repeat)
+    # the op at which a run's first step makes each ``resident`` storage (the optimizer's state,
+    # made lazily by its first step), None for those made before it; () where nothing says
+    resident_births: tuple[int | None, ...] = ()
+    # the first op that calls cuBLAS on the thread that runs the forward and on autograd's device
+    # thread that runs the backward (each thread has its own cuBLAS handle and workspace:
+    # fxacct.memory.fixed); None where that thread runs none
+    first_cublas_ops: tuple[int | None, int | None] = (None, None)
 
 
 def _is_lifted_constant(node: fx.Node) -> bool:
@@ -62,13 +70,13 @@ def lifetimes(capture: Capture) -> Lifetimes:
     traced program dropped it (capture.deaths; absent: alive at the end of the step)."""
     graph = capture.graph
     resident: dict[int, tuple[str, int]] = {}
-    repeated: list[tuple[str, int]] = []  # the parameters a stepped representative stands for
+    repeated: list[tuple[int, tuple[str, int]]] = []  # (representative, entry): the parameters it stands for
     for state in capture.optimizer_state:
         resident[state.key] = (OPTIMIZER_STATE, state.nbytes)
-        repeated += [(OPTIMIZER_STATE, state.nbytes)] * (state.count - 1)
+        repeated += [(state.key, (OPTIMIZER_STATE, state.nbytes))] * (state.count - 1)
     for sid, nbytes, count in capture.master_weights:
         resident[sid] = (MASTER_WEIGHTS, nbytes)
-        repeated += [(MASTER_WEIGHTS, nbytes)] * (count - 1)
+        repeated += [(sid, (MASTER_WEIGHTS, nbytes))] * (count - 1)
     for node in graph.nodes:
         if node.op != "placeholder" or _is_lifted_constant(node):
             continue
@@ -81,17 +89,29 @@ def lifetimes(capture: Capture) -> Lifetimes:
     end = len(ops)
     deaths = capture.deaths or {}
     born: dict[int, tuple[int, int, str, int]] = {}
+    made: dict[int, int] = {}  # resident storage -> the op that made it in the traced (first) step
+    first_cublas: list[int | None] = [None, None]
     for i, n in enumerate(ops):
+        if str(n.target) in CUBLAS_OPS:
+            thread = int(trace_of(n).phase == BACKWARD)
+            first_cublas[thread] = i if first_cublas[thread] is None else first_cublas[thread]
         for t in tensor_metas(n.meta.get("val")):
             sid = t.storage
-            if sid in resident or sid in born:
+            if sid in resident:
+                made.setdefault(sid, i)
+                continue
+            if sid in born:
                 continue
             category = (GRADIENTS if sid in capture.grad_storages
                         else ACTIVATIONS if sid in capture.saved_storages else TEMPORARIES)
             born[sid] = (i, max(i, deaths.get(sid, end)), category, t.storage_nbytes)
-    return Lifetimes(tuple(resident.values()) + tuple(repeated), tuple(born.values()),
+    # a run makes the optimizer's state at its first step (torch.optim's _init_group), where the
+    # traced step made it; parameters, buffers, inputs and master weights exist before it
+    births = [made.get(sid) if category == OPTIMIZER_STATE else None for sid, (category, _) in resident.items()]
+    births += [made.get(sid) if category == OPTIMIZER_STATE else None for sid, (category, _) in repeated]
+    return Lifetimes(tuple(resident.values()) + tuple(entry for _, entry in repeated), tuple(born.values()),
                      tuple(n.name for n in ops), tuple(trace_of(n).phase for n in ops), tuple(born),
-                     tuple(resident) + (None,) * len(repeated))
+                     tuple(resident) + (None,) * len(repeated), tuple(births), tuple(first_cublas))
 
 
 def _per_rank(nbytes: int, shards: int) -> int:

@@ -45,7 +45,8 @@ def with_resizes(life, events):
     for sid, index, allocated in events:
         per_storage.setdefault(sid, []).append((index, allocated))
     born = dict(zip(life.born_storages, life.born))
-    resident = list(zip(life.resident_storages, life.resident))
+    births = life.resident_births or (None,) * len(life.resident)
+    resident = list(zip(life.resident_storages, life.resident, births))
     kept = []
     for sid, (birth, death, category, nbytes) in born.items():
         evs = per_storage.get(sid)
@@ -54,15 +55,16 @@ def with_resizes(life, events):
         else:
             kept += [(sid, iv) for iv in _intervals(evs, birth, death, category, nbytes)]
     still = []
-    for sid, (category, nbytes) in resident:
+    for sid, (category, nbytes), made in resident:
         evs = per_storage.get(sid)
         if evs is None or category != BUFFERS:
-            still.append((sid, (category, nbytes)))
+            still.append((sid, (category, nbytes), made))
         else:  # allocated at the first op unless the first event allocates it
             start = None if evs[0][1] else 0
             kept += [(sid, iv) for iv in _intervals(evs, start, len(life.op_names) - 1, TEMPORARIES, nbytes)]
     return replace(life, born=tuple(iv for _, iv in kept), born_storages=tuple(sid for sid, _ in kept),
-                   resident=tuple(r for _, r in still), resident_storages=tuple(sid for sid, _ in still))
+                   resident=tuple(r for _, r, _ in still), resident_storages=tuple(sid for sid, _, _ in still),
+                   resident_births=tuple(made for _, _, made in still))
 
 
 def _intervals(evs, start, end, category, nbytes):

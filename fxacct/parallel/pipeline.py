@@ -31,8 +31,16 @@ from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import without_pp
 from fxacct.load.model_spec import call_user, check_call, resolve_function
 from fxacct.load.source import load_model
-from fxacct.memory.fixed import cublas_workspace_bytes, device_key, fixed_costs, outside_allocator
-from fxacct.memory.reserved import ReservedAccount, communicators, fsdp_streams, rank_allocator, replayed
+from fxacct.memory.fixed import CUBLAS_THREADS, cublas_workspace_bytes, device_key, fixed_costs, outside_allocator
+from fxacct.memory.peak import lifetimes
+from fxacct.memory.reserved import (
+    ReservedAccount,
+    communicators,
+    cublas_threads,
+    fsdp_streams,
+    rank_allocator,
+    replayed,
+)
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.pipeline_collectives import rank_rows
@@ -298,8 +306,11 @@ def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> Re
     """Rank r's step, walked again in the schedule's order, through the caching allocator of
     config.gpu; the rank joins a process group for each mesh dimension, pp's included."""
     gpu, conf = device_key(config.gpu), config.allocator_conf()
-    allocator, fixed = rank_allocator(gpu, get_device(config.gpu).capacity_reported, conf, communicators(config.mesh))
+    in_use = {t for st in local.values() for t in cublas_threads(lifetimes(st.capture))}
+    threads = tuple(t for t in CUBLAS_THREADS if t in in_use)
+    allocator, fixed = rank_allocator(gpu, get_device(config.gpu).capacity_reported, conf, communicators(config.mesh),
+                                      threads)
     mirror = AllocatorMirror(allocator, {s: fsdp_streams(st.capture.graph) for s, st in local.items()},
-                             cublas_workspace_bytes(gpu))
+                             cublas_workspace_bytes(gpu), threads)
     stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m), mirror)
     return replayed(allocator, fixed, conf)

@@ -161,10 +161,10 @@ class AllocatorMirror:
     (fxacct.memory.allocator.CachingAllocator, its ``apply``), each on the stream its stage's
     trace puts it on (fxacct.memory.reserved.fsdp_streams, per stage)."""
 
-    def __init__(self, allocator, streams: dict[int, dict[int, str]], workspace: int = 0):
+    def __init__(self, allocator, streams: dict[int, dict[int, str]], workspace: int = 0, threads: tuple = ()):
         self.allocator, self.streams = allocator, streams
-        if workspace:  # the cuBLAS workspace, allocated through the allocator (fxacct.memory.fixed)
-            allocator.apply(Malloc(("cublas", DEFAULT_STREAM), workspace))
+        for thread in threads if workspace else ():  # each thread's cuBLAS workspace (fxacct.memory.fixed)
+            allocator.apply(Malloc(("cublas", thread), workspace))
 
     def resident(self, blocks: list[int]) -> None:
         for i, nbytes in enumerate(blocks):

@@ -318,6 +318,8 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
+    if cuda and config.alloc_conf is not None:  # the run uses the allocator settings the account replayed
+        tp.set_cuda_allocator_settings(config.alloc_conf)
     with _model_errors(device, config.batch):
         model, source = build_model(config, device)
         args, kwargs = make_inputs(config, model, source, device)

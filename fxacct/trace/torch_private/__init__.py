@@ -134,6 +134,15 @@ def quiet_kineto() -> None:
 
     os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_SILENT)
 
+def set_cuda_allocator_settings(conf: str) -> None:
+    """The CUDA caching allocator's settings for this process from now on, as PYTORCH_CUDA_ALLOC_CONF
+    gives them at start-up (torch.cuda.memory._set_allocator_settings: ``expandable_segments``, the
+    rounding and split options take effect for the allocations that follow)."""
+    import torch.cuda.memory as cuda_memory
+
+    _require(cuda_memory, "_set_allocator_settings", "torch.cuda.memory")(conf)
+
+
 def local(t):
     """A DTensor's shard on this rank (its ``_local_tensor``); any other tensor itself."""
     return getattr(t, "_local_tensor", t) if t is not None else None
