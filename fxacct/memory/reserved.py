@@ -33,6 +33,7 @@ buffers as their first argument. Everything else runs on the default stream.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -157,10 +158,20 @@ def replay_run(allocator: CachingAllocator, life: Lifetimes, streams=None, shard
     docstring), at most MAX_STEPS. Returns the steps replayed."""
     for event in setup_events(life, shards, extra):
         allocator.apply(event)
-    for step in range(MAX_STEPS):
-        before = allocator.reserved, allocator.segments
+
+    def run_step(step: int) -> None:
         for event in step_events(life, streams, shards, step, workspace):
             allocator.apply(event)
+
+    return until_steady(allocator, run_step)
+
+
+def until_steady(allocator: CachingAllocator, run_step: Callable[[int], None]) -> int:
+    """``run_step(k)`` for the run's steps k = 0, 1, ... into ``allocator`` until one reserves
+    nothing new, at most MAX_STEPS (module docstring). Returns the steps run."""
+    for step in range(MAX_STEPS):
+        before = allocator.reserved, allocator.segments
+        run_step(step)
         if step and (allocator.reserved, allocator.segments) == before:
             return step + 1
     return MAX_STEPS

@@ -40,6 +40,7 @@ from fxacct.memory.reserved import (
     fsdp_streams,
     rank_allocator,
     replayed,
+    until_steady,
 )
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
@@ -303,8 +304,9 @@ def _rank_account(config, profs, flows: list[Traffic], local: dict, r: int, rank
 
 
 def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> ReservedAccount:
-    """Rank r's step, walked again in the schedule's order, through the caching allocator of
-    config.gpu; the rank joins a process group for each mesh dimension, pp's included."""
+    """Rank r's run, its step walked again in the schedule's order for each of the run's steps,
+    through the caching allocator of config.gpu; the rank joins a process group for each mesh
+    dimension, pp's included."""
     gpu, conf = device_key(config.gpu), config.allocator_conf()
     in_use = {t for st in local.values() for t in cublas_threads(lifetimes(st.capture))}
     threads = tuple(t for t in CUBLAS_THREADS if t in in_use)
@@ -312,5 +314,11 @@ def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> Re
                                       threads)
     mirror = AllocatorMirror(allocator, {s: fsdp_streams(st.capture.graph) for s, st in local.items()},
                              cublas_workspace_bytes(gpu), threads)
-    stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m), mirror)
+    released = releases(config.pp_schedule, order.actions, ranks, r, m)
+
+    def run_step(step: int) -> None:  # a run's step (fxacct.memory.reserved)
+        stage_peak(local, order.actions, m, released, mirror)
+        mirror.end_step()
+
+    until_steady(allocator, run_step)
     return replayed(allocator, fixed, conf)

@@ -75,6 +75,9 @@ class _Prepared:
         # batch, its micro-batches views of it) or one receive buffer per micro-batch (a later stage's)
         self.resident_blocks = [b * (microbatches if c == INPUTS else 1) for c, b in life.resident]
         self.resident_blocks += [st.grad_recv_bytes] * microbatches if st.grad_recv_bytes else []
+        # the blocks a run's first step makes (its optimizer state: fxacct.memory.reserved), by index
+        made = life.resident_births or (None,) * len(life.resident)
+        self.first_step_made = frozenset(i for i, op in enumerate(made) if op is not None)
         self.resident = sum(self.resident_blocks)
         self.ops, born = _storages_born(st.capture, life)
         phases = [trace_of(n).phase for n in self.ops]
@@ -103,8 +106,14 @@ def stage_peak(stages: dict, actions, microbatches: int, releases, allocator=Non
     ``allocator`` (an AllocatorMirror): sent every allocation and free, in the same order."""
     prep = {k: _Prepared(st, microbatches) for k, st in stages.items()}
     walk = _Walk(sum(p.resident for p in prep.values()), allocator)
+    made_at_optimizer: dict = {}  # stage -> its resident blocks a run's first step makes, by global index
     if allocator is not None:
-        allocator.resident([b for p in prep.values() for b in p.resident_blocks])
+        blocks, first = [], 0
+        for k, p in prep.items():
+            made_at_optimizer[k] = [(first + i, p.resident_blocks[i]) for i in sorted(p.first_step_made)]
+            blocks += p.resident_blocks
+            first += len(p.resident_blocks)
+        allocator.resident(blocks, {i for made in made_at_optimizer.values() for i, _ in made})
     freed_after: dict[int, list] = {}
     for (st, mb), a in releases[0].items():
         if not stages[st].last:
@@ -138,6 +147,8 @@ def stage_peak(stages: dict, actions, microbatches: int, releases, allocator=Non
                 for sid in p.out_sids:
                     walk.free(sid, (st, mb))
     for st, p in prep.items():
+        if allocator is not None:  # torch.optim makes its state before its first step's math
+            allocator.made(made_at_optimizer[st])
         walk.run(p.opt, p.births, (st, 0))
     return walk.peak
 
@@ -159,26 +170,47 @@ def _node_ends(ops, bwd) -> dict[int, int]:
 class AllocatorMirror:
     """The walk's allocations and frees sent to a CUDA caching allocator replay
     (fxacct.memory.allocator.CachingAllocator, its ``apply``), each on the stream its stage's
-    trace puts it on (fxacct.memory.reserved.fsdp_streams, per stage)."""
+    trace puts it on (fxacct.memory.reserved.fsdp_streams, per stage). Walked again for each step
+    of a run (``end_step`` between): the resident blocks are made once, those a run's first step
+    makes (the optimizer state) at its first optimizer phase, and what a step still holds at its
+    end is dropped there, as fxacct.memory.reserved replays one device's run."""
 
     def __init__(self, allocator, streams: dict[int, dict[int, str]], workspace: int = 0, threads: tuple = ()):
         self.allocator, self.streams = allocator, streams
+        self.step = 0
+        self.held: set = set()  # this step's blocks
         for thread in threads if workspace else ():  # each thread's cuBLAS workspace (fxacct.memory.fixed)
             allocator.apply(Malloc(("cublas", thread), workspace))
 
-    def resident(self, blocks: list[int]) -> None:
-        for i, nbytes in enumerate(blocks):
+    def resident(self, blocks: list[int], first_step_made=frozenset()) -> None:
+        if self.step == 0:
+            for i, nbytes in enumerate(blocks):
+                if nbytes and i not in first_step_made:
+                    self.allocator.apply(Malloc(("resident", i), nbytes))
+
+    def made(self, blocks: list[tuple[int, int]]) -> None:
+        """Resident blocks (index, bytes) a run's first step makes here."""
+        for i, nbytes in blocks if self.step == 0 else ():
             if nbytes:
                 self.allocator.apply(Malloc(("resident", i), nbytes))
 
     def malloc(self, key, nbytes: int) -> None:
         if nbytes:  # key: (storage, (stage, micro-batch or a tag)); the stage picks the trace's streams
             stream = self.streams.get(key[1][0], {}).get(key[0], DEFAULT_STREAM)
-            self.allocator.apply(Malloc(key, nbytes, stream))
+            self.held.add(key)
+            self.allocator.apply(Malloc((self.step, key), nbytes, stream))
 
     def free(self, key, nbytes: int) -> None:
         if nbytes:
-            self.allocator.apply(Free(key))
+            self.held.discard(key)
+            self.allocator.apply(Free((self.step, key)))
+
+    def end_step(self) -> None:
+        """What the step still holds (gradients, losses, the outputs kept to its end) dropped."""
+        for key in self.held:
+            self.allocator.apply(Free((self.step, key)))
+        self.held = set()
+        self.step += 1
 
 
 class _Walk:
