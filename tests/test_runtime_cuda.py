@@ -16,8 +16,10 @@ from click.testing import CliRunner
 from helpers import ROOT
 
 from fxacct.errors import ModelError
+from fxacct.load.config import Config
 from fxacct.predict import calibration
 from fxacct.predict.roofline import gpu_key
+from fxacct.runtime import RuntimeOptions, run
 from fxacct.runtime.setup import check_fits, free_bytes, resolve_device
 from fxacct.tools import calibrate
 from fxacct_cli.main import cli
@@ -93,19 +95,21 @@ def test_reserved_of_a_run_is_the_replayed_runs(conf):
     state at its first step, the cuBLAS workspaces at the first matmul of each thread) beside the
     replay's peak_reserved_bytes, under the --alloc-conf the run is given. On an H200 (torch 2.11) the
     replay was within 0.3% on GPT-2 124M and an 8-layer Llama, with and without expandable segments
-    (docs/allocator.md); this tiny GPT is held to 5% (its 2 MiB small-pool segments are a coarse unit)."""
-    from fxacct.load.config import Config
-    from fxacct.runtime import RuntimeOptions, run
-
+    (docs/allocator.md); this tiny GPT is held to 5% (its 2 MiB small-pool segments are a coarse unit),
+    and under expandable segments to one page of each pool."""
+    gpu = gpu_key(torch.cuda.get_device_name())
+    if gpu is None:
+        pytest.skip(f"{torch.cuda.get_device_name()} is not in fxacct's GPU table: nothing replayed")
     torch.cuda.empty_cache()
-    config = Config(target=GPT[0], batch=2, alloc_conf=conf,
+    config = Config(target=GPT[0], batch=2, gpu=gpu, alloc_conf=conf, find_max_batch=False,
                     kwargs=dict(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=100))
     try:
         r = run(config, RuntimeOptions(device="cuda", steps=3, warmup=1))
     finally:  # torch's default for the tests after this one
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    if r.profile.memory.reserved is None:
-        pytest.skip(f"{torch.cuda.get_device_name()} is not in fxacct's GPU table: nothing replayed")
     predicted = r.profile.memory.reserved.peak_reserved_bytes
     assert r.profile.memory.reserved.expandable_segments == (conf != "")
-    assert abs(r.measured.reserved_bytes / predicted - 1) < 0.05, (r.measured.reserved_bytes, predicted)
+    # expandable segments map pages: 20 MiB in the large pool in torch 2.13's source; torch 2.11 on an
+    # H200 mapped this model's 64 MiB of workspaces in 64 (the replay: 80), so one page either way
+    tolerance = 22 * 2**20 if conf else 0.05 * predicted
+    assert abs(r.measured.reserved_bytes - predicted) <= tolerance, (r.measured.reserved_bytes, predicted)
