@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fxacct.devices import ALIASES
 
 MiB, KiB = 2**20, 2**10
@@ -46,7 +48,7 @@ CUBLAS_SOURCE = "aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSiz
 CUBLAS_THREADS = ("forward thread", "backward thread")  # the backward's: autograd's device thread
 # The aten ops that call cuBLAS and so take their thread's workspace: the matrix products
 # (aten/src/ATen/native/cuda/Blas.cpp). Convolutions run cuDNN, attention kernels their own.
-CUBLAS_OPS = frozenset(f"aten.{name}.default" for name in (
+CUBLAS_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "mv", "addmv", "dot", "vdot", "_scaled_mm"))
 HOPPER_WORKSPACE = 4096 * KiB * 8
 DEFAULT_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8

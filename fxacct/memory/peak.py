@@ -92,9 +92,10 @@ def lifetimes(capture: Capture) -> Lifetimes:
     made: dict[int, int] = {}  # resident storage -> the op that made it in the traced (first) step
     first_cublas: list[int | None] = [None, None]
     for i, n in enumerate(ops):
-        if str(n.target) in CUBLAS_OPS:
+        if n.target in CUBLAS_OPS:
             thread = int(trace_of(n).phase == BACKWARD)
-            first_cublas[thread] = i if first_cublas[thread] is None else first_cublas[thread]
+            if first_cublas[thread] is None:
+                first_cublas[thread] = i
         for t in tensor_metas(n.meta.get("val")):
             sid = t.storage
             if sid in resident:
