@@ -70,14 +70,14 @@ class _RoundedBlocks:
 def test_each_rank_is_replayed_through_the_allocator(monkeypatch, mesh, schedule):
     counts = []
 
-    def counted(stages, actions, microbatches, releases, allocator=None):
+    def counted(stages, actions, microbatches, releases, allocator=None, prep=None):
         if allocator is None:  # the op-level walk of the account
             return original(stages, actions, microbatches, releases)
         if allocator.step:  # a run's later steps: the first one is checked
-            return original(stages, actions, microbatches, releases, allocator)
+            return original(stages, actions, microbatches, releases, allocator, prep)
         oracle = _RoundedBlocks()
         peak = original(stages, actions, microbatches, releases, oracle)
-        assert original(stages, actions, microbatches, releases, allocator) == peak  # the mirror changes no peak
+        assert original(stages, actions, microbatches, releases, allocator, prep) == peak  # the mirror changes no peak
         counts.append((oracle.peak, peak))
         return peak
 

@@ -108,11 +108,11 @@ def lifetimes(capture: Capture) -> Lifetimes:
             born[sid] = (i, max(i, deaths.get(sid, end)), category, t.storage_nbytes)
     # a run makes the optimizer's state at its first step (torch.optim's _init_group), where the
     # traced step made it; parameters, buffers, inputs and master weights exist before it
-    births = [made.get(sid) if category == OPTIMIZER_STATE else None for sid, (category, _) in resident.items()]
-    births += [made.get(sid) if category == OPTIMIZER_STATE else None for sid, (category, _) in repeated]
-    return Lifetimes(tuple(resident.values()) + tuple(entry for _, entry in repeated), tuple(born.values()),
+    entries = list(resident.items()) + repeated
+    births = tuple(made.get(sid) if category == OPTIMIZER_STATE else None for sid, (category, _) in entries)
+    return Lifetimes(tuple(entry for _, entry in entries), tuple(born.values()),
                      tuple(n.name for n in ops), tuple(trace_of(n).phase for n in ops), tuple(born),
-                     tuple(resident) + (None,) * len(repeated), tuple(births), tuple(first_cublas))
+                     tuple(resident) + (None,) * len(repeated), births, tuple(first_cublas))
 
 
 def _per_rank(nbytes: int, shards: int) -> int:

@@ -98,22 +98,24 @@ def _per_rank(nbytes: int, shards: int) -> int:
     return -(-nbytes // shards)  # as fxacct.memory.peak.walk: a rank holds at most the ceiling
 
 
-def _resident_births(life: Lifetimes) -> tuple[int | None, ...]:
-    return life.resident_births or (None,) * len(life.resident)
+def _resident(life: Lifetimes, shards: dict[str, int]) -> list[tuple[Malloc, int | None]]:
+    """(the allocation of each resident storage a rank holds, the op of the first step that makes
+    it or None: made before the run's first step)."""
+    births = life.resident_births or (None,) * len(life.resident)
+    out = []
+    for i, ((category, nbytes), made) in enumerate(zip(life.resident, births)):
+        size = _per_rank(nbytes, shards.get(category, 1))
+        if size:
+            out.append((Malloc(("resident", i), size), made))
+    return out
 
 
 def setup_events(life: Lifetimes, shards: dict[str, int] | None = None, extra: dict[str, int] | None = None) -> list:
     """What exists before a run's first step: the resident storages made before it (parameters,
     buffers, inputs, master weights), in Lifetimes order, then ``extra`` (resident throughout
     under --shard: a gathered ZeRO-3 / FSDP unit)."""
-    shards = shards or {}
-    events: list = []
-    for i, ((category, nbytes), made) in enumerate(zip(life.resident, _resident_births(life))):
-        size = _per_rank(nbytes, shards.get(category, 1))
-        if size and made is None:
-            events.append(Malloc(("resident", i), size))
-    events += [Malloc(("extra", category), nbytes) for category, nbytes in (extra or {}).items() if nbytes]
-    return events
+    events = [malloc for malloc, made in _resident(life, shards or {}) if made is None]
+    return events + [Malloc(("extra", category), nbytes) for category, nbytes in (extra or {}).items() if nbytes]
 
 
 def step_events(life: Lifetimes, streams: dict[int, str] | None = None, shards: dict[str, int] | None = None,
@@ -125,11 +127,9 @@ def step_events(life: Lifetimes, streams: dict[int, str] | None = None, shards: 
     streams, shards = streams or {}, shards or {}
     births: dict[int, list] = {}
     deaths: dict[int, list] = {}
-    if step == 0:
-        for i, ((category, nbytes), made) in enumerate(zip(life.resident, _resident_births(life))):
-            size = _per_rank(nbytes, shards.get(category, 1))
-            if size and made is not None:
-                births.setdefault(made, []).append(Malloc(("resident", i), size))
+    for malloc, made in _resident(life, shards) if step == 0 else ():
+        if made is not None:
+            births.setdefault(made, []).append(malloc)
     sids = life.born_storages or (None,) * len(life.born)
     for j, ((birth, death, category, nbytes), sid) in enumerate(zip(life.born, sids)):
         size = _per_rank(nbytes, shards.get(category, 1))
@@ -192,8 +192,8 @@ def reserved_account(life: Lifetimes, gpu: str, capacity: int, conf: AllocConf, 
     return replayed(allocator, fixed, conf)
 
 
-def rank_allocator(gpu: str, capacity: int, conf: AllocConf, comms: int = 0,
-                   threads: tuple[str, ...] = CUBLAS_THREADS) -> tuple[CachingAllocator, tuple]:
+def rank_allocator(gpu: str, capacity: int, conf: AllocConf, comms: int,
+                   threads: tuple[str, ...]) -> tuple[CachingAllocator, tuple]:
     """(a caching allocator with what the GPU leaves it, the rank's fixed costs): the capacity less
     the fixed lines outside the allocator (the CUDA context, NCCL's buffers for ``comms`` groups);
     ``threads``: those holding a cuBLAS workspace."""

@@ -31,21 +31,12 @@ from fxacct.errors import UsageError, classify
 from fxacct.load.mesh import without_pp
 from fxacct.load.model_spec import call_user, check_call, resolve_function
 from fxacct.load.source import load_model
-from fxacct.memory.fixed import CUBLAS_THREADS, cublas_workspace_bytes, device_key, fixed_costs, outside_allocator
-from fxacct.memory.peak import lifetimes
-from fxacct.memory.reserved import (
-    ReservedAccount,
-    communicators,
-    cublas_threads,
-    fsdp_streams,
-    rank_allocator,
-    replayed,
-    until_steady,
-)
+from fxacct.memory.fixed import cublas_workspace_bytes, device_key, fixed_costs, outside_allocator
+from fxacct.memory.reserved import ReservedAccount, communicators, fsdp_streams, rank_allocator, replayed, until_steady
 from fxacct.parallel.accounts import PipelineAccount, StageAccount
 from fxacct.parallel.engine import repeated_blocks
 from fxacct.parallel.pipeline_collectives import rank_rows
-from fxacct.parallel.pipeline_memory import AllocatorMirror, LocalStage, stage_peak
+from fxacct.parallel.pipeline_memory import AllocatorMirror, LocalStage, prepared_stages, stage_peak, stage_threads
 from fxacct.parallel.pipeline_schedule import check_microbatches, per_rank, releases, simulate, step_seconds
 from fxacct.parallel.pipeline_shape import same_figures, stage_shape
 from fxacct.parallel.pipeline_split import (
@@ -308,8 +299,8 @@ def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> Re
     through the caching allocator of config.gpu; the rank joins a process group for each mesh
     dimension, pp's included."""
     gpu, conf = device_key(config.gpu), config.allocator_conf()
-    in_use = {t for st in local.values() for t in cublas_threads(lifetimes(st.capture))}
-    threads = tuple(t for t in CUBLAS_THREADS if t in in_use)
+    prep = prepared_stages(local, m)
+    threads = stage_threads(prep)
     allocator, fixed = rank_allocator(gpu, get_device(config.gpu).capacity_reported, conf, communicators(config.mesh),
                                       threads)
     mirror = AllocatorMirror(allocator, {s: fsdp_streams(st.capture.graph) for s, st in local.items()},
@@ -317,7 +308,7 @@ def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> Re
     released = releases(config.pp_schedule, order.actions, ranks, r, m)
 
     def run_step(step: int) -> None:  # a run's step (fxacct.memory.reserved)
-        stage_peak(local, order.actions, m, released, mirror)
+        stage_peak(local, order.actions, m, released, mirror, prep)
         mirror.end_step()
 
     until_steady(allocator, run_step)

@@ -31,7 +31,9 @@ import operator
 from dataclasses import dataclass
 
 from fxacct.memory.allocator_rules import DEFAULT_STREAM, Free, Malloc
+from fxacct.memory.fixed import CUBLAS_THREADS
 from fxacct.memory.peak import INPUTS, lifetimes
+from fxacct.memory.reserved import cublas_threads
 from fxacct.parallel.pipeline_fsdp import Gathered, fsdp_stage
 from fxacct.trace.capture import Capture
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER
@@ -78,6 +80,7 @@ class _Prepared:
         # the blocks a run's first step makes (its optimizer state: fxacct.memory.reserved), by index
         made = life.resident_births or (None,) * len(life.resident)
         self.first_step_made = frozenset(i for i, op in enumerate(made) if op is not None)
+        self.cublas_threads = cublas_threads(life)
         self.resident = sum(self.resident_blocks)
         self.ops, born = _storages_born(st.capture, life)
         phases = [trace_of(n).phase for n in self.ops]
@@ -99,12 +102,24 @@ class _Prepared:
             self.skipped |= self.fsdp.region_ops
 
 
-def stage_peak(stages: dict, actions, microbatches: int, releases, allocator=None) -> int:
+def prepared_stages(stages: dict, microbatches: int) -> dict:
+    """What stage_peak reads of each local stage (stage index -> LocalStage), made once for walks
+    that repeat (a run's steps: fxacct.parallel.pipeline)."""
+    return {k: _Prepared(st, microbatches) for k, st in stages.items()}
+
+
+def stage_threads(prep: dict) -> tuple[str, ...]:
+    """The threads that run matmuls on any of the prepared stages (fxacct.memory.fixed.CUBLAS_THREADS)."""
+    return tuple(t for t in CUBLAS_THREADS if any(t in p.cublas_threads for p in prep.values()))
+
+
+def stage_peak(stages: dict, actions, microbatches: int, releases, allocator=None, prep: dict | None = None) -> int:
     """A rank's peak live bytes over one step of ``actions`` ((kind, stage, micro-batch)) on its
     ``stages`` (stage index -> LocalStage; module docstring); ``releases``: (output, input
     gradient) of each (stage, micro-batch) -> the action index after which it is freed.
-    ``allocator`` (an AllocatorMirror): sent every allocation and free, in the same order."""
-    prep = {k: _Prepared(st, microbatches) for k, st in stages.items()}
+    ``allocator`` (an AllocatorMirror): sent every allocation and free, in the same order;
+    ``prep``: prepared_stages of ``stages``, if made already."""
+    prep = prep or prepared_stages(stages, microbatches)
     walk = _Walk(sum(p.resident for p in prep.values()), allocator)
     made_at_optimizer: dict = {}  # stage -> its resident blocks a run's first step makes, by global index
     if allocator is not None:
