@@ -125,11 +125,11 @@ def main() -> int:
             print(f"calibration refused ({e}); the calibrated rows fall back to the datasheet")
         else:
             calibration.save(cal)
-        if args.device == "cuda":  # the calibration's cached blocks are no part of the first case's reserved
-            torch.cuda.empty_cache()
             rates = ", ".join(f"{k} {v / 1e12:.0f}" for k, v in cal.matmul_flops_per_s.items())
             print(f"calibrated in {time.perf_counter() - t0:.1f} s: matmul TFLOP/s {rates}; "
                   f"bandwidth {cal.bandwidth_bytes_per_s / 1e9:.0f} GB/s")
+        if args.device == "cuda":  # the calibration's cached blocks are no part of the first case's reserved
+            torch.cuda.empty_cache()
         for key in args.only or CASES:
             title, config = CASES[key]
             if args.small:
