@@ -408,3 +408,38 @@ def test_an_embedding_looked_up_past_its_rows_fails_as_in_eager(length, fails):
         return
     with pytest.raises(fxacct.ModelError, match="index out of range in self"):
         profile_meta(model, (ids,))
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op dispatched while it is on: the eager oracle's."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dedup", (True, False))
+def test_backward_detaches_what_eager_detaches(dedup):
+    """fxacct's saved-tensor hook made autograd detach every saved tensor it unpacked (a hook's
+    tensor comes back through shallow_copy_and_detach, a dispatched aten.detach): an op eager never
+    runs for a saved input, an eighth of a transformer step's nodes. Eager detaches a saved output
+    only. Oracle: the same model's backward on real CPU tensors, no hook, its ops counted: Tanh and
+    Sigmoid save their outputs (2 detaches), the three addmm what their gradients read (none); the
+    trace had one per tensor unpacked (6 here)."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 4)]
+    model, x = nn.Sequential(*blocks), torch.randn(2, 8)
+    loss = model(x).float().sum()  # fxacct's default loss, `sum`
+    with _Ops() as eager:
+        torch.autograd.grad(loss, list(model.parameters()))
+    expected = eager.ops.count(torch.ops.aten.detach.default)
+    assert expected == 2
+    p = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=dedup))
+    traced = [n for n in p.capture.graph.nodes
+              if n.target is torch.ops.aten.detach.default and n.meta["trace"].phase == "backward"]
+    assert len(traced) == expected
+    assert {n.args[0].target for n in traced} == {torch.ops.aten.tanh.default, torch.ops.aten.sigmoid.default}

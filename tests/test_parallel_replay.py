@@ -20,18 +20,18 @@ GPT = "examples/gpt2.py:GPT"
 GPT_KW = dict(n_layer=4, n_head=4, n_embd=64, vocab_size=1001, block_size=32)  # 4 blocks: a run of 4
 
 # the last value: blocks replayed in the training step. FSDP2-wrapped blocks are probed inside
-# their own calls (block 0 traced, 1 to 3 replayed once the two probes agree); under sequence
+# their own calls (block 0 replays its own probe, 1 to 3 the second probe once the two agree); under sequence
 # parallelism a block's input is saved only through a DTensor, so its training step is traced in full
 CASES = [
-    (LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "examples/llama.py:parallelize", 3),
+    (LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "examples/llama.py:parallelize", 4),
     (LLAMA, dict(n_layers=4), "tp=2", "examples/llama.py:parallelize_sp", 0),
-    (LIST_LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "tests/models/llama_list.py:parallelize", 3),
+    (LIST_LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "tests/models/llama_list.py:parallelize", 4),
     (LIST_LLAMA, dict(n_layers=4), "tp=2", "tests/models/llama_list.py:parallelize_sp", 0),
     (LIST_LLAMA, dict(n_layers=4), "tp=2", "tests/models/llama_list.py:parallelize", 4),
     (LIST_LLAMA, dict(n_layers=4), "fsdp=2,tp=2", "tests/models/llama_list.py:parallelize_sp", 0),
-    (LIST_LLAMA, dict(n_layers=4, hidden=96), "fsdp=4", "tests/models/llama_list.py:parallelize", 3),
-    (GPT, GPT_KW, "fsdp=4", None, 3),
-    (GPT, GPT_KW, "fsdp=2", None, 3),
+    (LIST_LLAMA, dict(n_layers=4, hidden=96), "fsdp=4", "tests/models/llama_list.py:parallelize", 4),
+    (GPT, GPT_KW, "fsdp=4", None, 4),
+    (GPT, GPT_KW, "fsdp=2", None, 4),
 ]
 
 
@@ -66,6 +66,28 @@ def test_mesh_same_account_both_ways(rel, kwargs, mesh, par, trained, replayed):
     assert a.parallel.collectives == b.parallel.collectives
     # 4 identical blocks: the inference forward traces two and replays two
     assert replayed == {"train": [trained], "inference": [2]}
+
+
+def test_fsdp_blocks_each_replay_their_own_probe_where_the_probes_disagree(replayed):
+    """FSDP2-wrapped blocks are probed inside their own calls, so block 0 must answer before block
+    1's probe can prove a template: it replays its own probe, a trace of that very call. Blocks
+    whose forward alternates between two paths call by call (tests/models/alternating.py) tell the
+    difference: the probes disagree, blocks 0 and 1 each replay their own and blocks 2 to 4 are
+    traced. The account is the one tracing every block gives, call for call: when block 0 was
+    traced again after its probe, that second call took the other path (a doubling where the
+    step's first call takes relu: relu in blocks 2 and 4 only, 487 nodes against 488)."""
+    def run(dedup):
+        return fxacct.profile(fxacct.Config(target=target("tests/models/alternating.py:Stack"), batch=2,
+                                            mesh="fsdp=2", dedup=dedup))
+
+    a = run(True)
+    assert replayed == {"train": [2], "inference": [0]}
+    b = run(False)
+    assert_same_account(a, b)
+    relu = [n.module for n in a.accounting.nodes if n.op == "aten.relu.default"]
+    assert relu == ["blocks.0", "blocks.2", "blocks.4"]  # the step's odd calls (forward nodes only)
+    assert a.memory.rank_peak == b.memory.rank_peak
+    assert a.parallel.rows == b.parallel.rows
 
 
 def test_hugging_face_plan_blocks_compare_with_process_groups_in_their_ops(replayed):
@@ -151,17 +173,18 @@ def test_autocast_probe_leaves_no_cached_casts_for_the_traced_block(replayed):
     FSDP2-wrapped block is probed inside its own call and then traced: a probe casting the
     block's own parameters left the copies the traced forward then found, so block 0 had no
     casts (7 nodes fewer than tracing every block) and its products read tensors of the discarded
-    probe. The probe now casts stand-ins: the account is the one tracing every block gives."""
+    probe. The probe now casts stand-ins: the account is the one tracing every block gives. (Block
+    0 now replays its own probe: its casts are the probe's, made again for its own parameters.)"""
     def run(dedup):
         return fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=4), mesh="fsdp=2",
                                             parallelize=target("examples/llama.py:parallelize"), amp=torch.bfloat16,
                                             dedup=dedup))
 
     a, b = run(True), run(False)
-    assert replayed["train"] == [3]  # blocks 1 to 3 replayed from the probes
+    assert replayed["train"] == [4]  # block 0 from its own probe, blocks 1 to 3 from the second
     weight_casts = [n for n in a.accounting.nodes if n.op == "aten._to_copy.default"
                     and n.module.startswith("layers.0.") and len(n.shape) == 2]  # activations are [B, T, ...]
-    assert len(weight_casts) == 7  # wq, wk, wv, wo, w1, w2, w3: each cast once in block 0's traced forward
+    assert len(weight_casts) == 7  # wq, wk, wv, wo, w1, w2, w3: each cast once in block 0's forward
     assert_same_account(a, b)
     assert a.parallel.rows == b.parallel.rows
 

@@ -209,7 +209,7 @@ def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
     flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))
     builder = GraphBuilder()
     input_nodes = _placeholders(builder, recorder, fake, flat_inputs)
-    saved = SavedTracker(storages, {storages.id_of(tp.local(t)) for t in fake.fake_of.values()})
+    saved = SavedTracker(storages, {storages.id_of(tp.local(t)) for t in fake.fake_of.values()}, recorder)
     return _Session(options, model, mode, storages, recorder, builder, fake, fake_args, fake_kwargs,
                     flat_inputs, input_nodes, saved)
 

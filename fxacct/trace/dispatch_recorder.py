@@ -30,6 +30,7 @@ from fxacct.trace.records import (
 FORWARD, LOSS, BACKWARD, OPTIMIZER = "forward", "loss", "backward", "optimizer"
 RECOMPUTE = "recompute"  # scope of a backward-phase record that re-runs a forward op
 _PRIM_DEVICE = torch.ops.prim.device.default
+_DETACH = torch.ops.aten.detach.default
 # metadata queries (prim.device, ...): no tensor work (profiler markers, record_function, return
 # earlier in __torch_dispatch__, without the fake mode)
 _NOT_RECORDED = frozenset({"prim"})
@@ -157,6 +158,9 @@ class Recorder(tp.TorchDispatchMode):
         # tensor that outlives it (FSDP2's gathered parameters, a module's constant) is untagged
         # when the next capture of the same model meets it
         self.tagged: list[weakref.ref] = []
+        # what the saved-tensor hook's unpack just handed autograd (SavedTracker.unpack), until the
+        # next op: the engine detaches it (below), or does not and it is forgotten
+        self.unpacked: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def suppressed(self):
@@ -250,6 +254,9 @@ class Recorder(tp.TorchDispatchMode):
             return args[0].fake_device
         if self.defer and not self.defer.isdisjoint(types):
             return self._deferred()
+        unpacked, self.unpacked = self.unpacked, None
+        if func is _DETACH and unpacked is not None and args[0] is tp.local(unpacked):
+            return self._engine_detach(args[0])
         kwargs = kwargs or {}
         check = _EAGER_CHECKS.get(func)
         if check is not None:
@@ -271,6 +278,20 @@ class Recorder(tp.TorchDispatchMode):
         ref_args = self.refs(args, rg)
         ref_kwargs = {k: self.refs(v, rg) for k, v in kwargs.items()}
         self.append(func, ref_args, ref_kwargs, self._outputs(out, len(self.records)), tuple(rg))
+        return out
+
+    def _engine_detach(self, saved: torch.Tensor) -> torch.Tensor:
+        """The detach autograd's engine runs on a saved input that fxacct's saved-tensor hook
+        unpacked (SavedVariable::unpack makes a hook's tensor a new Variable by
+        shallow_copy_and_detach, a dispatched aten.detach, where the tensor is still referenced,
+        as the hook's is): run, not recorded. Without the hook autograd hands a saved input back as
+        it was saved, with no op at all (a saved output it does detach: SavedTracker.pack tells them
+        apart, and that detach is recorded as eager runs it). The ones left out are fxacct's own, a
+        view per saved input per backward op: an eighth of a transformer's step. Its output is an
+        alias of the saved tensor: the ops that read it read the saved tensor's node."""
+        out = _DETACH(saved)
+        if self.recording:
+            self.tag(out, self.ref(saved))
         return out
 
     def append(self, func, ref_args, ref_kwargs, val, rg: tuple) -> None:
@@ -330,8 +351,9 @@ class SavedTracker:
     its version: with a hook installed autograd skips its own check that a saved tensor was not
     modified in place, so unpack makes it, with autograd's message."""
 
-    def __init__(self, storages: Storages, excluded: set[int]):
+    def __init__(self, storages: Storages, excluded: set[int], recorder: Recorder):
         self.storages = storages
+        self.recorder = recorder
         self.excluded = excluded
         self.saved: dict[int, tuple[int, torch.dtype]] = {}  # id -> (bytes, dtype)
         # storage ids of the local shards of DTensors autograd saved (fxacct.trace.replay_train:
@@ -346,17 +368,24 @@ class SavedTracker:
         if sid not in self.excluded and sid not in self.saved:
             dtype, nbytes = self.storages.real.get(sid, (local.dtype, local.untyped_storage().nbytes()))
             self.saved[sid] = (nbytes, dtype)
-        return t, t._version
+        # an op saves its own output after giving it its grad_fn, the newest autograd Node (an
+        # input's is older: the saving Node took its number before the op ran); without a hook,
+        # autograd unpacks a saved output as a new Variable (a dispatched detach) and an input
+        # as the tensor saved (no op)
+        fn = t.grad_fn
+        output = fn is not None and fn._sequence_nr() == tp.next_autograd_number() - 1
+        return t, t._version, output
 
-    @staticmethod
     @acts_for_torch
-    def unpack(packed):
-        t, version = packed
+    def unpack(self, packed):
+        t, version, output = packed
         if t._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 f"operation: a {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
                 f"expected version {version}")
+        if not output:
+            self.recorder.unpacked = t  # the detach autograd runs on it next is fxacct's own
         return t
 
 

@@ -23,7 +23,8 @@ ways agree.
 
 Under --mesh (fxacct.parallel) the blocks may be FSDP2-wrapped: FSDP2 gathers a block's parameters
 in its pre-forward hook and frees them after, so such blocks are probed one at a time inside their
-own calls (the first two calls make the template; the first block is traced, the others replay).
+own calls (the first two calls make the template; the first block replays its own probe, the
+others the second's).
 FSDP2's hooks still run around every block, replayed or not: its gathers, frees, backward
 prefetches and reduce-scatters are recorded as they happen. A DTensor parameter's gradient is
 made a DTensor of the probe's gradient placements; a block whose input autograd saves only
@@ -81,35 +82,39 @@ class TrainReplay(ForwardPatches):
         if _has_dtensor(leaves):  # a DTensor between blocks: its shard is no fresh tensor
             state["tried"], state["template"] = True, None
             return original(*args, **kwargs)
+        own = None  # a probe of this very call: the block's own template
         if _gathered_in_hooks(block):
-            self._learn_in_place(state, pos, fqn, block, leaves, spec)
+            own = self._learn_in_place(state, pos, fqn, block, leaves, spec)
         elif not state["tried"]:
             state["tried"] = True
             state["template"] = self._learn(state["run"], leaves, spec)
-        template = state["template"]
+        template = state["template"] or own
         if template is not None and torch.is_grad_enabled() and self._inputs_match(template, leaves, spec) \
                 and template.param_meta == _param_meta(dict(block.named_parameters())):
             return self._replay(template, block, fqn, leaves)
         return original(*args, **kwargs)
 
-    def _learn_in_place(self, state, pos, fqn, block, leaves, spec) -> None:
+    def _learn_in_place(self, state, pos, fqn, block, leaves, spec) -> Template | None:
         """FSDP2 gathers a block's parameters in its pre-forward hook and frees them after, so
         the two blocks are probed one at a time, each inside its own call: the first two calls, in
-        order, make the template (the first is then traced as usual, the second replays)."""
+        order, make the template. Returns this call's probe: a trace of this very block on inputs
+        like its own, which it replays (the first block too, before the second's probe can prove
+        the template, and either of them when the probes disagree)."""
         if state["tried"] or pos > 1 or not torch.is_grad_enabled():
             state["tried"] = True
-            return
+            return None
         try:
-            probe = self._probe((fqn, block), leaves, spec)
+            probe = self._probe((fqn, block), leaves, spec, views=False)
         except _Mismatch:
             probe = None
         if pos == 0:
             state["first"] = probe
-            return
+            return probe
         state["tried"] = True
         first = state.pop("first", None)
         if first is not None and probe is not None and comparable(first) == comparable(probe):
             state["template"] = probe
+        return probe
 
     @staticmethod
     def _in_meta(leaves):
@@ -146,7 +151,12 @@ class TrainReplay(ForwardPatches):
         finally:
             rec.records, rec.phase, rec.module_stack, self.storages.clock, self.storages.deaths = saved
 
-    def _probe(self, item, leaves, spec) -> Template | None:
+    def _probe(self, item, leaves, spec, views: bool = True) -> Template | None:
+        """A trace of ``item``'s block on fresh inputs like ``leaves``, forward and backward, in
+        template space; None where it cannot stand for the block. ``views`` False: nor where an
+        output is a view (a replayed block returns fresh tensors, and FSDP2 registers its
+        pre-backward hook on a block's outputs: an in-place op on a view drops it, as eager's
+        backward then gathers nothing)."""
         fqn, block = item
         rec = self.recorder
         params = {n: p for n, p in block.named_parameters()}
@@ -169,6 +179,8 @@ class TrainReplay(ForwardPatches):
                 return None  # (an input autograd saved as a DTensor's shard: a lifetime not the template's)
             if any(getattr(x, TAG, None) is None or not getattr(x, TAG).is_record for x in outs):
                 return None  # an input handed back as an output: not a fresh tensor
+            if not views and any(x._is_view() for x in outs):
+                return None
             with rec.suppressed():
                 gouts = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in outs]
             for j, g in enumerate(gouts):
