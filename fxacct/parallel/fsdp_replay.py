@@ -15,7 +15,11 @@ FSDP2 then decides as before, and the gathered parameters' storages resized as F
 What makes two calls the same (``_gather_key``, ``_copy_out_key``): the same process group and
 collective, every parameter's shard shape, strides and dtype, its all-gather dtype, a plain shard
 (no all-gather extension, no CPU offload, no post-forward reshard) and, for a copy-out, gathered
-storages FSDP2 has made already (the first forward's copy-out makes them and is always traced).
+storages FSDP2 has made already. A block's first copy-out (the first forward's) makes them
+(``FSDPParam.init_all_gather_outputs``: an ``empty`` each) and has a key of its own
+(``_first_copy_out_key``): replayed, FSDP2's own method makes them unrecorded, the template's
+``empty`` records stand for them, and FSDP2's resize calls on them are noted as the traced call
+made them.
 The first two calls of a key are traced and their ops compared in template space (arguments as
 roles: a parameter's shard, the gathered buffer, a parameter's gathered storage; outputs by
 storage, born in the call or a role's); from the third on, calls replay. A template that did
@@ -27,6 +31,7 @@ the same account, collectives and peaks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +50,16 @@ class _Template:
     # what a gather hands back: (template ref of the gathered buffer, its born key, (AllGatherResult's
     # class, the buffer's shape and dtype, the result's other fields: its inputs' dtypes and sizes))
     result: tuple | None
+    # a block's first copy-out: per parameter, (template ref, born key) of the gathered storage it
+    # made (FSDPParam.init_all_gather_outputs), which outlives the call
+    made: tuple = ()
+    # and FSDP2's resize calls on them inside the call, as (position in ``made``, record index
+    # relative to the call, allocated after): fxacct.parallel.fsdp_storage's events
+    made_events: tuple = ()
 
     def comparable(self):
         return ([(op, comparable(a), comparable(k), out, rg) for op, a, k, out, rg in self.records],
-                self.born_bytes, self.deaths, self.result)
+                self.born_bytes, self.deaths, self.result, self.made, self.made_events)
 
 
 class GatherReplay:
@@ -93,7 +104,11 @@ class GatherReplay:
         than what it takes by default (torch 2.15's ``all_gather_output_fn`` set to another
         function than FSDP2's own) runs as it is, traced, never replayed."""
         result, fsdp_params, group = call.get("all_gather_result"), call.get("fsdp_params"), call.get("group")
-        key = _copy_out_key(result, fsdp_params, group) if call.at_defaults_except(tp.FSDP_COPY_OUT_ARGS) else None
+        plain = call.at_defaults_except(tp.FSDP_COPY_OUT_ARGS)
+        first = _first_copy_out_key(result, fsdp_params, group) if plain else None
+        if first is not None:
+            return self._first_copy_out(first, result, fsdp_params, group, call.run)
+        key = _copy_out_key(result, fsdp_params, group) if plain else None
         roles = {}
         if key is not None:
             roles = {Slot("gathered", j): p.all_gather_outputs[0] for j, p in enumerate(fsdp_params)}
@@ -106,20 +121,51 @@ class GatherReplay:
         return self._traced(key, roles, call.run, returns_buffer=False,
                             resized=[roles[Slot("gathered", j)] for j in range(len(fsdp_params))] if key else ())
 
+    def _first_copy_out(self, key, result, fsdp_params, group, run):
+        """A block's first copy-out (the first forward's) also makes the storages its parameters
+        are gathered into: FSDPParam.init_all_gather_outputs, one ``empty`` each. Replayed, FSDP2's
+        own method makes them, unrecorded, and the template's records are appended with its
+        ``empty`` records standing for them; they live on as FSDP2 keeps them."""
+        roles = {Slot("buffer", 0): result.all_gather_output}
+        if key not in self.proven or not self._recording():
+            return self._traced(key, roles, run, returns_buffer=False,
+                                made=lambda: [p.all_gather_outputs[0] for p in fsdp_params])
+        template = self.seen[key]
+        world, device = group.size(), result.all_gather_output.device
+        with self.recorder.suppressed():
+            for p, numels, dtypes in zip(fsdp_params, result.param_all_gather_input_numels,
+                                         result.param_all_gather_input_dtypes):
+                p.init_all_gather_outputs(numels, dtypes, world, device)
+                p.alloc_all_gather_outputs()
+        gathered = [p.all_gather_outputs[0] for p in fsdp_params]
+        base = self._emit(template, roles, {born: t for (_, born), t in zip(template.made, gathered)})
+        for (ref, _), t in zip(template.made, gathered):
+            self.recorder.tag(t, _mapped(ref, base))
+        storages = self.recorder.storages
+        self.resizes.events += [(storages.id_of(gathered[j]), base + index, allocated)
+                                for j, index, allocated in template.made_events]
+        return None
+
     # -- tracing a call and learning its template ----------------------------------------------
 
     def _recording(self) -> bool:
         return self.recorder is not None and self.recorder.recording
 
-    def _traced(self, key, roles, run, returns_buffer: bool, resized=()):
+    def _traced(self, key, roles, run, returns_buffer: bool, resized=(), made=None):
+        """``made``: after the call, the tensors it made that outlive it (a first copy-out's)."""
         if key is None or not self._recording() or self.seen.get(key, _UNSEEN) is None:
             return run()
         rec, storages = self.recorder, self.recorder.storages
         start, first_sid, events = len(rec.records), storages.next_id, len(self.resizes.events)
         out = run()
-        template = _learn(rec, roles, start, first_sid, out if returns_buffer else None)
-        expected = [(storages.id_of(t), start, True) for t in resized]
-        if template is not None and self.resizes.events[events:] != expected:
+        tensors = made() if made is not None else ()
+        template = _learn(rec, roles, start, first_sid, out if returns_buffer else None, tensors)
+        resizes = self.resizes.events[events:]
+        if template is not None and made is not None:  # the made storages' resizes, replayed as they were
+            where = {storages.id_of(t): j for j, t in enumerate(tensors)}
+            template = None if any(sid not in where for sid, _, _ in resizes) else dataclasses.replace(
+                template, made_events=tuple((where[sid], index - start, a) for sid, index, a in resizes))
+        elif template is not None and resizes != [(storages.id_of(t), start, True) for t in resized]:
             template = None  # a resize the replay would not make
         previous = self.seen.get(key, _UNSEEN)
         if template is None or (previous is not _UNSEEN and previous.comparable() != template.comparable()):
@@ -178,9 +224,10 @@ def _mapped(ref: Ref, base: int) -> Ref:
     return Ref(base + ref.source, ref.index)
 
 
-def _learn(rec, roles: dict, start: int, first_sid: int, result) -> _Template | None:
+def _learn(rec, roles: dict, start: int, first_sid: int, result, made=()) -> _Template | None:
     """The records the call made, in template space; None if one reads or makes anything else
-    than its roles' tensors and its own."""
+    than its roles' tensors and its own, or if a tensor of ``made`` is not one of its records'
+    outputs whose storage it made and did not free."""
     storages = rec.storages
     records = rec.records[start:]
     ext_refs = {getattr(t, TAG): slot for slot, t in roles.items() if getattr(t, TAG, None) is not None}
@@ -221,7 +268,14 @@ def _learn(rec, roles: dict, start: int, first_sid: int, result) -> _Template | 
         fields = {k: v for k, v in result._asdict().items()
                   if k not in ("all_gather_output", "all_gather_event", "all_gather_work")}
         found = (Ref(tag.source - start, tag.index), key, (type(result), tuple(buffer.shape), buffer.dtype, fields))
-    return _Template(out, born_bytes, deaths, found)
+    kept = []
+    for t in made:
+        tag, key = getattr(t, TAG, None), order.get(storages.id_of(t))
+        if tag is None or not tag.is_record or tag.source < start or key is None or key in deaths \
+                or t.untyped_storage().nbytes() != born_bytes[key]:
+            return None
+        kept.append((Ref(tag.source - start, tag.index), key))
+    return _Template(out, born_bytes, deaths, found, tuple(kept))
 
 
 def _gather_key(fsdp_params, group, comm):
@@ -240,6 +294,19 @@ def _copy_out_key(result, fsdp_params, group):
     return ("copy_out", id(group), tuple(buffer.shape), buffer.dtype, tuple(
         (tuple(p.all_gather_outputs[0].shape), p.all_gather_outputs[0].dtype) for p in fsdp_params),
         _plain(result.param_all_gather_input_numels), _plain(result.all_gather_input_split_sizes))
+
+
+def _first_copy_out_key(result, fsdp_params, group):
+    """The key of a block's first copy-out, which makes its parameters' gathered storages (one
+    plain dim-0 shard each); None for any other copy-out."""
+    if result.all_gather_work is not None or any(
+            len(p.all_gather_outputs) != 0 or p.fsdp_placement.dim != 0 for p in fsdp_params) \
+            or any(len(n) != 1 for n in result.param_all_gather_input_numels):
+        return None
+    buffer = result.all_gather_output
+    return ("first_copy_out", id(group), tuple(buffer.shape), buffer.dtype,
+            _plain(result.param_all_gather_input_numels), _plain(result.param_all_gather_input_dtypes),
+            _plain(result.all_gather_input_split_sizes))
 
 
 def _plain(x):

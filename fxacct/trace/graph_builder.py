@@ -90,8 +90,9 @@ class GraphBuilder:
         return map_nested(a, self.lookup, Ref)
 
     def add(self, index: int, record: OpRecord, trace: NodeTrace) -> fx.Node:
+        kwargs = record.kwargs
         node = tp.fx_append_node(self.graph, "call_function", record.op, self.map_arg(record.args),
-                                 {k: self.map_arg(v) for k, v in record.kwargs.items()}, _op_name(record.op))
+                                 {k: self.map_arg(v) for k, v in kwargs.items()} if kwargs else {}, _op_name(record.op))
         node.meta.update(val=record.outputs, trace=trace)
         self.nodes[index] = node
         return node

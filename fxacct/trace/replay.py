@@ -36,13 +36,13 @@ every forward, which a replayed block would have to reproduce as well.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from fxacct.trace import torch_private as tp
-from fxacct.trace.records import NO_NUMBERS, TAG, Ref, Slot, TensorMeta, comparable, map_nested
+from fxacct.trace.records import NO_NUMBERS, TAG, OpRecord, Ref, Slot, TensorMeta, comparable, map_nested
 from fxacct.trace.replay_runs import find_runs  # noqa: F401  (re-exported)
 
 
@@ -257,13 +257,23 @@ class BlockReplay(ForwardPatches):
                 out_leaves.append(new)
         store_map = {sid: k_store[key] for sid, key in t_stores.items()}
         store_map.update(out_store)
-        for i in range(template.start, template.end):
+        start, end = template.start, template.end
+
+        def ref(r: Ref) -> Ref:
+            if r.is_record and start <= r.source < end:
+                return Ref(r.source + offset, r.index)
+            return k_ref[t_refs[r]] if r in t_refs else r
+
+        modules: dict = {}  # a template module's name -> this block's
+        for i in range(start, end):
             r = rec.records[i]
-            rec.records.append(replace(
-                r, args=self._map_args(r.args, template, t_refs, k_ref, offset),
-                kwargs=self._map_args(r.kwargs, template, t_refs, k_ref, offset),
-                outputs=self._map_val(r.outputs, store_map, template, offset),
-                module=_renamed(r.module, template_fqn, fqn), link=NO_NUMBERS))
+            module = modules.get(r.module)
+            if module is None:
+                module = modules[r.module] = _renamed(r.module, template_fqn, fqn)
+            rec.records.append(OpRecord(
+                r.op, map_nested(r.args, ref, Ref), map_nested(r.kwargs, ref, Ref) if r.kwargs else {},
+                self._map_val(r.outputs, store_map, template, offset), r.phase, module, NO_NUMBERS,
+                r.args_requires_grad, r.scope, r.origin))
             self.storages.clock = len(rec.records) - 1
         self.replayed += 1
         return tp.tree_unflatten(out_leaves, template.output_spec)
@@ -283,15 +293,6 @@ class BlockReplay(ForwardPatches):
             if death is not None and template.start <= death < template.end:
                 self.storages.deaths[sid] = death + offset
         return TensorMeta(val.shape, val.stride, val.dtype, sid, val.storage_nbytes, val.requires_grad)
-
-    @staticmethod
-    def _map_args(a, template, t_refs, k_ref, offset):
-        def one(ref: Ref):
-            if ref.is_record and template.start <= ref.source < template.end:
-                return Ref(ref.source + offset, ref.index)
-            return k_ref[t_refs[ref]] if ref in t_refs else ref
-
-        return map_nested(a, one, Ref)
 
 
 class _Mismatch(Exception):
