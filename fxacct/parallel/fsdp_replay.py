@@ -199,9 +199,10 @@ class GatherReplay:
                     template.born_bytes[key])
             return sid
 
-        for op, args, kwargs, outputs, rg in template.records:
+        for entry in template.records:  # each entry the origin of its replicas (the same costs)
+            op, args, kwargs, outputs, rg = entry
             rec.append(op, map_nested(args, ref, (Ref, Slot)), map_nested(kwargs, ref, (Ref, Slot)),
-                       _stored(outputs, store), rg)
+                       _stored(outputs, store), rg, entry)
         for key, index in template.deaths.items():
             storages.deaths[born[key]] = base + index
         self.replayed += 1

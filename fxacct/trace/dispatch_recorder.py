@@ -294,10 +294,10 @@ class Recorder(tp.TorchDispatchMode):
             self.tag(out, self.ref(saved))
         return out
 
-    def append(self, func, ref_args, ref_kwargs, val, rg: tuple) -> None:
+    def append(self, func, ref_args, ref_kwargs, val, rg: tuple, origin=None) -> None:
         """Record ``func`` as run here and now: its phase, module, autograd link and scope are the
         recorder's present ones (fxacct.parallel.fsdp_replay appends the ops of a replayed FSDP2
-        gather through this too)."""
+        gather through this too, each with ``origin``: the template record it repeats)."""
         index = len(self.records)
         hi = tp.next_autograd_number()
         if self.phase == BACKWARD:
@@ -328,7 +328,7 @@ class Recorder(tp.TorchDispatchMode):
         if self.override is not None:
             module, link, scope, _, wanted = self.override
             rg = wanted if wanted is not None and len(wanted) == len(rg) else rg
-        self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope))
+        self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope, origin))
         self.storages.clock = index
 
 

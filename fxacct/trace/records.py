@@ -184,9 +184,10 @@ class OpRecord:
     link: Link
     args_requires_grad: tuple[bool, ...]
     scope: str | None  # "attention" inside SDPA's math path, "recompute" for re-run forward ops
-    # a replayed block's record: the template record it repeats (same op, shapes, scope and links
-    # relative to its block: the same costs); None for a record of a traced op
-    origin: OpRecord | None = field(default=None, compare=False)
+    # a replayed record: the template record it repeats (same op, shapes, scope and links relative
+    # to its block: the same costs); a replayed block's, an OpRecord; a replayed FSDP2 gather's or
+    # copy-out's, its template's entry (fxacct.parallel.fsdp_replay); None for a traced op
+    origin: object | None = field(default=None, compare=False)
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None)})  # leaves that are never mapped

@@ -26,15 +26,22 @@ def dtensor_meta_unrecorded():
     """DTensor infers an op's global output shape by running the op once on fake global tensors
     in the active FakeTensorMode (ShardingPropagator._propagate_tensor_meta_non_cached, on a cache
     miss); a dispatch mode on the stack would see that run as if the rank computed it. Inside this
-    context that inference runs with every mode off (it makes its own FakeTensorMode then)."""
+    context that inference runs with every mode off but one FakeTensorMode of its own, made once
+    for the context: with none active, torch would make one per inference, and a FakeTensorMode's
+    constructor walks the whole Python stack (traceback.extract_stack), deep inside a capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import _sharding_prop
 
     cls = _require(_sharding_prop, "ShardingPropagator", "torch.distributed.tensor._sharding_prop")
     original = _require(cls, "_propagate_tensor_meta_non_cached", "ShardingPropagator")
+    own: list = []  # the context's FakeTensorMode, made at the first inference
 
     def outside_modes(self, *args, **kwargs):
         with _python_dispatch._disable_current_modes():
-            return original(self, *args, **kwargs)
+            if not own:
+                own.append(FakeTensorMode())
+            with own[0]:
+                return original(self, *args, **kwargs)
 
     cls._propagate_tensor_meta_non_cached = outside_modes
     try:
