@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from helpers import assert_same_account
+from helpers import assert_same_account, target
 
 import fxacct
 from fxacct.trace import dispatch_recorder as recorder_module
@@ -94,22 +94,6 @@ class Numbered(nn.Module):
         return self.lin(x)
 
 
-class Alternating(nn.Module):
-    """Same class, parameters and attributes, but every other call takes another path: the
-    probe of two blocks must see the difference."""
-
-    calls = 0
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        Alternating.calls += 1
-        y = self.lin(x)
-        return torch.relu(y) if Alternating.calls % 2 else y * 2
-
-
 class Stack(nn.Module):
     def __init__(self, blocks):
         super().__init__()
@@ -188,14 +172,15 @@ def test_shared_blocks_are_not_a_run():
 
 
 def test_blocks_that_differ_at_run_time_fall_back_to_a_full_trace():
-    x = torch.empty(2, 4, device="meta")
-    with torch.device("meta"):
-        model = Stack([Alternating() for _ in range(5)])
-    Alternating.calls = 0
-    a = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=True))
-    Alternating.calls = 0
-    b = fxacct.profile_module(model, (x,), {}, fxacct.Config(batch=2, dedup=False))
+    """tests/models/alternating.py: blocks of one class, parameters and attributes whose forward
+    takes another path on every other call; the probe of two blocks must see the difference."""
+    def run(dedup):
+        return fxacct.profile(fxacct.Config(target=target("tests/models/alternating.py:Stack"), batch=2, dedup=dedup))
+
+    a, b = run(True), run(False)
     assert_same_account(a, b)
+    relu = [n.module for n in a.accounting.nodes if n.op == "aten.relu.default"]
+    assert relu == ["blocks.0", "blocks.2", "blocks.4"]  # the step's odd calls
 
 
 def test_replay_leaves_the_blocks_as_they_were():
