@@ -25,7 +25,8 @@ roles: a parameter's shard, the gathered buffer, a parameter's gathered storage;
 storage, born in the call or a role's); from the third on, calls replay. A template that did
 anything else (an op reading another tensor, a storage resize it does not explain) never
 replays. ``--no-dedup`` traces every call, and tests/test_parallel_replay.py checks that both give
-the same account, collectives and peaks.
+the same account, collectives and peaks. The backward's reduce-scatters (``foreach_reduce``)
+replay through the same templates: fxacct.parallel.fsdp_reduce_replay.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxacct.parallel.fsdp_reduce_replay import replay_reduce
 from fxacct.trace import torch_private as tp
 from fxacct.trace.records import TAG, Ref, Slot, TensorMeta, comparable, map_nested
 
@@ -56,10 +58,11 @@ class _Template:
     # and FSDP2's resize calls on them inside the call, as (position in ``made``, record index
     # relative to the call, allocated after): fxacct.parallel.fsdp_storage's events
     made_events: tuple = ()
+    role_deaths: dict = dataclasses.field(default_factory=dict)  # role -> record index (relative) it died at
 
     def comparable(self):
         return ([(op, comparable(a), comparable(k), out, rg) for op, a, k, out, rg in self.records],
-                self.born_bytes, self.deaths, self.result, self.made, self.made_events)
+                self.born_bytes, self.deaths, self.result, self.made, self.made_events, self.role_deaths)
 
 
 class GatherReplay:
@@ -76,7 +79,11 @@ class GatherReplay:
         self.recorder = recorder
 
     def installed(self):
-        return tp.fsdp_gathers_patched(self._all_gather, self._copy_out)
+        return tp.fsdp_gathers_patched(self._all_gather, self._copy_out, self._reduce)
+
+    def _reduce(self, call):
+        """FSDP2's foreach_reduce (fxacct.parallel.fsdp_reduce_replay)."""
+        return replay_reduce(self, call)
 
     # -- the two functions ---------------------------------------------------------------------
 
@@ -129,7 +136,7 @@ class GatherReplay:
         roles = {Slot("buffer", 0): result.all_gather_output}
         if key not in self.proven or not self._recording():
             return self._traced(key, roles, run, returns_buffer=False,
-                                made=lambda: [p.all_gather_outputs[0] for p in fsdp_params])
+                                made=lambda out: [p.all_gather_outputs[0] for p in fsdp_params])
         template = self.seen[key]
         world, device = group.size(), result.all_gather_output.device
         with self.recorder.suppressed():
@@ -152,14 +159,19 @@ class GatherReplay:
         return self.recorder is not None and self.recorder.recording
 
     def _traced(self, key, roles, run, returns_buffer: bool, resized=(), made=None):
-        """``made``: after the call, the tensors it made that outlive it (a first copy-out's)."""
+        """``roles``: role -> tensor, read once the call has run (a role first read in the call is
+        tagged there), or their role_keys taken before it (a reduce-scatter's roles die in it).
+        ``made(out)``: after the call, the tensors it made that outlive it (a first copy-out's, a
+        reduce-scatter's), or None where what it returned is not what a replay would."""
         if key is None or not self._recording() or self.seen.get(key, _UNSEEN) is None:
             return run()
         rec, storages = self.recorder, self.recorder.storages
         start, first_sid, events = len(rec.records), storages.next_id, len(self.resizes.events)
         out = run()
-        tensors = made() if made is not None else ()
-        template = _learn(rec, roles, start, first_sid, out if returns_buffer else None, tensors)
+        tensors = made(out) if made is not None else ()
+        keys = roles if isinstance(roles, tuple) else role_keys(rec, roles)
+        template = None if tensors is None else _learn(rec, keys, start, first_sid,
+                                                       out if returns_buffer else None, tensors)
         resizes = self.resizes.events[events:]
         if template is not None and made is not None:  # the made storages' resizes, replayed as they were
             where = {storages.id_of(t): j for j, t in enumerate(tensors)}
@@ -178,9 +190,10 @@ class GatherReplay:
 
     # -- replaying -----------------------------------------------------------------------------
 
-    def _emit(self, template: _Template, roles: dict, made: dict) -> int:
+    def _emit(self, template: _Template, roles: dict, made: dict, pause_at=None, pause=None) -> int:
         """Append the template's records for these roles; ``made``: born key -> the tensor the
-        replay made for it. Returns the index of the first record."""
+        replay made for it; ``pause()`` runs once the record at relative index ``pause_at`` is
+        appended. Returns the index of the first record."""
         rec, storages = self.recorder, self.recorder.storages
         base = len(rec.records)
         born: dict = {}
@@ -199,10 +212,12 @@ class GatherReplay:
                     template.born_bytes[key])
             return sid
 
-        for entry in template.records:  # each entry the origin of its replicas (the same costs)
+        for i, entry in enumerate(template.records):  # each entry the origin of its replicas (the same costs)
             op, args, kwargs, outputs, rg = entry
             rec.append(op, map_nested(args, ref, (Ref, Slot)), map_nested(kwargs, ref, (Ref, Slot)),
                        _stored(outputs, store), rg, entry)
+            if i == pause_at:
+                pause()
         for key, index in template.deaths.items():
             storages.deaths[born[key]] = base + index
         self.replayed += 1
@@ -225,14 +240,19 @@ def _mapped(ref: Ref, base: int) -> Ref:
     return Ref(base + ref.source, ref.index)
 
 
-def _learn(rec, roles: dict, start: int, first_sid: int, result, made=()) -> _Template | None:
+def role_keys(rec, roles: dict) -> tuple[dict, dict]:
+    """(ref -> role, storage id -> role) of a call's roles, taken before it runs."""
+    return ({getattr(t, TAG): slot for slot, t in roles.items() if getattr(t, TAG, None) is not None},
+            {rec.storages.id_of(t): slot for slot, t in roles.items()})
+
+
+def _learn(rec, roles: tuple, start: int, first_sid: int, result, made=()) -> _Template | None:
     """The records the call made, in template space; None if one reads or makes anything else
-    than its roles' tensors and its own, or if a tensor of ``made`` is not one of its records'
-    outputs whose storage it made and did not free."""
+    than its roles' tensors (``roles``: their role_keys) and its own, or if a tensor of ``made`` is
+    not one of its records' outputs whose storage it made and did not free."""
     storages = rec.storages
     records = rec.records[start:]
-    ext_refs = {getattr(t, TAG): slot for slot, t in roles.items() if getattr(t, TAG, None) is not None}
-    ext_store = {storages.id_of(t): slot for slot, t in roles.items()}
+    ext_refs, ext_store = roles
     order: dict = {}
     foreign = []
 
@@ -276,7 +296,9 @@ def _learn(rec, roles: dict, start: int, first_sid: int, result, made=()) -> _Te
                 or t.untyped_storage().nbytes() != born_bytes[key]:
             return None
         kept.append((Ref(tag.source - start, tag.index), key))
-    return _Template(out, born_bytes, deaths, found, tuple(kept))
+    role_deaths = {slot: storages.deaths[sid] - start for sid, slot in ext_store.items()
+                   if storages.deaths.get(sid, -1) >= start}
+    return _Template(out, born_bytes, deaths, found, tuple(kept), role_deaths=role_deaths)
 
 
 def _gather_key(fsdp_params, group, comm):

@@ -204,5 +204,5 @@ def in_checkpoint_recompute() -> bool:
 
 # torch.distributed's private APIs (FSDP2, DTensor, pipelining, the fake process group)
 from fxacct.trace.torch_private.distributed import (  # noqa: E402,F401,I001  (re-exported)
-    FSDP_COPY_OUT_ARGS, FSDP_GATHER_ARGS, TorchCall, comm_debug_collectives, composable_state_keys, dtensor_meta_unrecorded, fake_store, fsdp_copy_ops, fsdp_gathers_patched, fsdp_param_shard, fsdp_reduce_scatter_copy_ins, fsdp_storage_resizes, pipeline_order, reduce_op_type, replaced, shared_mesh_concatenation,
+    FSDP_COPY_OUT_ARGS, FSDP_GATHER_ARGS, FSDP_REDUCE_ARGS, TorchCall, comm_debug_collectives, composable_state_keys, dtensor_meta_unrecorded, fake_store, fsdp_copy_ops, fsdp_gathers_patched, fsdp_param_shard, fsdp_reduce_scatter_copy_ins, fsdp_storage_resizes, pipeline_order, reduce_op_type, replaced, shared_mesh_concatenation,
 )

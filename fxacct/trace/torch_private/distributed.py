@@ -165,22 +165,33 @@ def replaced(owner, name: str, replacement, where: str):
 FSDP_GATHER_ARGS = ("fsdp_params", "group", "async_op", "all_gather_copy_in_stream", "all_gather_stream", "device",
                     "all_gather_comm")
 FSDP_COPY_OUT_ARGS = ("all_gather_result", "fsdp_params", "group")
+# ``foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+# reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
+# all_reduce_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
+# force_sum_reduction_for_comms)``, which FSDPParamGroup.post_backward calls
+FSDP_REDUCE_ARGS = ("fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_scatter_stream",
+                    "reduce_scatter_comm", "orig_dtype", "reduce_dtype", "device", "gradient_divide_factor",
+                    "all_reduce_group", "all_reduce_stream", "all_reduce_grads", "partial_reduce_output",
+                    "all_reduce_hook", "force_sum_reduction_for_comms")
 
 
 @contextlib.contextmanager
-def fsdp_gathers_patched(all_gather, copy_out):
-    """FSDP2's parameter groups call ``foreach_all_gather`` to gather a group's shards and
-    ``foreach_all_gather_copy_out`` to copy them into the unsharded parameters
-    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``unshard`` and
-    ``wait_for_unshard``). Inside this context they call ``all_gather(call)`` and
-    ``copy_out(call)`` instead, with ``call`` a TorchCall: its arguments by the names in
-    FSDP_GATHER_ARGS and FSDP_COPY_OUT_ARGS (``get`` gives None for one this release lacks), whether
-    every other argument is at its default (``at_defaults_except``), and ``run()``, the original."""
+def fsdp_gathers_patched(all_gather, copy_out, reduce):
+    """FSDP2's parameter groups call ``foreach_all_gather`` to gather a group's shards,
+    ``foreach_all_gather_copy_out`` to copy them into the unsharded parameters and
+    ``foreach_reduce`` to reduce-scatter the gradients into the sharded parameters' ``.grad``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``unshard``, ``wait_for_unshard``
+    and ``post_backward``). Inside this context they call ``all_gather(call)``, ``copy_out(call)``
+    and ``reduce(call)`` instead, with ``call`` a TorchCall: its arguments by the names in
+    FSDP_GATHER_ARGS, FSDP_COPY_OUT_ARGS and FSDP_REDUCE_ARGS (``get`` gives None for one this
+    release lacks), whether every other argument is at its default (``at_defaults_except``), and
+    ``run()``, the original."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
     where = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
     with replaced(group_module, "foreach_all_gather", all_gather, where), \
-            replaced(group_module, "foreach_all_gather_copy_out", copy_out, where):
+            replaced(group_module, "foreach_all_gather_copy_out", copy_out, where), \
+            replaced(group_module, "foreach_reduce", reduce, where):
         yield
 
 
