@@ -37,16 +37,7 @@ from fxacct.load.specs import OptimizerSpec
 from fxacct.trace import torch_private as tp
 from fxacct.trace.checkpointing import checkpointed
 from fxacct.trace.compiled import CompileSpec, compiled
-from fxacct.trace.dispatch_recorder import (  # noqa: F401  (re-exported: the phases)
-    BACKWARD,
-    FORWARD,
-    LOSS,
-    OPTIMIZER,
-    AttentionScope,
-    Recorder,
-    SavedTracker,
-    module_tracking,
-)
+from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, module_tracking  # noqa: F401  (re-exported: the phases)
 from fxacct.trace.fake_mode import FakeTensorMode
 from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_like, fake_model, swapped
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
@@ -56,6 +47,7 @@ from fxacct.trace.optim_step import step_once
 from fxacct.trace.records import TAG, Ref, Slot, StateTensor, Storages, TensorMeta, itemsize, tensor_metas  # noqa: F401  (re-exported)
 from fxacct.trace.replay import BlockReplay, find_runs
 from fxacct.trace.replay_train import TrainReplay
+from fxacct.trace.saved_tensors import SavedTracker
 from fxacct.trace.targets import CudaRules
 
 

@@ -1,6 +1,6 @@
 """The dispatch-level recorder of a capture, and what runs beside it: module names (global
-module hooks), what autograd saves (saved_tensors_hooks), and the few kernels whose fake version
-allocates other dtypes than the real one."""
+module hooks) and the few kernels whose fake version allocates other dtypes than the real one
+(what autograd saves: fxacct.trace.saved_tensors)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fxacct.errors import ModelError, acts_for_torch, passes_through
+from fxacct.errors import ModelError, passes_through
 from fxacct.trace import torch_private as tp
 from fxacct.trace.module_hooks import global_module_hooks
 from fxacct.trace.records import (
@@ -343,50 +343,6 @@ def module_tracking(recorder: Recorder, names: dict[int, str]):
         recorder.module_stack.pop()
 
     return global_module_hooks(pre, post)
-
-
-class SavedTracker:
-    """Pack hook of ``saved_tensors_hooks``: which storages autograd saves (ids, each once).
-    It keeps the tensor itself, so what autograd keeps alive is what it would keep anyway, and
-    its version: with a hook installed autograd skips its own check that a saved tensor was not
-    modified in place, so unpack makes it, with autograd's message."""
-
-    def __init__(self, storages: Storages, excluded: set[int], recorder: Recorder):
-        self.storages = storages
-        self.recorder = recorder
-        self.excluded = excluded
-        self.saved: dict[int, tuple[int, torch.dtype]] = {}  # id -> (bytes, dtype)
-        # storage ids of the local shards of DTensors autograd saved (fxacct.trace.replay_train:
-        # a block input saved only through a DTensor makes that block's training step unreplayable)
-        self.wrapped: set[int] = set()
-
-    def pack(self, t: torch.Tensor):
-        local = tp.local(t)  # a DTensor's bytes are its local shard's (its wrapper holds none)
-        sid = self.storages.id_of(local)
-        if local is not t:
-            self.wrapped.add(sid)
-        if sid not in self.excluded and sid not in self.saved:
-            dtype, nbytes = self.storages.real.get(sid, (local.dtype, local.untyped_storage().nbytes()))
-            self.saved[sid] = (nbytes, dtype)
-        # an op saves its own output after giving it its grad_fn, the newest autograd Node (an
-        # input's is older: the saving Node took its number before the op ran); without a hook,
-        # autograd unpacks a saved output as a new Variable (a dispatched detach) and an input
-        # as the tensor saved (no op)
-        fn = t.grad_fn
-        output = fn is not None and fn._sequence_nr() == tp.next_autograd_number() - 1
-        return t, t._version, output
-
-    @acts_for_torch
-    def unpack(self, packed):
-        t, version, output = packed
-        if t._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
-                f"expected version {version}")
-        if not output:
-            self.recorder.unpacked = t  # the detach autograd runs on it next is fxacct's own
-        return t
 
 
 class AttentionScope(TorchFunctionMode):

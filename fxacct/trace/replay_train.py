@@ -95,11 +95,9 @@ class TrainReplay(ForwardPatches):
         return original(*args, **kwargs)
 
     def _learn_in_place(self, state, pos, fqn, block, leaves, spec) -> Template | None:
-        """FSDP2 gathers a block's parameters in its pre-forward hook and frees them after, so
-        the two blocks are probed one at a time, each inside its own call: the first two calls, in
-        order, make the template. Returns this call's probe: a trace of this very block on inputs
-        like its own, which it replays (the first block too, before the second's probe can prove
-        the template, and either of them when the probes disagree)."""
+        """FSDP2 gathers a block's parameters in its pre-forward hook and frees them after, so the
+        two blocks are probed one at a time, each inside its own call, in order. Returns this
+        call's probe, which the block replays (before, or without, a proven template)."""
         if state["tried"] or pos > 1 or not torch.is_grad_enabled():
             state["tried"] = True
             return None
@@ -153,10 +151,7 @@ class TrainReplay(ForwardPatches):
 
     def _probe(self, item, leaves, spec, views: bool = True) -> Template | None:
         """A trace of ``item``'s block on fresh inputs like ``leaves``, forward and backward, in
-        template space; None where it cannot stand for the block. ``views`` False: nor where an
-        output is a view (a replayed block returns fresh tensors, and FSDP2 registers its
-        pre-backward hook on a block's outputs: an in-place op on a view drops it, as eager's
-        backward then gathers nothing)."""
+        template space; None where it cannot stand for the block (``_stands_in``)."""
         fqn, block = item
         rec = self.recorder
         params = {n: p for n, p in block.named_parameters()}
@@ -174,12 +169,7 @@ class TrainReplay(ForwardPatches):
             fwd_len = len(records)
             out_leaves, out_spec = tp.tree_flatten(output)
             outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
-            if not outs or any(not x.requires_grad for x in outs) \
-                    or any(self.storages.id_of(x) in self.saved.wrapped for x in inputs):
-                return None  # (an input autograd saved as a DTensor's shard: a lifetime not the template's)
-            if any(getattr(x, TAG, None) is None or not getattr(x, TAG).is_record for x in outs):
-                return None  # an input handed back as an output: not a fresh tensor
-            if not views and any(x._is_view() for x in outs):
+            if not self._stands_in(outs, inputs, views):
                 return None
             with rec.suppressed():
                 gouts = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in outs]
@@ -218,6 +208,16 @@ class TrainReplay(ForwardPatches):
                        {self.storages.id_of(g) for g in grads if g is not None}),
             _param_meta(params), layouts,
         )
+
+    def _stands_in(self, outs, inputs, views: bool) -> bool:
+        """Whether a probe whose block returned ``outs`` can stand for it: fresh outputs that
+        require grad, no input saved only as a DTensor's shard (a lifetime not the template's)
+        and, unless ``views``, no view: FSDP2 hooks its pre-backward on a block's outputs, which
+        an in-place op on a view drops, and a replayed block returns no view."""
+        return bool(outs) and all(x.requires_grad for x in outs) \
+            and not any(self.storages.id_of(x) in self.saved.wrapped for x in inputs) \
+            and all(getattr(x, TAG, None) is not None and getattr(x, TAG).is_record for x in outs) \
+            and (views or not any(x._is_view() for x in outs))
 
     def _fresh_inputs(self, leaves) -> tuple[list, list]:
         """New fake tensors like the block's inputs (unrecorded), tagged as the probe's inputs."""

@@ -25,6 +25,14 @@ def current_autograd_number() -> int | None:
 # before it redispatches below autograd, so a dispatch mode sees it already taken.
 next_autograd_number = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
 
+
+def has_newest_grad_fn(t: torch.Tensor) -> bool:
+    """Whether ``t``'s grad_fn is the newest autograd Node of this thread: in a saved-tensor pack
+    hook, whether the op saving ``t`` made it (an op saves its own output after giving it its
+    grad_fn; an input's is older, the saving Node having taken its number before the op ran)."""
+    fn = t.grad_fn
+    return fn is not None and fn._sequence_nr() == next_autograd_number() - 1
+
 from torch.nn.utils import stateless as _stateless  # noqa: E402
 
 # Swap a module's parameters and buffers for other tensors, restoring them on exit.
