@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from fxacct.trace import torch_private as tp
-from fxacct.trace.records import TAG, Ref, Slot, TensorMeta, iter_nested
+from fxacct.trace.records import Ref, Slot, TensorMeta, iter_nested
 
 
 def replay_reduce(replay, call):
@@ -30,7 +30,7 @@ def replay_reduce(replay, call):
     key = _key(call) if call.at_defaults_except(tp.FSDP_REDUCE_ARGS) else None
     plan = _plan(replay.seen[key], len(grads)) if key in replay.proven and replay._recording() else None
     if plan is None:
-        keys = _role_keys(replay.recorder, grads)
+        keys = replay.role_keys({Slot("grad", j): g for j, g in enumerate(grads)})
         return replay._traced(key, keys, call.run, returns_buffer=False, made=lambda out: _made(out, params))
     (clear_at, late), (rs_ref, rs_key, rs_meta), (out_key, out_numel), views = plan
     device, stream = call.get("device"), call.get("reduce_scatter_stream")
@@ -80,12 +80,6 @@ def _key(call):
     return ("reduce", id(group), type(call.get("reduce_scatter_comm")), dtype,
             tuple((tuple(g.shape), g.stride()) for g in grads),
             tuple((tuple(p.sharded_size), tuple(p.contiguous_sharded_stride)) for p in params))
-
-
-def _role_keys(rec, grads):
-    """The gradients' refs and storages as roles, holding none of them (they die in the call)."""
-    return ({getattr(g, TAG): Slot("grad", j) for j, g in enumerate(grads) if getattr(g, TAG, None) is not None},
-            {rec.storages.id_of(g): Slot("grad", j) for j, g in enumerate(grads)})
 
 
 def _made(out, params):

@@ -158,6 +158,12 @@ class GatherReplay:
     def _recording(self) -> bool:
         return self.recorder is not None and self.recorder.recording
 
+    def role_keys(self, roles: dict) -> tuple[dict, dict]:
+        """(ref -> role, storage id -> role) of a call's roles (role -> tensor), holding none of
+        the tensors: taken before a call whose roles die in it, they let them die."""
+        return ({getattr(t, TAG): slot for slot, t in roles.items() if getattr(t, TAG, None) is not None},
+                {self.recorder.storages.id_of(t): slot for slot, t in roles.items()})
+
     def _traced(self, key, roles, run, returns_buffer: bool, resized=(), made=None):
         """``roles``: role -> tensor, read once the call has run (a role first read in the call is
         tagged there), or their role_keys taken before it (a reduce-scatter's roles die in it).
@@ -169,7 +175,7 @@ class GatherReplay:
         start, first_sid, events = len(rec.records), storages.next_id, len(self.resizes.events)
         out = run()
         tensors = made(out) if made is not None else ()
-        keys = roles if isinstance(roles, tuple) else role_keys(rec, roles)
+        keys = roles if isinstance(roles, tuple) else self.role_keys(roles)
         template = None if tensors is None else _learn(rec, keys, start, first_sid,
                                                        out if returns_buffer else None, tensors)
         resizes = self.resizes.events[events:]
@@ -238,12 +244,6 @@ def _stored(val, store):
 
 def _mapped(ref: Ref, base: int) -> Ref:
     return Ref(base + ref.source, ref.index)
-
-
-def role_keys(rec, roles: dict) -> tuple[dict, dict]:
-    """(ref -> role, storage id -> role) of a call's roles, taken before it runs."""
-    return ({getattr(t, TAG): slot for slot, t in roles.items() if getattr(t, TAG, None) is not None},
-            {rec.storages.id_of(t): slot for slot, t in roles.items()})
 
 
 def _learn(rec, roles: tuple, start: int, first_sid: int, result, made=()) -> _Template | None:
