@@ -105,17 +105,21 @@ def test_a_loop_of_profiles_keeps_none_it_dropped(search):
     assert after - before <= 2, (before, after)  # the last call's: its result and its inference graph
 
 
-def test_a_callers_frozen_heap_stays_frozen():
+def test_a_callers_frozen_heap_stays_frozen(monkeypatch):
+    # spied, not counted: a frozen object that reference counting frees lowers gc.get_freeze_count()
+    # with no unfreeze (the suite's earlier tests leave such objects behind)
+    calls = []
     model = Seen()
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        for name in ("freeze", "unfreeze"):
+            monkeypatch.setattr(gc, name, lambda name=name, real=getattr(gc, name): (calls.append(name), real())[1])
         fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
         # fxacct neither froze more (the model's traced objects stay collectable) nor unfroze the caller's
-        assert set(model.frozen) == {frozen}
-        assert gc.get_freeze_count() == frozen
+        assert calls == [] and len(model.frozen) == 2 and min(model.frozen) > 1000
         assert set(model.thresholds) == {gc.get_threshold()}  # nor changed its collector
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
 
 
