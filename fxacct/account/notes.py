@@ -1,5 +1,5 @@
 """Notes on a traced step that change how its figures read: kernels the account cannot follow
-(fp8 matmuls, a low-precision CPU LSTM backward, the mha fast path) and steps that do not train.
+(fp8 matmuls, the mha fast path) and steps that do not train.
 Each is one line for the report's warnings."""
 
 from __future__ import annotations
@@ -24,30 +24,12 @@ def precision_warnings(cap: Capture) -> tuple[str, ...]:
         vals = val if isinstance(val, tuple) else (val,)
         if any(getattr(v, "dtype", None) in FP8 for v in vals):
             ops.add(str(node.target))
-    notes = _low_precision_lstm(cap)
     if not ops:
-        return notes
+        return ()
     return (f"{', '.join(sorted(ops))} take float8 tensors, which no CPU or CUDA kernel runs (fp8 "
             "training uses aten._scaled_mm with scales): weight, gradient and optimizer bytes are "
             "exact for fp8 storage; FLOPs, activations and peaks are those of a model that cannot run "
-            "as traced",) + notes
-
-
-_LSTM_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
-
-
-def _low_precision_lstm(cap: Capture) -> tuple[str, ...]:
-    """The CPU LSTM backward (oneDNN) computes float32 gradients for bfloat16/float16 inputs and
-    casts them after; its fake kernel returns them in the input dtype, so the account holds less:
-    a small LSTM's training peak measured 31% over the account in bf16, 15% under --amp bf16."""
-    for node in cap.graph.nodes:
-        if node.op == "call_function" and node.target is _LSTM_BACKWARD:
-            dtype = getattr(node.args[0].meta.get("val"), "dtype", None) if node.args else None
-            if dtype in (torch.bfloat16, torch.float16):
-                return (f"a CPU LSTM backward runs in {str(dtype).removeprefix('torch.')}: oneDNN computes its "
-                        "gradients in float32 and casts them, which the account does not hold (a small LSTM's "
-                        "training peak measured up to 31% over it); the fp32 account is exact",)
-    return ()
+            "as traced",)
 
 
 # modules whose forward, in eval under no_grad, can run one fused kernel in place of their ops

@@ -6,8 +6,10 @@ h_{t-1} W_hhᵀ (B×H @ H×GH): matmul = 2·T·B·GH·(I + H). Elementwise per s
 cell does besides the products (rnn_elementwise, rnn_backward_elementwise). The backward, like
 any matmul backward, takes one product per required gradient: dX (2·T·B·GH·I, if the input
 needs it), dW_ih (same size), the recurrent dh through W_hh (2·(T-1)·B·GH·H to go back in time,
-2·T·B·GH·H when hx needs a gradient too) and dW_hh (2·T·B·GH·H). Its elementwise work does not
-depend on the mask: the fused kernel computes every gradient.
+2·T·B·GH·H when hx needs a gradient too) and dW_hh (2·T·B·GH·H): the FLOPs of the gradients the
+step needs, as FlopCounterMode counts torch's decomposed cells (fxacct's convention), although the
+fused oneDNN kernel computes every gradient (its schema takes no output mask: a frozen input's dX
+comes back nonzero). Its elementwise work does not depend on the mask.
 """
 
 import torch
