@@ -249,7 +249,7 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
     capturer.annotated(cap)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
     acct = account(cap, config.batch, tokens, config.count_recompute)
-    inference = capturer.capture(capture_options(config, model, inference=True)) if with_inference else None
+    inference = capturer.capture(capture_options(config, model, inference=True, nodes=False)) if with_inference else None
     life = capturer.lifetimes(cap)
     per_rank, unit = sharded_peak(life, model, config)
     memory = memory_account.assemble(cap, acct, model, config.dtype, walk(life) if cap.has_backward else None,

@@ -17,10 +17,12 @@ from fxacct.costs.registry import ZERO, Flops, numel
 from fxacct.dtypes import dtype_name
 from fxacct.load.inputs import describe
 from fxacct.trace.capture import BACKWARD, FORWARD, LOSS, OPTIMIZER, Capture, TensorMeta, itemsize, tensor_metas
+from fxacct.trace.frozen_init import fast_init
 from fxacct.trace.graph_builder import target_name
 
 
-@dataclass(frozen=True)
+@fast_init
+@dataclass(frozen=True, slots=True)
 class NodeRow:
     name: str
     op: str
@@ -134,7 +136,7 @@ def _sum_graph(graph: fx.Graph, forward_nodes: list[fx.Node], count_recompute: b
                 sums.recompute_flops += cost.flops.total
                 if not count_recompute:
                     continue
-            if cost.owner is not None:
+            if cost.owner is not None and cost.flops is not ZERO:  # a view's or copy's: nothing to add
                 sums.backward_of[cost.owner] = sums.backward_of[cost.owner] + cost.flops
     return sums
 

@@ -31,11 +31,13 @@ from fxacct.costs.registry import ZERO
 from fxacct.errors import FxacctError, UsageError
 from fxacct.trace import aliasing
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, RECOMPUTE
+from fxacct.trace.frozen_init import fast_init
 from fxacct.trace.graph_builder import INPUT, OP, NodeTrace, trace_of
 from fxacct.trace.records import TensorMeta, map_nested, tensor_metas
 
 
-@dataclass(frozen=True)
+@fast_init
+@dataclass(frozen=True, slots=True)
 class NodeCost:
     """Everything the account knows of one node (``node.meta["fxacct"]``)."""
 

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from fxacct.trace.frozen_init import fast_init
 from fxacct.trace.torch_private import OpOverload, OpOverloadPacket, schema_arguments
 
 MATMUL, ATTENTION, OTHER = "matmul", "attention", "other"
 FLOP_CLASSES = (MATMUL, ATTENTION, OTHER)
 
 
-@dataclass(frozen=True)
+@fast_init
+@dataclass(frozen=True, slots=True)
 class Flops:
     """FLOPs of one op by class (DESIGN.md): matmul = 2·m·n·p of mm/bmm/conv only; attention =
     every fused attention kernel as its math path; other = pointwise, reductions, norms, softmax."""

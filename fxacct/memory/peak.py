@@ -58,11 +58,25 @@ class Lifetimes:
     first_cublas_ops: tuple[int | None, int | None] = (None, None)
 
 
-def _is_lifted_constant(node: fx.Node) -> bool:
+def _is_lifted_constant(node: fx.Node, capture: Capture) -> bool:
     """A plain tensor made during the step (torch.tensor(0.) for an optimizer's step count) that
     the fake mode lifted: the lift_fresh output stands for it, so it is not counted twice."""
-    return trace_of(node).role == CONSTANT and bool(node.users) and all(
-        getattr(u.target, "__name__", "").startswith("lift_fresh") for u in node.users)
+    if trace_of(node).role != CONSTANT:
+        return False
+    readers = ([u.target for u in node.users] if capture.ops is None
+               else capture.ops.constant_users.get(node.name, ()))
+    return bool(readers) and all(getattr(t, "__name__", "").startswith("lift_fresh") for t in readers)
+
+
+def _ops(capture: Capture) -> tuple[tuple[str, ...], list, tuple[str, ...], list]:
+    """(names, targets, phases, vals) of the capture's ops: its op nodes but getitems, or the
+    OpList kept instead of them."""
+    if capture.ops is not None:
+        records = capture.ops.records
+        return capture.ops.names, [r.op for r in records], tuple(r.phase for r in records), [r.outputs for r in records]
+    nodes = [n for n in capture.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    return (tuple(n.name for n in nodes), [n.target for n in nodes], tuple(trace_of(n).phase for n in nodes),
+            [n.meta.get("val") for n in nodes])
 
 
 def lifetimes(capture: Capture) -> Lifetimes:
@@ -78,25 +92,25 @@ def lifetimes(capture: Capture) -> Lifetimes:
         resident[sid] = (MASTER_WEIGHTS, nbytes)
         repeated += [(sid, (MASTER_WEIGHTS, nbytes))] * (count - 1)
     for node in graph.nodes:
-        if node.op != "placeholder" or _is_lifted_constant(node):
+        if node.op != "placeholder" or _is_lifted_constant(node, capture):
             continue
         role = trace_of(node).role
         category = PARAMETERS if role == PARAMETER else INPUTS if role == INPUT else BUFFERS
         for t in tensor_metas(node.meta.get("val")):
             resident.setdefault(t.storage, (category, t.storage_nbytes))
 
-    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
-    end = len(ops)
+    names, targets, phases, vals = _ops(capture)
+    end = len(names)
     deaths = capture.deaths or {}
     born: dict[int, tuple[int, int, str, int]] = {}
     made: dict[int, int] = {}  # resident storage -> the op that made it in the traced (first) step
     first_cublas: list[int | None] = [None, None]
-    for i, n in enumerate(ops):
-        if n.target in CUBLAS_OPS:
-            thread = int(trace_of(n).phase == BACKWARD)
+    for i, (target, val) in enumerate(zip(targets, vals)):
+        if target in CUBLAS_OPS:
+            thread = int(phases[i] == BACKWARD)
             if first_cublas[thread] is None:
                 first_cublas[thread] = i
-        for t in tensor_metas(n.meta.get("val")):
+        for t in tensor_metas(val):
             sid = t.storage
             if sid in resident:
                 made.setdefault(sid, i)
@@ -110,8 +124,7 @@ def lifetimes(capture: Capture) -> Lifetimes:
     # traced step made it; parameters, buffers, inputs and master weights exist before it
     entries = list(resident.items()) + repeated
     births = tuple(made.get(sid) if category == OPTIMIZER_STATE else None for sid, (category, _) in entries)
-    return Lifetimes(tuple(entry for _, entry in entries), tuple(born.values()),
-                     tuple(n.name for n in ops), tuple(trace_of(n).phase for n in ops), tuple(born),
+    return Lifetimes(tuple(entry for _, entry in entries), tuple(born.values()), names, phases, tuple(born),
                      tuple(resident) + (None,) * len(repeated), births, tuple(first_cublas))
 
 
@@ -136,16 +149,17 @@ def walk(life: Lifetimes, shards: dict[str, int] | None = None, extra: dict[str,
         size = _per_rank(nbytes, shards.get(category, 1))
         births.setdefault(birth, []).append((category, size))
         deaths.setdefault(death, []).append((category, size))
-    best = sum(live.values())
+    best = total = sum(live.values())  # ``total`` kept equal to sum(live.values())
     best_at, best_phase, best_live = "", FORWARD, dict(live)
     for i, name in enumerate(life.op_names):
         for category, size in births.get(i, ()):
             live[category] += size
-        total = sum(live.values())
+            total += size
         if timeline is not None:
             timeline.append((name, life.op_phases[i], dict(live)))
         if total > best:
             best, best_at, best_phase, best_live = total, name, life.op_phases[i], dict(live)
         for category, size in deaths.get(i, ()):
             live[category] -= size
+            total -= size
     return Peak(best, best_at, best_phase, tuple((c, best_live[c]) for c in CATEGORIES))

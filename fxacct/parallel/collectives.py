@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxacct.costs.registry import register_zero
 from fxacct.trace import torch_private as tp
-from fxacct.trace.records import TensorMeta, tensor_metas
+from fxacct.trace.records import Ref, TensorMeta, tensor_metas
 
 COLLECTIVE = "collective"
 _c10d = torch.ops.c10d
@@ -178,15 +178,26 @@ def alias_waits(cap) -> None:
     as in a real run."""
     deaths = cap.deaths if cap.deaths is not None else {}
     alias: dict[int, TensorMeta] = {}
+
+    def aliased(src, val) -> None:
+        if isinstance(src, TensorMeta) and isinstance(val, TensorMeta) and src.storage != val.storage:
+            alias[val.storage] = src
+            if src.storage in deaths and val.storage in deaths:
+                deaths[src.storage] = max(deaths[src.storage], deaths.pop(val.storage))
+            else:  # the wait's output lives to the end of the step
+                deaths.pop(src.storage, None)
+
+    if cap.ops is not None:  # a capture kept without op nodes: its records, as the nodes' vals below
+        records = cap.ops.records
+        for i, r in enumerate(records):
+            if r.op is _fn.wait_tensor.default and isinstance(r.args[0], Ref):
+                aliased(cap.ops.val_of(r.args[0]), r.outputs)
+            if alias and r.outputs is not None:
+                records[i] = replace(r, outputs=_renamed(r.outputs, alias))
+        return
     for node in cap.graph.nodes:
         if node.op == "call_function" and node.target is _fn.wait_tensor.default and isinstance(node.args[0], fx.Node):
-            src, val = node.args[0].meta.get("val"), node.meta.get("val")
-            if isinstance(src, TensorMeta) and isinstance(val, TensorMeta) and src.storage != val.storage:
-                alias[val.storage] = src
-                if src.storage in deaths and val.storage in deaths:
-                    deaths[src.storage] = max(deaths[src.storage], deaths.pop(val.storage))
-                else:  # the wait's output lives to the end of the step
-                    deaths.pop(src.storage, None)
+            aliased(node.args[0].meta.get("val"), node.meta.get("val"))
         val = node.meta.get("val")
         if alias and val is not None:
             node.meta["val"] = _renamed(val, alias)

@@ -40,7 +40,7 @@ from fxacct.trace.compiled import CompileSpec, compiled
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, module_tracking  # noqa: F401  (re-exported: the phases)
 from fxacct.trace.fake_mode import FakeTensorMode
 from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_like, fake_model, swapped
-from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder
+from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder, OpList
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
 from fxacct.trace.optim_step import step_once
@@ -79,6 +79,7 @@ class CaptureOptions:
     checkpoint_policy: str | None = None
     defer: tuple = ()  # tensor subclasses whose ops are recorded as they desugar (--fp8: torchao's float8 tensor)
     compile: CompileSpec | None = None  # fxacct.trace.compiled: the step as torch.compile splits it
+    nodes: bool = True  # False (a capture read for its peak alone): the ops are kept as Capture.ops, not nodes
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Capture:
     # and key -> bytes the kernel moves
     kernel_of: dict | None = None
     kernel_bytes: dict | None = None
+    ops: OpList | None = None  # CaptureOptions.nodes False: the ops, where the graph holds the placeholders alone
 
 
 @dataclass
@@ -322,11 +324,13 @@ def _placeholders(builder: GraphBuilder, recorder: Recorder, fake: FakeModel, fl
 
 def _finish(session: _Session) -> Capture:
     builder, rec, storages, fake = session.builder, session.recorder, session.storages, session.fake
-    builder.add_records(rec.records, rec.constants, rec.repeat_of)
-    builder.attach_saved(session.saved.saved)
     grads = tuple(None if g is None else tp.local(g) for g in session.grads)
-    out_refs = [getattr(g, TAG) for g in grads if g is not None] + [getattr(t, TAG) for t in session.outputs]
-    builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
+    ops = None if session.options.nodes or session.compiled else builder.op_list(rec.records, rec.constants)
+    if ops is None:
+        builder.add_records(rec.records, rec.constants, rec.repeat_of)
+        builder.attach_saved(session.saved.saved)
+        out_refs = [getattr(g, TAG) for g in grads if g is not None] + [getattr(t, TAG) for t in session.outputs]
+        builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
     got_grad = {id(t): g is not None for t, g in zip(session.targets, grads)}
 
     def info(tid: int, group: list[str], trainable: bool) -> ParamInfo:
@@ -352,7 +356,7 @@ def _finish(session: _Session) -> Capture:
         master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in session.masters),
         inference=session.options.inference, deaths=dict(storages.deaths),
         returned_loss=session.returned_loss, output_storages=session.output_storages,
-        compiled_graphs=session.compiled_graphs,
+        compiled_graphs=session.compiled_graphs, ops=ops,
         **(session.compiled.by_node(builder.nodes) if session.compiled is not None else {}),
     )
 

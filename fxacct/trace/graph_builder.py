@@ -1,5 +1,7 @@
 """From the records of a capture to one torch.fx graph: a node per record and per placeholder,
-each argument resolved to the node that produced it, and one typed ``NodeTrace`` per node.
+each argument resolved to the node that produced it, and one typed ``NodeTrace`` per node. A
+capture read for its peak alone (the inference forward of a profile) keeps its ops as an
+``OpList`` instead: the graph holds its placeholders, each op the name fx would have given it.
 
 ``node.meta`` holds exactly two keys written here: ``val`` (a TensorMeta per output, a tuple for
 multi-output ops) and ``trace`` (NodeTrace). The annotation pass (fxacct.account.annotate) adds
@@ -16,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxacct.trace import torch_private as tp
+from fxacct.trace.frozen_init import fast_init
 from fxacct.trace.records import (
     DerivedFromRecord,
     OpRecord,
@@ -24,6 +27,7 @@ from fxacct.trace.records import (
     TensorMeta,
     TookSequenceNumbers,
     UnderAutogradNode,
+    iter_nested,
     map_nested,
 )
 
@@ -31,6 +35,7 @@ from fxacct.trace.records import (
 OP, INPUT, PARAMETER, BUFFER, CONSTANT = "op", "input", "parameter", "buffer", "constant"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class NodeTrace:
     """What the capture knows of one node (``node.meta["trace"]``)."""
@@ -45,6 +50,22 @@ class NodeTrace:
     saved: tuple[tuple[int, torch.dtype], ...] = ()  # (bytes, dtype) autograd saved of its storages
     name: str | None = None  # parameter / buffer FQN
     origin: object = field(default=None, compare=False)  # the template record a replayed op repeats
+
+
+@dataclass(frozen=True)
+class OpList:
+    """A capture's ops, in order, without graph nodes (fxacct.trace.capture.CaptureOptions.nodes
+    False): the records an op node would be made of, and what fxacct.memory.peak reads besides."""
+
+    names: tuple[str, ...]  # the node name fx would have given each op
+    records: list[OpRecord]  # renamed in place where node vals are (fxacct.parallel.collectives.alias_waits)
+    constant_users: dict  # constant placeholder's name -> the targets of the ops that read it
+    placeholder_vals: dict  # Slot -> its placeholder's val
+
+    def val_of(self, ref: Ref):
+        """The val of the op output or placeholder ``ref`` names."""
+        val = self.records[ref.source].outputs if ref.is_record else self.placeholder_vals[ref.source]
+        return val if ref.index is None else val[ref.index]
 
 
 @functools.cache
@@ -115,6 +136,21 @@ class GraphBuilder:
             if isinstance(r.link, TookSequenceNumbers):
                 for s in r.link.numbers():
                     seq_owner[s] = node
+
+    def op_list(self, records: list[OpRecord], constants) -> OpList:
+        """The records as an OpList: the constants' placeholders made, each op named as
+        add_records would name its node (a getitem node's name never meets an op's)."""
+        for slot, meta in constants:
+            self.placeholder(slot, "constant", meta, CONSTANT)
+        readers: dict = {slot: [] for slot, _ in constants}
+        if readers:
+            for r in records:
+                for ref in iter_nested((r.args, r.kwargs), Ref):
+                    if ref.source in readers:
+                        readers[ref.source].append(r.op)
+        return OpList(tuple(tp.fx_node_name(self.graph, _op_name(r.op)) for r in records), records,
+                      {self.nodes[slot].name: tuple(ops) for slot, ops in readers.items()},
+                      {slot: node.meta["val"] for slot, node in self.nodes.items() if isinstance(slot, Slot)})
 
     def attach_saved(self, saved: dict[int, tuple[int, torch.dtype]]) -> None:
         """Put each saved storage's (bytes, dtype) on the node that allocated it (its first

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fxacct.trace import torch_private as tp
+from fxacct.trace.frozen_init import fast_init
 from fxacct.trace.torch_private import storage_key
 
 TAG = "_fxacct_ref"  # attribute set on each traced tensor: which record (or placeholder) made it
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
     """What fxacct keeps of a tensor: enough for costs and bytes, holding no memory."""
@@ -126,6 +128,7 @@ class Slot:
     key: object
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Ref:
     """A tensor argument in a record: the record (index) or Slot that produced it."""
@@ -140,6 +143,7 @@ class Ref:
 
 # -- the backward link: how a record relates to autograd ---------------------------------------
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TookSequenceNumbers:
     """A forward (or loss, optimizer) op: the autograd sequence numbers it took, [first, end).
@@ -153,6 +157,7 @@ class TookSequenceNumbers:
         return range(self.first, self.end)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class UnderAutogradNode:
     """A backward op the engine ran under the autograd Node with this sequence number."""
@@ -160,6 +165,7 @@ class UnderAutogradNode:
     sequence_nr: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DerivedFromRecord:
     """A backward op of a replayed block: derived from the forward record with this index."""
@@ -171,6 +177,7 @@ NO_NUMBERS = TookSequenceNumbers(0, 0)
 Link = TookSequenceNumbers | UnderAutogradNode | DerivedFromRecord | None  # None: no autograd Node
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class OpRecord:
     """One aten op as the dispatch recorder saw it, holding no tensor."""
@@ -199,8 +206,8 @@ def map_nested(a, fn, kind):
     if isinstance(a, kind):
         return fn(a)
     t = type(a)
-    if t is tuple or t is list:
-        return t([x if type(x) in _PLAIN else map_nested(x, fn, kind) for x in a])
+    if t is tuple or t is list:  # a leaf of ``kind`` mapped here, not in a call of its own (the hot path)
+        return t([x if type(x) in _PLAIN else fn(x) if isinstance(x, kind) else map_nested(x, fn, kind) for x in a])
     if isinstance(a, (list, tuple)):  # a subclass: rebuilt through its own constructor
         return t(map_nested(x, fn, kind) for x in a)
     if isinstance(a, dict):

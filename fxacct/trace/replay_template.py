@@ -123,10 +123,10 @@ def norm_outputs(val, ext_store):
     return TensorMeta(val.shape, val.stride, val.dtype, where, val.storage_nbytes, val.requires_grad)
 
 
-def map_to_block(a, refs, bases):
+def block_mapper(refs, bases):
     """Template refs to the replayed block's: its own inputs/parameters/incoming gradients (Slots),
     and its own records (``bases``: where its forward and its backward records start, and the
-    template's forward length)."""
+    template's forward length). Made once per block; ``mapped(a)`` maps one record's arguments."""
     fwd_base, bwd_base, fwd_len = bases
 
     def one(x):
@@ -137,7 +137,10 @@ def map_to_block(a, refs, bases):
         index = fwd_base + x.source if x.source < fwd_len else bwd_base + x.source - fwd_len
         return Ref(index, x.index)
 
-    return map_nested(a, one, (Ref, Slot))
+    def mapped(a):
+        return map_nested(a, one, (Ref, Slot)) if a else a  # an empty kwargs dict is shared, never written
+
+    return mapped
 
 
 def comparable(t: Template):

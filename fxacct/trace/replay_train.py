@@ -46,11 +46,11 @@ from fxacct.trace.records import TAG, DerivedFromRecord, OpRecord, Ref, Slot, Te
 from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
 from fxacct.trace.replay_template import (
     Template,
+    block_mapper,
     comparable,
     find_meta,
     last_uses,
     lingering,
-    map_to_block,
     norm_refs,
     tagged,
     tags_kept,
@@ -255,7 +255,7 @@ class TrainReplay(ForwardPatches):
         the first one got."""
         rec = self.recorder
         base = len(rec.records)
-        bases = (base if fwd_base is None else fwd_base, base, template.fwd_len)
+        mapped = block_mapper(refs, (base if fwd_base is None else fwd_base, base, template.fwd_len))
         for i in range(start, stop):
             r = template.records[i]
             link, module = r.link, r.module
@@ -263,7 +263,7 @@ class TrainReplay(ForwardPatches):
                 link = DerivedFromRecord(fwd_base + link.index) if link is not None else None
             else:
                 module = fqn + module if not module.startswith("\0") else module[1:]
-            rec.records.append(OpRecord(r.op, map_to_block(r.args, refs, bases), map_to_block(r.kwargs, refs, bases),
+            rec.records.append(OpRecord(r.op, mapped(r.args), mapped(r.kwargs),
                                         self._map_val(r.outputs, stores, template), r.phase, module, link,
                                         r.args_requires_grad, r.scope, r))
             self.storages.clock = len(rec.records) - 1

@@ -82,6 +82,22 @@ def fx_append_node(graph, op: str, target, args: tuple, kwargs: dict, name: str)
     return node
 
 
+def fx_node_name(graph, candidate: str) -> str:
+    """The name fx_append_node would give the graph's next node made from ``candidate``, taken
+    in the graph's namespace with no node made (a capture read for its peak alone:
+    fxacct.trace.graph_builder.OpList). Falls back to making the node and erasing it."""
+    try:
+        return graph._graph_namespace.create_name(candidate, None)
+    except AttributeError:
+        node = graph.create_node("call_function", _no_op, (), {}, name=candidate)
+        graph.erase_node(node)
+        return node.name
+
+
+def _no_op():
+    return None
+
+
 from torch.utils import _pytree  # noqa: E402
 
 # Flattening nested Python containers (tuples, lists, dicts, namedtuples, HF ModelOutputs) the way
