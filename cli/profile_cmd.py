@@ -129,7 +129,7 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
     if plot is not None:
         from fxacct.report.plot import require_matplotlib
 
-        require_matplotlib()
+        require_matplotlib(plot)
     run_options = _runtime_options(runtime, trace, device=device, steps=steps, warmup=warmup,
                                    inference=inference, force=force)
     if run_options is not None and (config.target or "").startswith("torchtitan:") and (

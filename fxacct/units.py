@@ -31,8 +31,11 @@ def format_count(n: int | float | None) -> str:
         return "-"
     if abs(n) < 1000:
         return f"{n:,}" if isinstance(n, int) else f"{n:.3g}"
-    for unit, size in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    units = (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+    for i, (unit, size) in enumerate(units):
         if abs(n) >= size:
+            if i and abs(round(n / size, 3)) >= 1000:  # 999.9996T reads 1.000P, not 1000.000T
+                unit, size = units[i - 1]
             return f"{n / size:.3f}{unit}"
     raise AssertionError("unreachable")
 

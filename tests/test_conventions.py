@@ -1,11 +1,13 @@
 """Conventions that change what counts: activation checkpointing's recompute, and costs of ops the
 core examples do not use (embedding bags), checked by hand."""
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import fxacct
+from fxacct.units import format_count
 
 
 class Checkpointed(nn.Module):
@@ -54,3 +56,12 @@ def test_embedding_bag_costs_one_add_per_gathered_element():
     # backward: each of the 15 indices scatters an 8-wide gradient row: 120
     assert t.backward.other == 120
     assert p.accounting.unsupported_ops == {}
+
+
+@pytest.mark.parametrize("n, shown", [
+    (999, "999"), (1000, "1.000k"), (999_999, "999.999k"), (999_999_600, "1.000G"),
+    (999_999_400_000_000, "999.999T"), (999_999_600_000_000, "1.000P"), (-999_999_600_000, "-1.000T"),
+])
+def test_counts_take_the_unit_their_rounded_value_reads_in(n, shown):
+    # 999,999,600,000,000 at three decimals in T is 1000.000T: one unit up, it reads 1.000P
+    assert format_count(n) == shown

@@ -315,6 +315,28 @@ def test_matmul_family_equals_flop_counter(op, shapes):
     assert got.other == (0 if len(shapes) == 2 else torch.Size(op(*args).shape).numel())
 
 
+# each vector or accumulating form against FlopCounterMode on the mm/bmm it equals (which counts
+# the form itself as 0): (op, its arguments, the same product as mm/bmm arguments, bias adds)
+M, K, N, NB = 6, 5, 4, 3
+VECTOR_FORMS = {
+    "mv": (aten.mv.default, [(M, K), (K,)], aten.mm.default, [(M, K), (K, 1)], 0),
+    "dot": (aten.dot.default, [(K,), (K,)], aten.mm.default, [(1, K), (K, 1)], 0),
+    "vdot": (aten.vdot.default, [(K,), (K,)], aten.mm.default, [(1, K), (K, 1)], 0),
+    "addmv": (aten.addmv.default, [(M,), (M, K), (K,)], aten.mm.default, [(M, K), (K, 1)], M),
+    "addr": (aten.addr.default, [(M, N), (M,), (N,)], aten.mm.default, [(M, 1), (1, N)], M * N),
+    "addbmm": (aten.addbmm.default, [(M, N), (NB, M, K), (NB, K, N)], aten.bmm.default,
+               [(NB, M, K), (NB, K, N)], M * N),
+}
+
+
+@pytest.mark.parametrize("form", list(VECTOR_FORMS))
+def test_vector_and_accumulating_products_are_the_mm_they_equal(form):
+    op, shapes, same, same_shapes, bias_adds = VECTOR_FORMS[form]
+    got = fx_cost(op, [_meta(*s) for s in shapes])
+    assert got == Flops(matmul=_flop_counter(same, [_meta(*s) for s in same_shapes]), other=bias_adds)
+    assert _flop_counter(op, [_meta(*s) for s in shapes]) == 0  # the gap conventions.md names
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_scaled_mm_equals_flop_counter(bias):
     # fp8 (64, 32) @ (32, 48), the second column-major as the kernel wants: 2·64·32·48 = 196,608

@@ -52,7 +52,7 @@ def test_assert_flops_passes_and_fails(mlp, x):
     assert per_example.value >= MATMUL_PER_EXAMPLE, result
     with pytest.raises(AssertionError) as info:
         assert_flops(mlp, x, max_params=PARAMS - 1)
-    assert "params" in str(info.value) and "over 1 (0.0% of the limit)" in str(info.value), str(info.value)
+    assert "params" in str(info.value) and "over 1 (0.003% of the limit)" in str(info.value), str(info.value)
     with pytest.raises(AssertionError, match="flops"):
         assert_flops(mlp, x, max_flops=4 * MATMUL_PER_EXAMPLE - 1)
 

@@ -49,6 +49,38 @@ def baddbmm(bias_shape, a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Fl
     return Flops(matmul=bmm_flops(a_shape, b_shape), other=numel(out_shape))
 
 
+# The vector forms (torch.matmul of a matrix and a vector lowers to mv; x @ y of two vectors to
+# dot) and the accumulating ones, as the products they are; torch.utils.flop_counter counts none
+# of them (its registry: mm, addmm, bmm, baddbmm, convolutions, _scaled_mm, attention).
+@register(aten.mv)
+def mv(a_shape, v_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # (m, k) @ (k,): an mm with n = 1
+    return Flops(matmul=mm_flops(a_shape, (v_shape[0], 1)))
+
+
+@register(aten.dot, aten.vdot)
+def dot(a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # (n,) · (n,): n multiply-adds (vdot conjugates the first, which costs no FLOP)
+    return Flops(matmul=mm_flops((1, a_shape[0]), (b_shape[0], 1)))
+
+
+@register(aten.addmv)
+def addmv(bias_shape, a_shape, v_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    return Flops(matmul=mm_flops(a_shape, (v_shape[0], 1)), other=numel(out_shape))
+
+
+@register(aten.addr)
+def addr(bias_shape, u_shape, v_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # bias + u ⊗ v: the outer product as an mm with k = 1, then the add, as addmm counts it
+    return Flops(matmul=mm_flops((u_shape[0], 1), (1, v_shape[0])), other=numel(out_shape))
+
+
+@register(aten.addbmm)
+def addbmm(bias_shape, a_shape, b_shape, *args, out_shape, ctx, **kwargs) -> Flops:
+    # bias + Σ_b a_b @ b_b: the batch is contracted with k, so every multiply-add is in the bmm
+    return Flops(matmul=bmm_flops(a_shape, b_shape), other=numel(out_shape))
+
+
 def conv_flops(x_shape, w_shape, out_shape, transposed: bool) -> int:
     """x (N, C_in, *spatial), w (C_out, C_in/groups, *kernel) [transposed: (C_in, C_out/groups, *k)].
 

@@ -63,20 +63,22 @@ def parse_kwarg(text: str) -> tuple[str, object]:
     return key, value
 
 
-def model_file(target: str) -> tuple[Path, str]:
-    """'examples/gpt2.py:GPT' -> (the file, 'GPT'); a malformed spec or a missing file is a UsageError."""
+def model_file(target: str, flag: str | None = None) -> tuple[Path, str]:
+    """'examples/gpt2.py:GPT' -> (the file, 'GPT'); a malformed spec or a missing file is a UsageError
+    (``flag``: the flag that named the file, where it is not the model's, e.g. --optimizer)."""
     path_text, sep, name = target.rpartition(":")
+    what = f"{flag} file" if flag else "model file"
     if not sep or not path_text or not name:
         raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT, "
                          "package.module:Name such as torch.nn:Linear, or hf:DIR_OR_CONFIG_JSON")
     path = Path(path_text)
     if path.is_dir():
-        raise UsageError(f"model file {path_text!r} is a directory; give the .py file in it that defines {name} "
+        raise UsageError(f"{what} {path_text!r} is a directory; give the .py file in it that defines {name} "
                          f"(PATH.py:{name}), or hf:{path_text} for a Hugging Face config there")
     if not path.is_file():
-        raise UsageError(f"model file {path_text!r} not found; give a path to a .py file, relative to {os.getcwd()}")
+        raise UsageError(f"{what} {path_text!r} not found; give a path to a .py file, relative to {os.getcwd()}")
     if path.suffix != ".py":
-        raise UsageError(f"model file {path_text!r} is not a Python file (.py); give PATH.py:Name such as "
+        raise UsageError(f"{what} {path_text!r} is not a Python file (.py); give PATH.py:Name such as "
                          "examples/gpt2.py:GPT")
     return path, name
 

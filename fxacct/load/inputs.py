@@ -7,6 +7,7 @@ values in a real run (token ids below the vocabulary size).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class InputSpec:
     def make(self, batch: int, device="meta") -> torch.Tensor:
         """A tensor for this spec: empty on meta; random values (below `high`) on a real device."""
         shape = self.shape(batch)
+        if math.prod(shape) * self.dtype.itemsize >= 1 << 63:  # torch sizes storages in int64 bytes
+            raise UsageError(f"--input {self}: a tensor of shape {list(shape)} is more than torch can address "
+                             "(2^63 bytes); give smaller dimensions")
         if torch.device(device).type == "meta":
             return torch.empty(shape, dtype=self.dtype, device="meta")
         if self.dtype.is_floating_point:

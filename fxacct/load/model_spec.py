@@ -55,7 +55,7 @@ def resolve(target: str, base: type = torch.nn.Module, flag: str | None = None):
     """'examples/gpt2.py:GPT' -> (the object named GPT, the imported file module). ``base``: the kind
     of class the name should be (the model's nn.Module, an --optimizer's torch.optim.Optimizer),
     those defined there listed when the name is not; ``flag``: the flag that named the file, if not the model."""
-    path, name = model_file(target)
+    path, name = model_file(target, flag)
     path_text = target.rpartition(":")[0]
     module = _import_file(path, f"the {flag} file" if flag else "the model file")
     obj = getattr(module, name, None)

@@ -36,8 +36,9 @@ def _margin(b: Budget) -> str:
     """How far over the limit (a budget that fails), or the headroom left (one that holds)."""
     text = ("over " if b.over > 0 else "headroom ") + format_value(abs(b.over), b.unit)
     frac = b.over_fraction
-    if frac is not None:
-        text += f" ({abs(frac):,.1%} of the limit)"
+    if frac is not None:  # two significant digits below 0.1%, where one decimal would read 0.0%
+        pct = 100 * abs(frac)
+        text += f" ({pct:,.1f}% of the limit)" if pct >= 0.1 or pct == 0 else f" ({pct:.2g}% of the limit)"
     return text
 
 

@@ -59,12 +59,18 @@ def _title(profile) -> str:
     return title
 
 
-def require_matplotlib() -> None:
-    """Fail before any tracing when --plot cannot be honoured."""
+def require_matplotlib(path: str) -> None:
+    """Fail before any tracing when --plot cannot be honoured: no matplotlib, or a suffix naming
+    no format it writes (a path without one is a PNG)."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'fxacct[plot]'") from None
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise UsageError(f"--plot {path}: matplotlib writes no '.{suffix}' files; name a .png (or "
+                         f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
 
 
 def plot_memory(profile, path: str) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxacct.errors import FxacctError, ModelError, classify, describe_exception
+from fxacct.errors import FxacctError, ModelError, UsageError, classify, describe_exception
 from fxacct.load.specs import OptimizerSpec
 from fxacct.trace import torch_private as tp
 from fxacct.trace.checkpointing import checkpointed
@@ -167,10 +167,13 @@ def _traced(session: _Session) -> None:
     except FxacctError:
         raise
     except (tp.DataDependentOutputException, tp.DynamicOutputShapeException) as e:
+        if session.recorder.phase == OPTIMIZER:
+            raise UsageError(f"the optimizer's step reads a tensor's value ({describe_exception(e)}), which fake "
+                             "tensors do not have: give another --optimizer") from e
         raise ModelError(
-            f"the model's forward depends on tensor values ({describe_exception(e)}), which "
+            f"the model's {session.recorder.phase} depends on tensor values ({describe_exception(e)}), which "
             "fake tensors do not have; move data-dependent control flow (.item(), if tensor:, nonzero) "
-            "out of forward or make it shape-only"
+            "out of it or make it shape-only"
         ) from e
     except tp.UnsupportedOperatorException as e:
         raise ModelError(f"an op has no fake-tensor implementation ({e}); fxacct cannot trace it") from e

@@ -26,7 +26,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils import checkpoint as ckpt
 
-from fxacct.errors import UsageError
+from fxacct.errors import UsageError, describe_exception
 from fxacct.trace import torch_private as tp
 
 SAVE_MATMULS = "save-matmuls"
@@ -107,8 +107,36 @@ def _context_fn(policy):
     if policy is None:
         return ckpt.noop_context_fn
     if is_factory(policy):
-        return lambda: ckpt.create_selective_checkpoint_contexts(policy())
-    return functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
+        return lambda: ckpt.create_selective_checkpoint_contexts(_guarded(_made(policy)))
+    return functools.partial(ckpt.create_selective_checkpoint_contexts, _guarded(policy))
+
+
+def _made(factory):
+    """What a policy factory returned: a policy fn, or the list of ops to save torch also takes."""
+    made = factory()
+    if isinstance(made, (list, tuple)) or (callable(made) and not isinstance(made, (type, torch.nn.Module))
+                                           and _takes(made, None, None)):
+        return made
+    raise UsageError(f"--checkpoint-policy: {factory.__name__}() returned a {type(made).__name__}, which is no "
+                     "policy fn(ctx, op, *args, **kwargs) -> CheckpointPolicy nor a list of ops to save")
+
+
+def _guarded(policy):
+    """A policy fn whose failure is told as the policy's, not as the model's forward (where
+    torch calls it: every op of a checkpointed region)."""
+    if not callable(policy):
+        return policy  # a list of ops: torch checks it
+
+    @functools.wraps(policy)
+    def run(ctx, op, *args, **kwargs):
+        try:
+            return policy(ctx, op, *args, **kwargs)
+        except Exception as e:  # the user's policy
+            raise UsageError(f"--checkpoint-policy {getattr(policy, '__name__', 'policy')} raised "
+                             f"{describe_exception(e)} on {op}; it takes (ctx, op, *args, **kwargs) and "
+                             "returns a CheckpointPolicy") from e
+
+    return run
 
 
 def _always_prefer_recompute(ctx, op, *args, **kwargs):

@@ -197,6 +197,12 @@ class Recorder(tp.TorchDispatchMode):
         return 1
 
     def meta(self, t: torch.Tensor) -> TensorMeta:
+        if t.layout is not torch.strided:  # a sparse tensor has no storage to account
+            raise ModelError(
+                f"the model's {self.phase} makes a {str(t.layout).removeprefix('torch.')} tensor (nn.Embedding or "
+                "nn.EmbeddingBag with sparse=True makes sparse gradients), which fxacct does not account: "
+                "build the model with sparse=False (-k sparse=False where its constructor takes it) for the "
+                "dense equivalent")
         sid = self.storages.id_of(t)
         dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
         return TensorMeta(tuple(t.shape), tuple(t.stride()), dtype, sid, nbytes, t.requires_grad)

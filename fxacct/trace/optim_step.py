@@ -10,6 +10,7 @@ import torch
 from fxacct.errors import UsageError, describe_exception
 from fxacct.load.specs import NONE, OPTIMIZERS, OptimizerSpec, parse_optim_arg  # noqa: F401  (re-exported)
 from fxacct.trace import torch_private as tp
+from fxacct.trace.known_values import KnownValues
 from fxacct.trace.torch_private.ddp import zero_local_optimizer
 
 STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
@@ -49,7 +50,8 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
         if opt is None:
             return [], masters
         try:
-            opt.step()
+            with KnownValues():  # its bookkeeping scalars (ASGD's mu.item()) have the values eager's have
+                opt.step()
         except Exception as e:
             if optimizer.args.get("foreach") and _mixes_dtensor(stepped):
                 raise UsageError(f"{type(opt).__name__}'s foreach step (PyTorch's default on CUDA) cannot take "
