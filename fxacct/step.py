@@ -32,6 +32,7 @@ from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture, CaptureOptions, capture
 from fxacct.trace.checkpointing import CheckpointWhatIf
 from fxacct.trace.compiled import CompileSpec, CompileWhatIf
+from fxacct.trace.fake_reuse import FakeReuse
 from fxacct.trace.loss import MODEL, ignored_loss_warning
 from fxacct.units import format_bytes, format_count
 
@@ -244,12 +245,15 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
     for path in config.costs:
         load_costs(path)
     model_spec.check_signature(model, args, kwargs)
-    cap = capturer.capture(capture_options(config, model))
+    # the inference capture takes the training step's fake tensors (fxacct.trace.fake_reuse); a
+    # compiled step's regions and fp8's tensor subclasses keep their own
+    reuse = FakeReuse() if not (config.compiled or config.fp8) else None
+    cap = capturer.capture(capture_options(config, model, reuse=reuse))
     annotate(cap.graph, config.causal_attention)
     capturer.annotated(cap)
     tokens = config.tokens_per_example or tokens_per_example(args, kwargs, config.batch)
     acct = account(cap, config.batch, tokens, config.count_recompute)
-    inference = capturer.capture(capture_options(config, model, inference=True, nodes=False)) if with_inference else None
+    inference = capturer.capture(capture_options(config, model, inference=True, nodes=False, reuse=reuse)) if with_inference else None
     life = capturer.lifetimes(cap)
     per_rank, unit = sharded_peak(life, model, config)
     memory = memory_account.assemble(cap, acct, model, config.dtype, walk(life) if cap.has_backward else None,

@@ -39,7 +39,8 @@ from fxacct.trace.checkpointing import checkpointed
 from fxacct.trace.compiled import CompileSpec, compiled
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, module_tracking  # noqa: F401  (re-exported: the phases)
 from fxacct.trace.fake_mode import FakeTensorMode
-from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_like, fake_model, swapped
+from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_like, swapped
+from fxacct.trace.fake_reuse import FakeReuse
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder, OpList
 from fxacct.trace.hf_eager import hf_eager
 from fxacct.trace.loss import LossSpec, returned_loss, target_spec, training_loss
@@ -80,6 +81,7 @@ class CaptureOptions:
     defer: tuple = ()  # tensor subclasses whose ops are recorded as they desugar (--fp8: torchao's float8 tensor)
     compile: CompileSpec | None = None  # fxacct.trace.compiled: the step as torch.compile splits it
     nodes: bool = True  # False (a capture read for its peak alone): the ops are kept as Capture.ops, not nodes
+    reuse: FakeReuse | None = field(default=None, compare=False)  # fake tensors shared with another capture
 
 
 @dataclass(frozen=True)
@@ -193,14 +195,12 @@ _GROUPED_MM_DTYPE = "Expected inputs of BF16 type"
 
 def _start(model, args, kwargs, options: CaptureOptions) -> _Session:
     prep = options.prepared
-    # a stray CPU tensor becomes a fake one
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if prep is None else prep.mode
+    mode, fake = (prep.mode, prep.fake) if prep is not None else (options.reuse or FakeReuse()).fakes(model, options.dtype)
     storages = Storages()
     recorder = Recorder(storages, (() if prep is None else prep.defer) + options.defer)
     if prep is not None:
         prep.attach(recorder)  # FSDP2's storage resizes noted, its gathers replayed, against the recorded ops
     with mode:
-        fake = fake_model(model, options.dtype) if prep is None else prep.fake
         fake_args = tp.tree_map(lambda t: _to_fake(t, options), args)
         fake_kwargs = tp.tree_map(lambda t: _to_fake(t, options), kwargs)
     flat_inputs = list(_positional_leaves(model, fake_args)) + list(kwargs_leaves(fake_kwargs))

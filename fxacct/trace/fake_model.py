@@ -65,7 +65,10 @@ def swapped(model: torch.nn.Module, fake: FakeModel, training: bool):
         model.train(training)
         for m, k, _, fake_tensor in fake.attributes:
             setattr(m, k, fake_tensor)
-        with tp.reparametrize_module(model, fake.state, strict=False):
+        # stack_weights: restored last in, first out, so a module registered under two names (one
+        # Linear as .lin and .alias) gets its own tensors back, not the fake the second name saw;
+        # a copy: torch writes what the module holds on the way out back into the dict it is given
+        with tp.reparametrize_module(model, dict(fake.state), strict=False, stack_weights=True):
             yield
     finally:
         for m, flag in was_training.items():

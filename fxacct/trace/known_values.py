@@ -62,7 +62,14 @@ def _seeded(func) -> bool:
 
 
 class KnownValues(tp.TorchDispatchMode):
-    """Carries the known values (module docstring); stack it above the fake-tensor mode."""
+    """Carries the known values (module docstring); stack it above the fake-tensor mode. With
+    ``last_resort`` a read of a scalar goes down the stack first and is answered from its known
+    value only where the fake mode cannot answer it: the reads it answers stay recorded ops (an
+    optimizer's ``step.item()``, one op per parameter in eager too)."""
+
+    def __init__(self, last_resort: bool = False):
+        super().__init__()
+        self.last_resort = last_resort
 
     def __exit__(self, *exc):
         _STALE.clear()
@@ -73,6 +80,11 @@ class KnownValues(tp.TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _SCALAR:
             value = known(args[0])
+            if value is not None and self.last_resort:
+                try:
+                    return func(*args, **kwargs)
+                except tp.DataDependentOutputException:
+                    pass
             if value is not None:
                 with tp.disable_current_modes():
                     return value.item()
