@@ -119,6 +119,19 @@ _KERNEL_DTYPES.update({op: _unreduced_loss for op in (_aten.mse_loss.default, _a
 _KERNEL_DTYPES[_aten.mkldnn_rnn_layer.default] = _onednn_lstm_workspace
 
 
+def _two_bias_gradients(out):
+    """mkldnn_rnn_layer_backward's meta kernel returns one tensor as both bias gradients
+    (torch/_meta_registrations.py: ``diff_b, diff_b``); the CPU kernel returns two (seven distinct
+    storages, measured on torch 2.13), which autograd accumulates apart: the second gets its own."""
+    if out[4] is out[3]:
+        return (*out[:4], out[4].clone(), *out[5:])
+    return out
+
+
+# what the fake kernel returns made what the real one returns (called below the recorder, unrecorded)
+_KERNEL_OUTPUTS = {_aten.mkldnn_rnn_layer_backward.default: _two_bias_gradients}
+
+
 def _one_dtype(func, args, phase: str) -> None:
     """Eager's matrix products refuse operands of different dtypes (at::native's addmm/mm/bmm
     checks: "expected mat1 and mat2 to have the same dtype"); their meta kernels do not check,
@@ -280,6 +293,8 @@ class Recorder(tp.TorchDispatchMode):
             with tp.no_python_dispatch():
                 return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        if func in _KERNEL_OUTPUTS:
+            out = _KERNEL_OUTPUTS[func](out)
         if func.namespace in _NOT_RECORDED or not self.recording:
             return out
         if self.override is not None and self.override[3]:
