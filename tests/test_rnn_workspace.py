@@ -48,7 +48,7 @@ def test_saved_bytes_and_peak_match_eager(cls, layers, bidirectional):
                                    (4, 2, 256, 512)])
 def test_lstm_workspace_equals_the_kernels(shape, dtype):
     """The size fxacct gives the fake workspace equals the real kernel's output on these shapes."""
-    from fxacct.trace.dispatch_recorder import _onednn_lstm_workspace
+    from fxacct.trace.kernel_facts import _onednn_lstm_workspace
     from fxacct.trace.records import Storages
 
     t, b, i, h = shape
