@@ -443,3 +443,14 @@ def test_backward_detaches_what_eager_detaches(dedup):
               if n.target is torch.ops.aten.detach.default and n.meta["trace"].phase == "backward"]
     assert len(traced) == expected
     assert {n.args[0].target for n in traced} == {torch.ops.aten.tanh.default, torch.ops.aten.sigmoid.default}
+
+
+def test_an_example_id_past_the_embedding_is_refused_as_eager_refuses_it():
+    # eager: IndexError at the lookup of 12 in a 10-row table; on fake tensors the meta kernel has
+    # no values, so the example's own largest id (12) is carried to the lookup and checked there
+    model = nn.Embedding(10, 4)
+    with pytest.raises(IndexError):
+        model(torch.tensor([[3, 12]]))
+    with pytest.raises(fxacct.errors.ModelError, match="ids up to 12 in an embedding of 10 rows"):
+        fxacct.profile_module(model, (torch.tensor([[3, 12]]),))
+    fxacct.profile_module(model, (torch.tensor([[3, 9]]),))  # the last row: eager runs it

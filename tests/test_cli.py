@@ -492,6 +492,9 @@ BAD_INPUTS = [
     # An integer input with a zero bound: the message must say the bound must be positive, not that
     # "'<0' bounds integer inputs only" (the dtype IS an integer one).
     ("input-bound-zero", [GPT_TARGET, "--input", "long[B,4]<0"], 2, ["'<0'", "positive"], True),
+    # ids drawn below 100 index GPT's 64-row token table: eager raises IndexError; the meta kernel would not
+    ("input-ids-past-the-table", [*TINY_GPT, "--input", "long[B,4]<100"], 3,
+     ["looks up ids up to 99 in an embedding of 64 rows", "--input ...<64"], True),
     # --- --dtype ---
     ("dtype-unknown", [TWO_LAYER, "--dtype", "fp13"], 2, ["'fp13'", "bf16"], True),
     ("dtype-empty", [TWO_LAYER, "--dtype", ""], 2, ["dtype", "bf16"], True),

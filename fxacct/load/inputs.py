@@ -19,6 +19,10 @@ from fxacct.errors import UsageError
 _SPEC = re.compile(r"^\s*(?:(?P<name>[A-Za-z_]\w*)\s*=\s*)?(?P<dtype>[\w.]+)\s*\[(?P<dims>[^\]]*)\]\s*"
                    r"(?:<\s*(?P<high>\d+))?\s*$")
 
+# on an integer input: every value lies below this (its --input's <N; an example's largest id + 1),
+# which fxacct.trace.dispatch_recorder checks against the embedding table it indexes, as eager does
+BOUND = "_fxacct_bound"
+
 _HELP = "expected DTYPE[DIM,...] such as 'long[B,1024]', 'float32[B,3]' or 'input_ids=long[B,128]<50257' (B is --batch)"
 
 
@@ -39,7 +43,10 @@ class InputSpec:
             raise UsageError(f"--input {self}: a tensor of shape {list(shape)} is more than torch can address "
                              "(2^63 bytes); give smaller dimensions")
         if torch.device(device).type == "meta":
-            return torch.empty(shape, dtype=self.dtype, device="meta")
+            t = torch.empty(shape, dtype=self.dtype, device="meta")
+            if self.high is not None:
+                setattr(t, BOUND, self.high)  # values are no meta tensor's: the bound stands for them
+            return t
         if self.dtype.is_floating_point:
             return torch.randn(shape, device=device).to(self.dtype)
         if self.dtype == torch.bool:

@@ -39,7 +39,7 @@ from fxacct.trace.checkpointing import checkpointed
 from fxacct.trace.compiled import CompileSpec, compiled
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD, LOSS, OPTIMIZER, AttentionScope, Recorder, module_tracking  # noqa: F401  (re-exported: the phases)
 from fxacct.trace.fake_mode import FakeTensorMode
-from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_like, swapped
+from fxacct.trace.fake_model import FakeModel, PreparedModel, fake_input, swapped
 from fxacct.trace.fake_reuse import FakeReuse
 from fxacct.trace.graph_builder import BUFFER, INPUT, PARAMETER, GraphBuilder, OpList
 from fxacct.trace.hf_eager import hf_eager
@@ -216,7 +216,7 @@ def _to_fake(t, options: CaptureOptions):
     the example itself does (a pipeline stage's received activation), as eager would."""
     if not isinstance(t, torch.Tensor):
         return t
-    f = fake_like(t, options.dtype)
+    f = fake_input(t, options.dtype)
     wanted = options.input_requires_grad or t.requires_grad
     return f.requires_grad_(wanted and f.is_floating_point() and not options.inference)
 

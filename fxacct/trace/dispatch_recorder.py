@@ -11,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fxacct.errors import ModelError, passes_through
+from fxacct.load.inputs import BOUND
 from fxacct.trace import torch_private as tp
 from fxacct.trace.kernel_facts import KERNEL_OUTPUTS, KERNEL_STORAGES
 from fxacct.trace.module_hooks import global_module_hooks
@@ -54,9 +55,23 @@ def _one_dtype(func, args, phase: str) -> None:
                          "matrix product takes one dtype): cast them to one (an integer --input to a float one?)")
 
 
+def _rows(func, args, phase: str) -> None:
+    """Eager's embedding kernels refuse an index past the table ("IndexError: index out of range
+    in self"); the meta kernels have no values to check. An input whose values are bounded (its
+    --input's <N, an example's largest id) and index a smaller table would raise there."""
+    weight, indices = args[0], args[1]
+    bound = getattr(indices, BOUND, None)
+    if bound is not None and weight.dim() and bound > weight.shape[0]:
+        raise ModelError(f"the model's {phase} looks up ids up to {bound - 1} in an embedding of {weight.shape[0]} rows "
+                         "(aten.embedding), which eager refuses (IndexError: index out of range in self): give ids "
+                         f"below {weight.shape[0]} (--input ...<{weight.shape[0]}) or build a larger table")
+
+
 # what eager checks before an op that its fake (meta) kernel does not: raised as eager raises it
 _EAGER_CHECKS = {op: _one_dtype for op in (_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
                                            _aten.baddbmm.default)}
+_EAGER_CHECKS.update({op: _rows for op in (_aten.embedding.default, _aten._embedding_bag.default,
+                                            _aten._embedding_bag_forward_only.default)})
 
 
 class Recorder(tp.TorchDispatchMode):

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from fxacct.load.inputs import BOUND
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import Recorder
 from fxacct.trace.fake_mode import FakeTensorMode
@@ -19,6 +20,23 @@ def fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is not None and t.is_floating_point():
         return torch.empty(t.shape, dtype=dtype, device="cpu")
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def fake_input(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """fake_like for an input of the step, carrying the bound of its values (fxacct.load.inputs.BOUND):
+    an --input's <N, or a real integer example's largest value + 1."""
+    f = fake_like(t, dtype)
+    bound = getattr(t, BOUND, None)
+    if bound is None and t.dtype in _INDEX_DTYPES and t.numel() and t.device.type != "meta" \
+            and not isinstance(t, tp.FakeTensor):
+        with tp.disable_current_modes():  # the example's own values, past the fake mode
+            bound = int(t.max()) + 1
+    if bound is not None:
+        setattr(f, BOUND, bound)
+    return f
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
