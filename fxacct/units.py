@@ -29,11 +29,13 @@ def format_count(n: int | float | None) -> str:
     """A FLOP or parameter count with an SI suffix (k = 1e3, M = 1e6, G = 1e9, T = 1e12, P = 1e15)."""
     if n is None:
         return "-"
-    if abs(n) < 1000:
+    if abs(n) < 1000 and (isinstance(n, int) or abs(float(f"{n:.3g}")) < 1000):  # 999.96 reads 1.000k
         return f"{n:,}" if isinstance(n, int) else f"{n:.3g}"
+    if abs(n) >= 999.9995e18:  # past E (a zetta-count): in powers of ten
+        return f"{n:.3e}"
     units = (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
     for i, (unit, size) in enumerate(units):
-        if abs(n) >= size:
+        if abs(n) >= size or unit == "k":
             if i and abs(round(n / size, 3)) >= 1000:  # 999.9996T reads 1.000P, not 1000.000T
                 unit, size = units[i - 1]
             return f"{n / size:.3f}{unit}"

@@ -535,7 +535,8 @@ BAD_INPUTS = [
      ["the model's backward makes a sparse_coo tensor", "sparse=False"], True),
     ("optimizer-reads-a-value", [TWO_LAYER, "--optimizer", f"{MODELS}/step_reads_values.py:ItemSGD"], 2,
      ["the optimizer's step reads a tensor's value", "--optimizer"], True),
-    ("input-too-large", [TWO_LAYER, "--input", "float32[99999999999,99999999999]"], 2,
+    # 2^61 elements: a count torch holds, 2^63 bytes of float32 it cannot
+    ("input-too-large", [TWO_LAYER, "--input", "float32[2305843009213693952]"], 2,
      ["--input", "more than torch can address", "smaller"], True),
     ("plot-unknown-format", [TWO_LAYER, "--plot", "timeline.txt"], 2, ["--plot timeline.txt", "'.txt'", ".png"], False),
     ("checkpoint-policy-factory-returns-a-module",

@@ -61,7 +61,21 @@ def test_embedding_bag_costs_one_add_per_gathered_element():
 @pytest.mark.parametrize("n, shown", [
     (999, "999"), (1000, "1.000k"), (999_999, "999.999k"), (999_999_600, "1.000G"),
     (999_999_400_000_000, "999.999T"), (999_999_600_000_000, "1.000P"), (-999_999_600_000, "-1.000T"),
+    (999.9996, "1.000k"), (12.345, "12.3"), (999.9996e18, "1.000e+21"), (2e21, "2.000e+21"),
 ])
 def test_counts_take_the_unit_their_rounded_value_reads_in(n, shown):
     # 999,999,600,000,000 at three decimals in T is 1000.000T: one unit up, it reads 1.000P
     assert format_count(n) == shown
+
+
+@pytest.mark.parametrize("over, limit, shown", [
+    (1, 17_087, "(0.0059% of the limit)"), (1, 80 * 10**9, "(under 0.001% of the limit)"),
+    (171, 17_087, "(1.0% of the limit)"), (0, 17_087, "(0.0% of the limit)"),
+])
+def test_a_budgets_margin_reads_without_powers_of_ten(over, limit, shown):
+    from types import SimpleNamespace
+
+    from fxacct.report.check_text import _margin
+
+    budget = SimpleNamespace(over=over, unit="params", over_fraction=over / limit)
+    assert _margin(budget).endswith(shown), _margin(budget)

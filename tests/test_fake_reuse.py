@@ -62,6 +62,26 @@ def test_a_module_under_two_names_keeps_its_fakes_for_the_next_capture():
     assert all(a is b for a, b in zip(own, model.parameters(), strict=True))  # the user's module as it was
 
 
+def test_the_second_capture_takes_the_first_ones_mode_and_fakes():
+    model, x = Net(), torch.randn(2, 3, 8, 8, device="meta")
+    reuse = FakeReuse()
+    capture(model, (x,), {}, CaptureOptions(optimizer=OptimizerSpec("adamw"), reuse=reuse))
+    mode, fake = reuse.mode, reuse.fake
+    capture(model, (x,), {}, CaptureOptions(inference=True, reuse=reuse))
+    assert reuse.mode is mode and reuse.fake is fake
+
+
+def test_a_profile_makes_its_fake_model_once(monkeypatch):
+    import fxacct
+    import fxacct.trace.fake_reuse as fake_reuse
+
+    made = []
+    real = fake_reuse.fake_model
+    monkeypatch.setattr(fake_reuse, "fake_model", lambda *a: made.append(1) or real(*a))
+    fxacct.profile_module(Net(), (torch.randn(2, 3, 8, 8, device="meta"),))
+    assert len(made) == 1  # the training step's, taken by the inference forward
+
+
 def test_another_dtype_makes_its_own_fakes():
     model, x = Net(), torch.randn(2, 3, 8, 8, device="meta")
     reuse = FakeReuse()

@@ -400,3 +400,18 @@ def test_dedup_and_no_dedup_give_the_same_account(name, deeper, optimizer, monke
     assert a.accounting.modules == b.accounting.modules
     assert a.accounting.totals == b.accounting.totals
     assert a.memory == b.memory
+
+
+def test_an_optimizer_step_keeps_values_of_its_scalars_alone():
+    """The optimizer step's known values (ASGD reads its mu with .item()) are one-element tensors:
+    a state tensor a custom optimizer builds from a size (torch.zeros(p.shape)) gets no real copy,
+    which for a 1000 x 1000 parameter would be 4 MB of real memory per parameter."""
+    from fxacct.trace import torch_private as tp
+    from fxacct.trace.known_values import KnownValues, known
+
+    with tp.FakeTensorMode(), KnownValues(scalars_only=True):
+        state, mu = torch.zeros(1000, 1000), torch.ones(())
+        state.mul_(0.9)
+        assert known(state) is None and known(mu) is not None and mu.item() == 1.0
+    with tp.FakeTensorMode(), KnownValues():  # a forward's values: tables up to MAX_NUMEL elements
+        assert known(torch.zeros(1000, 1000)) is not None

@@ -65,6 +65,19 @@ def test_the_lifetimes_without_nodes_are_the_graphs(model):
     assert lifetimes(without) == lifetimes(with_nodes)
 
 
+def test_a_training_steps_lifetimes_without_nodes_are_the_graphs():
+    """Forward, backward and optimizer ops: their phases and the first cuBLAS op of each thread."""
+    from fxacct.load.specs import OptimizerSpec
+
+    model, x = Blocks(), torch.randn(4, 16, device="meta")
+    with_nodes = capture(model, (x,), {}, CaptureOptions(optimizer=OptimizerSpec("adamw")))
+    without = capture(model, (x,), {}, CaptureOptions(optimizer=OptimizerSpec("adamw"), nodes=False))
+    life = lifetimes(without)
+    assert {"forward", "backward", "optimizer"} <= set(life.op_phases)
+    assert life.first_cublas_ops[0] is not None and life.first_cublas_ops[1] is not None
+    assert life == lifetimes(with_nodes)
+
+
 def test_a_mesh_ranks_inference_peak_is_the_graphs(monkeypatch):
     """fsdp=2,tp=2 on examples/llama.py: the inference forward gathers each block's parameters
     (functional collectives whose waits alias their buffers: fxacct.parallel.collectives.alias_waits)."""

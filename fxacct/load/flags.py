@@ -69,6 +69,8 @@ def model_file(target: str, flag: str | None = None) -> tuple[Path, str]:
     path_text, sep, name = target.rpartition(":")
     what = f"{flag} file" if flag else "model file"
     if not sep or not path_text or not name:
+        if flag:
+            raise UsageError(f"malformed {flag} {target!r}: expected PATH.py:Name, the file and the class it defines")
         raise UsageError(f"malformed model {target!r}: expected PATH.py:Name such as examples/gpt2.py:GPT, "
                          "package.module:Name such as torch.nn:Linear, or hf:DIR_OR_CONFIG_JSON")
     path = Path(path_text)

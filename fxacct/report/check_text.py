@@ -38,7 +38,8 @@ def _margin(b: Budget) -> str:
     frac = b.over_fraction
     if frac is not None:  # two significant digits below 0.1%, where one decimal would read 0.0%
         pct = 100 * abs(frac)
-        text += f" ({pct:,.1f}% of the limit)" if pct >= 0.1 or pct == 0 else f" ({pct:.2g}% of the limit)"
+        shown = f"{pct:,.1f}%" if pct >= 0.1 or pct == 0 else f"{pct:.2g}%" if pct >= 0.001 else "under 0.001%"
+        text += f" ({shown} of the limit)"
     return text
 
 

@@ -1,5 +1,6 @@
 """Capture: one aten-level torch.fx graph of forward + loss + autograd backward (+ optimizer
-step), on fake tensors, with the lifetime of every storage as the eager run would have it.
+step), on fake tensors, with the lifetime of every storage as the eager run would have it (a
+capture read for its peak alone keeps its ops as records instead: CaptureOptions.nodes).
 
 How (DESIGN.md, "Facts verified here"): proxy tracing with make_fx costs 3.5× FlopCounterMode, so
 fxacct records ops the way FlopCounterMode sees them, in one TorchDispatchMode stacked on a

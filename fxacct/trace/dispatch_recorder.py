@@ -137,11 +137,11 @@ class Recorder(tp.TorchDispatchMode):
 
     def meta(self, t: torch.Tensor) -> TensorMeta:
         if t.layout is not torch.strided:  # a sparse tensor has no storage to account
-            raise ModelError(
-                f"the model's {self.phase} makes a {str(t.layout).removeprefix('torch.')} tensor (nn.Embedding or "
-                "nn.EmbeddingBag with sparse=True makes sparse gradients), which fxacct does not account: "
-                "build the model with sparse=False (-k sparse=False where its constructor takes it) for the "
-                "dense equivalent")
+            source = (" (nn.Embedding or nn.EmbeddingBag with sparse=True make sparse gradients: build them with "
+                      "sparse=False, -k sparse=False where the constructor takes it, for the dense equivalent)"
+                      if self.phase == BACKWARD else ": fxacct accounts strided tensors only")
+            raise ModelError(f"the model's {self.phase} makes a {str(t.layout).removeprefix('torch.')} tensor, "
+                             f"which fxacct does not account{source}")
         sid = self.storages.id_of(t)
         dtype, nbytes = self.storages.real.get(sid, (t.dtype, t.untyped_storage().nbytes()))
         return TensorMeta(tuple(t.shape), tuple(t.stride()), dtype, sid, nbytes, t.requires_grad)

@@ -1,5 +1,6 @@
-"""The fake stand-ins of a module's parameters, buffers and tensor attributes for one capture.
-Tied names share one fake tensor; the user's module is changed only inside ``swapped``."""
+"""The fake stand-ins of a module's parameters, buffers and tensor attributes for a capture (or
+the two of one profile: fxacct.trace.fake_reuse). Tied names share one fake tensor; the user's
+module is changed only inside ``swapped``."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 @dataclass
 class FakeModel:
-    """The fake stand-ins of a module's tensors for one capture (tied names share one tensor)."""
+    """The fake stand-ins of a module's tensors (tied names share one tensor)."""
 
     fake_of: dict  # id(real tensor) -> fake tensor
     state: dict  # every parameter and buffer name -> its fake tensor (for reparametrize_module)

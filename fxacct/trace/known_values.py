@@ -63,13 +63,15 @@ def _seeded(func) -> bool:
 
 class KnownValues(tp.TorchDispatchMode):
     """Carries the known values (module docstring); stack it above the fake-tensor mode. With
-    ``last_resort`` a read of a scalar goes down the stack first and is answered from its known
-    value only where the fake mode cannot answer it: the reads it answers stay recorded ops (an
+    ``scalars_only`` (an optimizer's step: its bookkeeping scalars, ASGD's ``mu``) values are kept
+    for one-element tensors alone, never a real copy of a state tensor built from a size
+    (``torch.zeros(p.shape)``), and a read of a scalar goes down the stack first, answered from its
+    known value only where the fake mode cannot: the reads it answers stay recorded ops (an
     optimizer's ``step.item()``, one op per parameter in eager too)."""
 
-    def __init__(self, last_resort: bool = False):
+    def __init__(self, scalars_only: bool = False):
         super().__init__()
-        self.last_resort = last_resort
+        self.scalars_only = scalars_only
 
     def __exit__(self, *exc):
         _STALE.clear()
@@ -80,7 +82,7 @@ class KnownValues(tp.TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _SCALAR:
             value = known(args[0])
-            if value is not None and self.last_resort:
+            if value is not None and self.scalars_only:
                 try:
                     return func(*args, **kwargs)
                 except tp.DataDependentOutputException:
@@ -92,7 +94,8 @@ class KnownValues(tp.TorchDispatchMode):
             _check_rows(args[0], args[1])
         out = func(*args, **kwargs)
         real = _real_arguments((args, kwargs))
-        attached = real is not _NO_VALUE and not _seeded(func) and _attach(func, real, out)
+        attached = real is not _NO_VALUE and not _seeded(func) and _attach(func, real, out,
+                                                                            1 if self.scalars_only else MAX_NUMEL)
         if not attached and schema_kind(func) == INPLACE:
             _forget(args, kwargs)
         return out
@@ -125,10 +128,10 @@ def _real_arguments(tree):
     return tp.tree_unflatten(values, spec)
 
 
-def _attach(func, real, out) -> bool:
+def _attach(func, real, out, max_numel: int) -> bool:
     """Compute the outputs' values for real; False where they stay unknown."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if not all(isinstance(o, torch.Tensor) and o.numel() <= MAX_NUMEL for o in outs):
+    if not all(isinstance(o, torch.Tensor) and o.numel() <= max_numel for o in outs):
         return False
     args, kwargs = real
     try:

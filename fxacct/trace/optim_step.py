@@ -50,7 +50,7 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
         if opt is None:
             return [], masters
         try:
-            with KnownValues(last_resort=True):  # its bookkeeping scalars (ASGD's mu.item()) have eager's values
+            with KnownValues(scalars_only=True):  # its bookkeeping scalars (ASGD's mu.item()) have eager's values
                 opt.step()
         except Exception as e:
             if optimizer.args.get("foreach") and _mixes_dtensor(stepped):
