@@ -10,10 +10,11 @@ import torch
 from helpers import assert_same_account, target
 
 import fxacct
+from fxacct.errors import UsageError
 from fxacct.memory.peak import lifetimes
 from fxacct.parallel import rank_capture
+from fxacct.trace import optim_step, replay_train
 from fxacct.trace import replay as replay_module
-from fxacct.trace import replay_train
 
 LLAMA = "examples/llama.py:Llama"
 LIST_LLAMA = "tests/models/llama_list.py:ListLlama"
@@ -204,8 +205,6 @@ def test_foreach_step_on_shards_equals_the_dtensor_step(monkeypatch, rel, kwargs
     (fxacct.trace.optim_step.on_shards) instead of the DTensors: the oracle is the DTensor step
     itself (on_shards switched off), whose recorded local ops must be the same, op for op, with the
     same account and peaks."""
-    from fxacct.trace import optim_step
-
     used = []
     real = optim_step.on_shards
 
@@ -229,3 +228,67 @@ def test_foreach_step_on_shards_equals_the_dtensor_step(monkeypatch, rel, kwargs
     assert ops[0] == ops[1] and any("_foreach_" in op for op in ops[0])
     assert shards.memory.optimizer_bytes == dtensors.memory.optimizer_bytes > 0
     assert shards.parallel.time.optimizer_s == dtensors.parallel.time.optimizer_s > 0
+
+
+@pytest.mark.parametrize("name", sorted(optim_step.ELEMENTWISE_STEPS))
+def test_single_tensor_step_on_shards_equals_the_dtensor_step(monkeypatch, name):
+    """Without foreach (CPU's default) a built-in optimizer with an elementwise single-tensor step
+    steps the DTensor parameters' shards too (one representative per shard shape: 8 blocks make
+    75 parameters, over STEP_ALL_BELOW). Oracle: the DTensor step itself (on_shards switched off),
+    op for op, with the same account and optimizer bytes."""
+    used = []
+    real = optim_step.on_shards
+
+    def spy(params):
+        out = real(params)
+        used.append(out is not params)
+        return out
+
+    def run():
+        return fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=8), mesh="fsdp=2,tp=2",
+                                            parallelize=target("examples/llama.py:parallelize"), optimizer=name,
+                                            optim_args={"momentum": 0.9} if name == "sgd" else {}))
+
+    monkeypatch.setattr(optim_step, "on_shards", spy)
+    shards = run()
+    assert used and all(used)  # every representative's shard was stepped
+    assert 1 < len(used) < 75  # representatives, not every parameter
+    monkeypatch.setattr(optim_step, "on_shards", lambda params: params)
+    dtensors = run()
+    assert_same_account(shards, dtensors)
+    ops = [[str(n.target) for n in p.capture.graph.nodes if n.meta.get("trace") and
+            n.meta["trace"].phase == "optimizer"] for p in (shards, dtensors)]
+    assert ops[0] == ops[1] and ops[0]
+    assert shards.memory.optimizer_bytes == dtensors.memory.optimizer_bytes > 0
+
+
+def test_an_optimizer_dtensor_refuses_is_a_usage_error():
+    """Rprop's masked assignment (an in-place index_put_) is an op DTensor refuses on a sharded
+    parameter, as it would on the GPUs: the user's choice of optimizer, named (exit 2), not
+    fxacct's error (it was exit 4)."""
+    assert "rprop" not in optim_step.ELEMENTWISE_STEPS
+    with pytest.raises(UsageError, match=r"^--optimizer rprop: Rprop.step\(\) cannot run on the DTensor parameters.*"
+                                         r"index_put_.*choose another optimizer"):
+        fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=2), mesh="fsdp=2",
+                                     parallelize=target("examples/llama.py:parallelize"), optimizer="rprop"))
+    plain = fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=2), optimizer="rprop"))
+    assert plain.memory.optimizer_bytes > 0  # on one device it steps
+
+
+def test_representatives_are_grouped_by_shard_shape():
+    """Two DTensor parameters of one global shape but different shards (a [10, 10] weight split by
+    rows and by columns over 4 ranks: rank 0 holds [3, 10] and [10, 3]) allocate different state:
+    each shard shape gets its own representative, each standing for its own count."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fxacct.load.specs import OptimizerSpec
+    from fxacct.parallel.engine import fake_group
+
+    with fake_group(4):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (4,))
+        rows = [DTensor.from_local(torch.empty(3, 10), mesh, [Shard(0)], run_check=False, shape=(10, 10),
+                                   stride=(10, 1)) for _ in range(40)]
+        cols = [DTensor.from_local(torch.empty(10, 3), mesh, [Shard(1)], run_check=False, shape=(10, 10),
+                                   stride=(10, 1)) for _ in range(30)]
+        batches = optim_step._batches(OptimizerSpec("adamw"), rows + cols)
+        assert [(tuple(b[0].to_local().shape), count) for b, count in batches] == [((3, 10), 40), ((10, 3), 30)]

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import torch
 
-from fxacct.errors import UsageError, describe_exception
+from fxacct.errors import UsageError, describe_exception, first_line
 from fxacct.load.specs import NONE, OPTIMIZERS, OptimizerSpec, parse_optim_arg  # noqa: F401  (re-exported)
 from fxacct.trace import torch_private as tp
 from fxacct.trace.known_values import KnownValues
 from fxacct.trace.torch_private.ddp import zero_local_optimizer
 
 STEP_ALL_BELOW = 64  # parameters; above, one representative per shape is stepped
+
+# The built-in optimizers whose single-tensor step is elementwise (torch/optim/*.py, their
+# ``_single_tensor_*``: in-place pointwise ops, lerp, addcmul, addcdiv, maximum, 0-dim step
+# scalars). On DTensor parameters DTensor runs each of those ops on the local shards as they lie
+# (its pointwise strategies keep the placements), so stepping the shards records the same local ops
+# without DTensor's sharding propagation of each op for each shape (on_shards;
+# tests/test_parallel_replay.py holds the two steps equal, op for op, for each of these). Not Rprop:
+# its masked assignment (``sign[sign.gt(0)] = etaplus``, an in-place index_put_) is one DTensor refuses.
+ELEMENTWISE_STEPS = frozenset({"sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta", "adamax", "nadam", "radam",
+                               "asgd"})
 
 
 def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: bool, recorder):
@@ -25,8 +35,8 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
 
     torch.optim's single-tensor implementations update each parameter on its own, so parameters
     of one shape and dtype allocate and compute the same: when ``optimizer.per_parameter``, one
-    representative per (shape, dtype, has-grad) is stepped and stands for the others (its state
-    and ops counted that many times). Foreach/fused implementations and custom classes step all,
+    representative per (shape, dtype, has-grad; a DTensor's shard shape and placements) is stepped
+    and stands for the others (its state and ops counted that many times). Foreach/fused implementations and custom classes step all,
     and so do models with few parameters, where stepping all is cheap and keeps one more effect
     exact: a loop's locals (`denom`) outlive their iteration into the next parameter's update.
     Returns ([(state tensor, count)], [(master copy, count)])."""
@@ -37,9 +47,9 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
             t.grad = g
     states: list[tuple[torch.Tensor, int]] = []
     masters: list[tuple[torch.Tensor, int]] = []
-    for batch, count in _batches(optimizer, params):
+    for group, count in _batches(optimizer, params):
         start = len(recorder.records)
-        stepped = batch = on_shards(batch) if optimizer.args.get("foreach") else batch
+        stepped = batch = on_shards(group) if _shards_stepped(optimizer) else group
         if master_weights:
             stepped = [torch.empty(p.shape, dtype=torch.float32) for p in batch]
             for m, p in zip(stepped, batch):
@@ -58,10 +68,17 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
                                  "parameters that mix DTensor and plain tensors, as on a GPU: make every parameter "
                                  "a DTensor in your parallelize (e.g. Replicate the unsharded ones) or give "
                                  "--optim-arg foreach=False") from e
+            if _has_dtensor(stepped):  # DTensor refused one of its ops: so would it on the GPUs
+                raise UsageError(f"--optimizer {optimizer.name}: {type(opt).__name__}.step() cannot run on the DTensor "
+                                 f"parameters this mesh shards ({type(e).__name__}: {first_line(e).rstrip('.')}); "
+                                 "choose another optimizer, e.g. adamw") from e
             if optimizer.args:  # a value its constructor accepted but its step cannot use
                 raise UsageError(f"{type(opt).__name__}.step() failed with options {optimizer.args}: "
                                  f"{describe_exception(e)}; check --optim-arg") from e
             raise
+        if batch is not group:
+            for shard in batch:  # the DTensor's own .grad keeps the gradient; the shard holds it no longer
+                shard.grad = None
         if master_weights:
             with torch.no_grad():
                 for p, m in zip(batch, stepped):
@@ -81,12 +98,15 @@ def _batches(optimizer, params: list) -> list[tuple[list, int]]:
         return [(params, 1)]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        groups.setdefault((tuple(p.shape), p.dtype, p.grad is not None), []).append(p)
+        # a DTensor by its shard: what the step allocates and computes (on_shards), placements apart
+        groups.setdefault((tuple(tp.local(p).shape), p.dtype, p.grad is not None, getattr(p, "placements", None)),
+                          []).append(p)
     return [([ps[0]], len(ps)) for ps in groups.values()]
 
 
 def on_shards(params: list) -> list:
-    """A foreach step over DTensor parameters as the same step over their local shards (stand-ins
+    """A foreach step (or an elementwise single-tensor one: ELEMENTWISE_STEPS) over DTensor
+    parameters as the same step over their local shards (stand-ins
     whose ``.grad`` is the gradient's shard), where DTensor would do nothing else: every parameter
     a DTensor and every gradient a DTensor of the parameter's mesh and placements (DTensor's
     pointwise foreach strategies then keep each shard where it is, with no redistribution, and run
@@ -115,6 +135,21 @@ def on_shards(params: list) -> list:
         shard.grad = tp.local(g)
         out.append(shard)
     return out
+
+
+def _shards_stepped(optimizer) -> bool:
+    """Whether the step may take the DTensor parameters' local shards (on_shards): a foreach step,
+    or a built-in optimizer's single-tensor step that is elementwise (ELEMENTWISE_STEPS)."""
+    return bool(optimizer.args.get("foreach")) or (optimizer.per_parameter
+                                                    and optimizer.name.lower() in ELEMENTWISE_STEPS)
+
+
+def _has_dtensor(params) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in params)
 
 
 def _mixes_dtensor(params) -> bool:
