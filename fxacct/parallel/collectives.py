@@ -193,7 +193,9 @@ def alias_waits(cap) -> None:
             if r.op is _fn.wait_tensor.default and isinstance(r.args[0], Ref):
                 aliased(cap.ops.val_of(r.args[0]), r.outputs)
             if alias and r.outputs is not None:
-                records[i] = replace(r, outputs=_renamed(r.outputs, alias))
+                renamed = _renamed(r.outputs, alias)
+                if renamed is not r.outputs:  # (a record is rebuilt only where a storage is renamed)
+                    records[i] = replace(r, outputs=renamed)
         return
     for node in cap.graph.nodes:
         if node.op == "call_function" and node.target is _fn.wait_tensor.default and isinstance(node.args[0], fx.Node):
@@ -204,11 +206,13 @@ def alias_waits(cap) -> None:
 
 
 def _renamed(val, alias: dict):
+    """``val`` with each aliased storage renamed; ``val`` itself where none is."""
     if isinstance(val, TensorMeta):
         src = alias.get(val.storage)
         return val if src is None else replace(val, storage=src.storage, storage_nbytes=src.storage_nbytes)
     if isinstance(val, tuple):
-        return tuple(_renamed(v, alias) for v in val)
+        new = tuple(_renamed(v, alias) for v in val)
+        return val if all(a is b for a, b in zip(new, val)) else new
     return val
 
 
