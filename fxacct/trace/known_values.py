@@ -117,6 +117,8 @@ def _check_rows(weight, indices) -> None:
 
 def _real_arguments(tree):
     """``tree`` with each tensor replaced by its known value; _NO_VALUE if one has none."""
+    if _unknown_in(tree):  # most ops (a parameter, an activation): answered without flattening
+        return _NO_VALUE
     leaves, spec = tp.tree_flatten(tree)
     values = []
     for leaf in leaves:
@@ -126,6 +128,22 @@ def _real_arguments(tree):
                 return _NO_VALUE
         values.append(leaf)
     return tp.tree_unflatten(values, spec)
+
+
+def _unknown_in(tree) -> bool:
+    """Whether a tensor in an op's (args, kwargs) has no known value: tensors, their tuples,
+    lists and dicts, as an op's schema passes them."""
+    if isinstance(tree, torch.Tensor):
+        return _value_of(tree) is None
+    if isinstance(tree, (tuple, list)):
+        for item in tree:
+            if _unknown_in(item):
+                return True
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            if _unknown_in(item):
+                return True
+    return False
 
 
 def _attach(func, real, out, max_numel: int) -> bool:
