@@ -43,7 +43,7 @@ def format_count(n: int | float | None) -> str:
 
 
 # Byte units a flag may carry ("80GB", "79.6GiB", "512MiB"): decimal SI (vendors) and binary IEC
-# (drivers, allocators), per IEC 80000-13. A bare number is bytes.
+# (drivers, allocators), per IEC 80000-13. A bare number is refused (parse_bytes: bytes? GB?).
 BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -201,6 +201,9 @@ OPTIMIZER_CASES = [
     # every other name --optimizer takes (ASGD's step reads its mu with .item(): traced once it has
     # the value eager has, fxacct.trace.known_values)
     *(pytest.param(name, {}, id=name) for name in ("adadelta", "adamax", "nadam", "radam", "asgd", "rprop")),
+    # their foreach steps (CUDA's default, so --gpu's): ASGD's reads each step count after a
+    # foreach add, which writes the counts' known values in place
+    *(pytest.param(name, {"foreach": True}, id=f"{name}-foreach") for name in ("adamw", "asgd", "rprop", "radam")),
 ]
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes")

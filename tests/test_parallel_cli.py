@@ -61,8 +61,10 @@ def test_text_table_sums_to_its_total():
     # without --world-size too: not "give --world-size N", which the next try would refuse
     (["--mesh", "fsdp=2", "--shard", "zero3"], "--mesh and --shard zero3"),
     # the optimizer's fp32 copies would be plain tensors beside DTensor shards (it crashed, exit 4)
-    (["--mesh", "fsdp=2", "--dtype", "bf16", "--master-weights"], "use --amp bf16 instead"),
-    (["--mesh", "tp=2", "--parallelize", PAR, "--dtype", "bf16", "--master-weights"], "use --amp bf16 instead"),
+    (["--mesh", "fsdp=2", "--dtype", "bf16", "--master-weights"], "use --amp bfloat16 instead of --dtype bfloat16"),
+    (["--mesh", "tp=2", "--parallelize", PAR, "--dtype", "bf16", "--master-weights"], "use --amp bfloat16 instead"),
+    # the user's own low precision, not bf16 whatever it was
+    (["--mesh", "fsdp=2", "--dtype", "fp16", "--master-weights"], "use --amp float16 instead of --dtype float16"),
     # the real pipeline run takes torch's plain step: it would print ratios against another step
     (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--amp", "bf16"], "drop --amp for the real check"),
     (["--mesh", "pp=2", "--runtime", "--device", "cpu", "--loss", "cross-entropy"], "not what --loss cross-entropy"),

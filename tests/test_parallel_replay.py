@@ -10,7 +10,7 @@ import torch
 from helpers import assert_same_account, target
 
 import fxacct
-from fxacct.errors import UsageError
+from fxacct.errors import ModelError, UsageError
 from fxacct.memory.peak import lifetimes
 from fxacct.parallel import rank_capture
 from fxacct.trace import optim_step, replay_train
@@ -262,17 +262,46 @@ def test_single_tensor_step_on_shards_equals_the_dtensor_step(monkeypatch, name)
     assert shards.memory.optimizer_bytes == dtensors.memory.optimizer_bytes > 0
 
 
-def test_an_optimizer_dtensor_refuses_is_a_usage_error():
-    """Rprop's masked assignment (an in-place index_put_) is an op DTensor refuses on a sharded
-    parameter, as it would on the GPUs: the user's choice of optimizer, named (exit 2), not
-    fxacct's error (it was exit 4)."""
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_optimizer_dtensor_refuses_is_a_usage_error(foreach):
+    """Rprop's masked assignment (an in-place index_put_, per tensor in its foreach step too) is an
+    op DTensor refuses on a sharded parameter, as it would on the GPUs: the user's choice of
+    optimizer, named (exit 2), not fxacct's error (it was exit 4). Its foreach step is not taken
+    on the shards, where it would run (DTensor of torch 2.13 refuses it even sooner, at its
+    ``_foreach_copy_``, which has no sharding strategy)."""
     assert "rprop" not in optim_step.ELEMENTWISE_STEPS
     with pytest.raises(UsageError, match=r"^--optimizer rprop: Rprop.step\(\) cannot run on the DTensor parameters.*"
-                                         r"index_put_.*choose another optimizer"):
+                                         r"(index_put_|_foreach_copy_).*choose another optimizer"):
         fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=2), mesh="fsdp=2",
-                                     parallelize=target("examples/llama.py:parallelize"), optimizer="rprop"))
-    plain = fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=2), optimizer="rprop"))
+                                     parallelize=target("examples/llama.py:parallelize"), optimizer="rprop",
+                                     optim_args={"foreach": foreach}))
+    plain = fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=2), optimizer="rprop",
+                                         optim_args={"foreach": foreach}))
     assert plain.memory.optimizer_bytes > 0  # on one device it steps
+
+
+BROKEN_OPTIMIZER = """
+import torch
+
+class Broken(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    def step(self, closure=None):
+        raise RuntimeError("boom in the user's optimizer")
+"""
+
+
+@pytest.mark.parametrize("mesh", [None, "fsdp=2"])
+def test_a_failing_optimizer_of_the_users_is_theirs_on_one_device_and_under_a_mesh(tmp_path, mesh):
+    """A step of the user's own optimizer class that raises is their code's error (exit 3) under a
+    mesh as on one device, never blamed on DTensor (the usage error above is torch's own steps')."""
+    path = tmp_path / "myopt.py"
+    path.write_text(BROKEN_OPTIMIZER)
+    with pytest.raises(ModelError, match="boom in the user's optimizer"):
+        fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=2), mesh=mesh,
+                                     parallelize=target("examples/llama.py:parallelize") if mesh else None,
+                                     optimizer=f"{path}:Broken"))
 
 
 def test_representatives_are_grouped_by_shard_shape():

@@ -282,6 +282,20 @@ def test_zero3_also_partitions_parameters_and_gathers_one_block():
     assert m.gathered_unit == ("blocks.0", block)
 
 
+def test_blocks_kept_in_a_module_dict_are_the_gathered_units():
+    """examples/llama.py keeps its blocks in an nn.ModuleDict, as torchtitan's models do: each
+    block is a unit FSDP gathers alone. The whole ``layers`` container was taken for one unit, so
+    a rank of 8 held 94% of the model's parameters (more than all of them at 2 blocks). By hand:
+    a block of dim 64, hidden 128, 4 heads of 16, 2 kv heads: wq and wo 64x64, wk and wv 64x32,
+    w1, w3 128x64 and w2 64x128, two norms of 64: 36,992 fp32 parameters, 147,968 B."""
+    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs=dict(n_layers=8), world_size=8,
+                        shard="fsdp")
+    m = fxacct.profile(cfg).memory
+    block = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 128 * 64 + 2 * 64)
+    assert m.gathered_unit == ("layers.0", block) == ("layers.0", 147_968)
+    assert m.per_rank.category("parameters") == m.param_bytes // 8 + block
+
+
 def test_fsdp_is_zero3():
     a, b = _sharded("zero3").memory, _sharded("fsdp").memory
     assert (a.per_rank, a.gathered_unit) == (b.per_rank, b.gathered_unit)

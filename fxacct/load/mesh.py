@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxacct.dtypes import dtype_name
 from fxacct.errors import UsageError
 
 DIMS = ("pp", "dp", "fsdp", "cp", "tp", "ep")  # outer to inner
@@ -109,9 +110,10 @@ def check_config(config) -> None:
         raise UsageError(f"--mesh and --shard {config.shard} both say how ranks share the model: "
                          f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")
     if config.master_weights:  # its fp32 copies are plain tensors beside FSDP2's and DTensor's shards
+        low = dtype_name(config.dtype) if config.dtype is not None else "bfloat16"
         raise UsageError(f"--master-weights with --mesh {spec}: fxacct keeps no fp32 copies beside the engine's "
-                         "sharded parameters; use --amp bf16 instead of --dtype bf16 --master-weights (fp32 "
-                         "parameters, bf16 compute; under FSDP2 its MixedPrecisionPolicy gathers them in bf16)")
+                         f"sharded parameters; use --amp {low} instead of --dtype {low} --master-weights (fp32 "
+                         f"parameters, {low} compute; under FSDP2 its MixedPrecisionPolicy gathers them in {low})")
 
 
 PIPELINE_FLAGS = (("--pp-split", "pp_split"), ("--microbatches", "microbatches"),

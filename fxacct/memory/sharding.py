@@ -32,12 +32,14 @@ def partitioned(shard: str, world_size: int) -> dict[str, int]:
 
 
 def wrap_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules FSDP/ZeRO-3 gather one at a time: the items of every ModuleList or Sequential
-    of blocks (the usual auto-wrap policy wraps transformer blocks), else the top-level children."""
+    """The modules FSDP/ZeRO-3 gather one at a time: the items of every ModuleList, Sequential or
+    ModuleDict of blocks (the usual auto-wrap policy wraps transformer blocks; torchtitan's models
+    keep theirs in a ModuleDict), else the top-level children."""
     units = []
     for name, m in model.named_modules():
-        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1:
-            units += [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(m)]
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)) and len(m) > 1:
+            items = m.items() if isinstance(m, torch.nn.ModuleDict) else enumerate(m)
+            units += [(f"{name}.{k}" if name else str(k), child) for k, child in items]
     return units or list(model.named_children())
 
 

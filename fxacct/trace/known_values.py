@@ -147,7 +147,17 @@ def _unknown_in(tree) -> bool:
 
 
 def _attach(func, real, out, max_numel: int) -> bool:
-    """Compute the outputs' values for real; False where they stay unknown."""
+    """Compute the outputs' values for real; False where they stay unknown. An op that returns
+    nothing and only writes into its arguments (``torch._foreach_add_`` on an optimizer's step
+    counts) runs for real on their values, which it updates in place as it updates the fakes."""
+    if out is None and tp.returns_nothing(func):
+        args, kwargs = real
+        try:
+            with tp.disable_current_modes():
+                func(*args, **kwargs)
+        except Exception:  # noqa: BLE001  as below: what it wrote stays unknown
+            return False
+        return True
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if not all(isinstance(o, torch.Tensor) and o.numel() <= max_numel for o in outs):
         return False

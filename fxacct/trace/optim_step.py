@@ -68,7 +68,8 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
                                  "parameters that mix DTensor and plain tensors, as on a GPU: make every parameter "
                                  "a DTensor in your parallelize (e.g. Replicate the unsharded ones) or give "
                                  "--optim-arg foreach=False") from e
-            if _has_dtensor(stepped):  # DTensor refused one of its ops: so would it on the GPUs
+            if optimizer.name.lower() in OPTIMIZERS and _has_dtensor(stepped):
+                # torch's own step on DTensors failed: DTensor refused one of its ops, as on the GPUs
                 raise UsageError(f"--optimizer {optimizer.name}: {type(opt).__name__}.step() cannot run on the DTensor "
                                  f"parameters this mesh shards ({type(e).__name__}: {first_line(e).rstrip('.')}); "
                                  "choose another optimizer, e.g. adamw") from e
@@ -138,10 +139,11 @@ def on_shards(params: list) -> list:
 
 
 def _shards_stepped(optimizer) -> bool:
-    """Whether the step may take the DTensor parameters' local shards (on_shards): a foreach step,
-    or a built-in optimizer's single-tensor step that is elementwise (ELEMENTWISE_STEPS)."""
-    return bool(optimizer.args.get("foreach")) or (optimizer.per_parameter
-                                                    and optimizer.name.lower() in ELEMENTWISE_STEPS)
+    """Whether the step may take the DTensor parameters' local shards (on_shards): a built-in
+    optimizer whose step is elementwise (ELEMENTWISE_STEPS), foreach or single-tensor. Rprop's
+    foreach step makes the same masked assignment per tensor; a class of the user's may make any op."""
+    return optimizer.name.lower() in ELEMENTWISE_STEPS and (bool(optimizer.args.get("foreach"))
+                                                             or optimizer.per_parameter)
 
 
 def _has_dtensor(params) -> bool:
