@@ -118,7 +118,7 @@ def test_mesh_of_one_gives_the_one_device_account(runs, model, flag, mesh):
         assert result.exit_code == 2, result.output
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: --master-weights with --mesh {mesh}:"), lines
-        assert "--amp bf16" in lines[0], lines
+        assert "--amp bfloat16 instead" in lines[0], lines
         return
     if flag == "compile":
         result = runs(*command(model, flag, mesh))
