@@ -211,3 +211,19 @@ def test_ctrl_c_stops_the_plan_and_its_workers_quietly(tmp_path):
             return
         time.sleep(0.5)
     raise AssertionError("a process of the plan's group is still running 20 s after it exited")
+
+
+def test_traces_that_raise_are_counted_beside_the_layouts_they_rejected():
+    """The Llama without its --parallelize has no tensor-parallel plan: each tp layout's trace
+    raises (the layout is rejected, saying why). The header said "0 traces" beside "2 traced";
+    it now counts the traces that raised too, and JSON carries them apart."""
+    from fxacct.report.plan_text import plan_json, render_plan
+
+    cfg = fxacct.Config(target=LLAMA, gpu="h100", kwargs={"n_layers": 2}, find_max_batch=False)
+    result = plan(cfg, 4, 6)
+    raised = [c for c in result.candidates if c.rejected and "carries no tensor-parallel plan" in c.rejected]
+    assert raised and {c.mesh for c in raised} == {"fsdp=2,tp=2"}
+    assert (result.traces, result.failed, result.traced) == (0, 2, 2)  # micro-batches 1 and 2: a trace each
+    head = render_plan(result, 4, 6, "h100").splitlines()[0]
+    assert f"; {result.traces + result.failed} traces ({result.failed} raised); " in head
+    assert plan_json(result)["traces_failed"] == result.failed

@@ -35,7 +35,8 @@ def render_plan(result, gpus: int, global_batch: int, gpu: str, width: int | Non
     cands = result.candidates
     rows = [_row(i, c) for i, c in enumerate(cands)]
     head = (f"fxacct plan: {gpus} × {gpu}, global batch {global_batch}, {result.blocks} repeated blocks; "
-            f"{result.traces} traces; {counts(result)}")
+            f"{result.traces + result.failed} traces{f' ({result.failed} raised)' if result.failed else ''}; "
+            f"{counts(result)}")
     table = fit_table(HEADERS, rows, width, text_columns=(10, 1), optional=(9, 8, 6),
                       colalign=("left", "left") + ("right",) * 8 + ("left",))
     return "\n".join([wrap_lines(head, width), table, wrap_lines(LEGEND, width)]) + "\n"
@@ -59,7 +60,7 @@ def progress_line(probe) -> str:
 
 
 def plan_json(result) -> dict:
-    return {"schema": PLAN_SCHEMA, "blocks": result.blocks, "traces": result.traces,
+    return {"schema": PLAN_SCHEMA, "blocks": result.blocks, "traces": result.traces, "traces_failed": result.failed,
             "layouts_total": result.layouts, "layouts_traced": result.traced, "layouts_reused": result.reused,
             "layouts_pruned": result.pruned, "layouts": [
         {"mesh": c.mesh, "pp": c.layout.pp, "fsdp": c.layout.fsdp, "tp": c.layout.tp,

@@ -51,6 +51,7 @@ class PlanResult:
     traced: int = 0  # layouts probed with a trace of their own
     reused: int = 0  # layouts probed from traces already run (this plan's or, on disk, an earlier one's)
     pruned: int = 0  # layouts rejected before any trace (exact arguments, closed-form bounds)
+    failed: int = 0  # traces that raised (a layout the model cannot run: its own rejection), one per per-rank shape
 
 
 def _ranked(cands) -> list[Candidate]:
@@ -133,7 +134,7 @@ def plan(config, gpus: int, global_batch: int, confirm_top: int = 1, jobs: int =
         probed[lay] = "traced" if p.how == "traced" or probed.get(lay) == "traced" else p.how
     how = list(probed.values())
     return PlanResult(tuple(ranked + rest), len(planner.cache), planner.facts.blocks, len(layouts),
-                      how.count("traced"), how.count("reused"), pruned)
+                      how.count("traced"), how.count("reused"), pruned, len(planner.failed - planner.cache.keys()))
 
 
 __all__ = ["plan", "PlanResult", "Candidate", "Planner", "Probe", "check_job", "confirm", "default_jobs"]

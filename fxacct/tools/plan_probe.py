@@ -102,6 +102,7 @@ class Planner:
         self.cache: dict[tuple, Point | PipePoint] = {}
         self.disk, self.on_probe = disk, on_probe
         self.ran = 0  # traces run (or begun) by this planner, not found in memory or on disk
+        self.failed: set = set()  # the keys of traces that raised: a layout the model cannot run
         self.probes: list[Probe] = []
 
     def layout_config(self, lay: Layout):
@@ -124,7 +125,11 @@ class Planner:
         got = self.disk.get(cfg, part) if self.disk is not None else None
         if got is None:
             self.ran += 1  # before it runs: a trace that raises (a usage error of the layout) was run too
-            got = run()
+            try:
+                got = run()
+            except Exception:
+                self.failed.add(key)
+                raise
             collect_dropped()  # the trace's graph, kept of it only its numbers (fxacct.heap)
             if self.disk is not None:
                 self.disk.put(cfg, part, got)

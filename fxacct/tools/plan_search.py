@@ -156,12 +156,12 @@ def _start(config, gpus: int, global_batch: int, cache_dir) -> None:
 
 
 @with_frozen_heap
-def _work(groups: dict) -> tuple[dict, list, dict]:
-    """One mesh in a worker: its candidates, its probes, and the traces it holds."""
+def _work(groups: dict) -> tuple[dict, list, dict, set]:
+    """One mesh in a worker: its candidates, its probes, the traces it holds and those that raised."""
     planner = _WORKER
     planner.probes = []
     out = _search_mesh(planner, groups)
-    return out, planner.probes, dict(planner.cache)
+    return out, planner.probes, dict(planner.cache), set(planner.failed)
 
 
 def search(planner: Planner, layouts: list[Layout], jobs: int = 1, cache_dir=None) -> tuple[dict, int]:
@@ -183,9 +183,10 @@ def search(planner: Planner, layouts: list[Layout], jobs: int = 1, cache_dir=Non
         futures = {pool.submit(_work, mesh_groups): mesh for mesh, mesh_groups in meshes.items()}
         done = {}
         for fut in concurrent.futures.as_completed(futures):
-            got, probes, traces = fut.result()
+            got, probes, traces, failed = fut.result()
             done[futures[fut]] = got
             planner.cache.update(traces)
+            planner.failed |= failed
             for p in probes:  # the worker's progress, as its mesh completes
                 planner.probes.append(p)
                 if planner.on_probe is not None:
