@@ -4,6 +4,8 @@ The per-stage peak itself is held against the real gloo run in test_parallel_glo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -90,6 +92,22 @@ def test_interleaved_ranks_hold_two_stages_each():
     assert [s.send_bytes for s in pipe.stages] == [393216, 393216]
     assert pipe.bubble_fraction == pytest.approx(1 / 9)
     assert [s.profile.accounting.totals.params for s in pipe.stages] == [32768 + 36992, 36992]
+    # what each rank holds: both its stages (the summary's "per rank" and JSON's "params" said the
+    # first stage's alone): rank 0 the embedding and layers 0 and 2, rank 1 layers 1 and 3, the
+    # final norm and the output
+    assert [s.params for s in pipe.stages] == [32768 + 2 * 36992, 2 * 36992 + 64 + 32768]
+    assert [s.param_bytes for s in pipe.stages] == [4 * s.params for s in pipe.stages]
+
+
+def test_the_summary_and_json_give_an_interleaved_ranks_parameters():
+    args = ["profile", LLAMA, "--batch", "2", "-k", "n_layers=4", "--mesh", "pp=2", "--pp-split", SPLIT,
+            "--pp-schedule", "interleaved-1f1b", "--microbatches", "2"]
+    r = CliRunner().invoke(cli, [*args, "--summary"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "per rank (rank 0's shards of stages 0, 2) 106.752k (106,752)" in r.output
+    r = CliRunner().invoke(cli, [*args, "--format", "json"], catch_exceptions=False)
+    stages = json.loads(r.stdout)["pipeline"]["stages"]
+    assert [s["params"] for s in stages] == [32768 + 2 * 36992, 2 * 36992 + 64 + 32768]
 
 
 def test_stages_partition_the_model():

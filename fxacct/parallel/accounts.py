@@ -27,6 +27,10 @@ class StageAccount:
     collectives: tuple = ()  # CollectiveRow of one step on the rest of the mesh (pipeline_collectives)
     # on a CUDA target: the same step through the caching allocator (fxacct.memory.reserved), else None
     reserved: ReservedAccount | None = None
+    # the parameters (their local shards) of every stage this rank runs: interleaved, more than
+    # ``profile``'s first stage holds; None where unknown (read ``profile``'s)
+    params: int | None = None
+    param_bytes: int | None = None
 
 
 @dataclass(frozen=True)

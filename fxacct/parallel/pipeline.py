@@ -289,9 +289,11 @@ def _rank_account(config, profs, flows: list[Traffic], local: dict, r: int, rank
     mine = [flows[s] for s in local]
     peak = stage_peak(local, order.actions, m, releases(config.pp_schedule, order.actions, ranks, r, m))
     collectives = rank_rows({s: profs[s].parallel for s in local}, order.actions, m)
+    totals = [profs[s].accounting.totals for s in local]
     return StageAccount(r, profs[r], order.in_flight, peak, m * sum(f.send_bytes for f in mine),
                         m * sum(f.recv_bytes for f in mine), tuple(local), m * sum(f.sends for f in mine),
-                        m * sum(f.recvs for f in mine), collectives)
+                        m * sum(f.recvs for f in mine), collectives, params=sum(t.params for t in totals),
+                        param_bytes=sum(t.param_bytes for t in totals))
 
 
 def _rank_reserved(config, local: dict, order, ranks: int, r: int, m: int) -> ReservedAccount:
