@@ -65,7 +65,8 @@ def _runtime_options(runtime: bool, trace, **given) -> RuntimeOptions | None:
     if not runtime:
         flags = [f"--{k}" for k in given] + (["--trace"] if trace is not None else [])
         if flags:
-            raise UsageError(f"{', '.join(flags)} take(s) effect with --runtime: add --runtime")
+            raise UsageError(f"{', '.join(flags)} {'takes' if len(flags) == 1 else 'take'} effect with --runtime: "
+                             "add --runtime")
         return None
     return RuntimeOptions(**given, keep_trace=trace is not None)
 

@@ -492,6 +492,11 @@ BAD_INPUTS = [
     # An integer input with a zero bound: the message must say the bound must be positive, not that
     # "'<0' bounds integer inputs only" (the dtype IS an integer one).
     ("input-bound-zero", [GPT_TARGET, "--input", "long[B,4]<0"], 2, ["'<0'", "positive"], True),
+    # a negative bound said only "malformed", not why
+    ("input-bound-negative", [GPT_TARGET, "--input", "long[B,4]<-5"], 2, ["'<-5'", "positive"], True),
+    # one flag "takes" effect, several "take" (it said "take(s)")
+    ("runtime-flag-alone", [GPT_TARGET, "--inference"], 2, ["--inference takes effect with --runtime"], True),
+    ("runtime-flags", [GPT_TARGET, "--inference", "--device", "cpu"], 2, ["take effect with --runtime"], True),
     # ids drawn below 100 index GPT's 64-row token table: eager raises IndexError; the meta kernel would not
     ("input-ids-past-the-table", [*TINY_GPT, "--input", "long[B,4]<100"], 3,
      ["looks up ids up to 99 in an embedding of 64 rows", "--input ...<64"], True),

@@ -17,7 +17,7 @@ from fxacct.dtypes import dtype_name, parse_dtype
 from fxacct.errors import UsageError
 
 _SPEC = re.compile(r"^\s*(?:(?P<name>[A-Za-z_]\w*)\s*=\s*)?(?P<dtype>[\w.]+)\s*\[(?P<dims>[^\]]*)\]\s*"
-                   r"(?:<\s*(?P<high>\d+))?\s*$")
+                   r"(?:<\s*(?P<high>-?\d+))?\s*$")  # a negative bound is matched, to be refused by name
 
 # on an integer input: every value lies below this (its --input's <N; an example's largest id + 1),
 # which fxacct.trace.dispatch_recorder checks against the embedding table it indexes, as eager does
