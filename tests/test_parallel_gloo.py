@@ -156,6 +156,26 @@ def test_real_pipeline_run_with_tensor_parallel_stages_matches_the_rank_accounts
         assert abs(m.op_level_peak_bytes - stage.peak_bytes) <= 0.02 * stage.peak_bytes, (m.rank, m.op_level_peak_bytes)
 
 
+def test_real_pipeline_run_with_sequence_parallel_stages_matches_the_rank_accounts():
+    """pp=2,tp=2 with examples/llama.py:parallelize_sp (sequence parallel): a stage hands the next
+    its output's sequence shard, (2, 32, 64) fp32 = 16384 B per micro-batch, not the (2, 64, 64)
+    the model cut before parallelization passes. Stage 1 was traced on the whole sequence, which
+    its sequence-parallel norm took for a shard (exit 3, "broadcast a dimension of length 64").
+    The real run on gloo: each rank's collectives, its 2 sends and receives of 2 · 16384 B, and
+    its op-level peak within ±2% of its pipeline rank's."""
+    cfg = fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs={"n_layers": 2},
+                        mesh="pp=2,tp=2", pp_split=target("examples/llama.py:pipeline_stage"),
+                        parallelize=target("examples/llama.py:parallelize_sp"), microbatches=2)
+    pipe = fxacct.profile(cfg).parallel.pipeline
+    assert [(s.send_bytes, s.recv_bytes) for s in pipe.stages] == [(2 * 16384, 2 * 16384)] * 2
+    for m in run_mesh(cfg, steps=1, warmup=1):
+        stage = pipe.stages[m.rank // 2]  # ranks row-major over (pp, tp)
+        predicted = predicted_by_op(stage.collectives)
+        predicted.update(send=[2, 2 * 16384], recv=[2, 2 * 16384])
+        assert m.collectives == predicted, (m.rank, m.collectives, predicted)
+        assert abs(m.op_level_peak_bytes - stage.peak_bytes) <= 0.02 * stage.peak_bytes, (m.rank, m.op_level_peak_bytes)
+
+
 def test_the_real_runs_counter_does_not_read_the_accounts_op_table(tmp_path):
     """The real run counts collectives from torch's own registry (CommDebugMode's), not from the op
     table the account reads (fxacct.parallel.collectives._OPS): a collective the account has no

@@ -451,3 +451,15 @@ def test_pipeline_whole_step_time_under_gpu():
     assert "the whole step: 4 micro-batches through 2 stages" in render_summary(prof, prof.prediction)
     assert fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(KW), mesh="pp=2",
                                         microbatches=4)).parallel.pipeline.step_s is None  # no device model
+
+
+def test_a_sequence_parallel_stage_receives_its_senders_sequence_shard():
+    """Under examples/llama.py:parallelize_sp a stage's output is its sequence shard, (2, 32, 64)
+    fp32 at tp=2, T = 64: what the next stage receives and what crosses the boundary (16384 B per
+    micro-batch each way), as the real gloo run measures (test_parallel_gloo.py). Stage 1 was
+    traced on the whole sequence the unparallelized split passes, and failed (exit 3)."""
+    pipe = _pipe("pp=2,tp=2", "1f1b", m=2, kwargs={"n_layers": 2}, parallelize=target("examples/llama.py:parallelize_sp"))
+    assert [(s.send_bytes, s.recv_bytes) for s in pipe.stages] == [(2 * 16384, 2 * 16384)] * 2
+    stage1 = pipe.stages[1].profile.capture
+    shapes = [tuple(n.meta["val"].shape) for n in stage1.input_nodes if n.meta.get("val") is not None]
+    assert (2, 32, 64) in shapes and (2, 64, 64) not in shapes

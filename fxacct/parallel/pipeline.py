@@ -194,7 +194,7 @@ def profile_pipeline(config, loader=load_model, reuse_stages: bool = False):
     check_microbatches(config.pp_schedule, ranks, m)
     points = resolve_points(config, stages, loader)
     parts = _stage_inputs(config, stages, points, loader)
-    profs = _profile_stages(config, stages, points, parts, loader, reuse_stages)
+    profs = _profile_stages(config, stages, points, parts, loader, reuse_stages)  # (parts as stages sent)
     return assemble(config, profs, [r for _, _, r, _ in parts], ranks, m, v, type(whole).__name__,
                     (sum(t.numel() for t in whole.parameters()),
                      sum(t.numel() for t in whole.parameters() if not t.requires_grad)))
@@ -240,9 +240,16 @@ def _step_seconds(config, profs, ranks: int, m: int, v: int) -> float | None:
 
 
 def _profile_stages(config, stages: int, points, parts, loader, reuse: bool) -> list:
-    """Each stage's Profile (profile_pipeline's ``reuse_stages``: a proven shape's later stages reuse)."""
+    """Each stage's Profile (profile_pipeline's ``reuse_stages``: a proven shape's later stages reuse).
+    ``parts`` (per stage: args, kwargs, what it receives, its shape) were found on the model before
+    it was parallelized; a stage that sends one tensor sends what its traced step output, which
+    the parallelized stage may have made smaller (sequence parallelism hands the next block a
+    sequence shard): the next stage receives that (``parts`` is updated in place)."""
     profs, seen, proven = [], {}, {}
-    for s, (args, kwargs, _, shape) in enumerate(parts):
+    for s in range(len(parts)):
+        if s:
+            parts[s] = _as_sent(parts[s], profs[s - 1], s - 1)
+        args, kwargs, _, shape = parts[s]
         key = (shape, s == stages - 1)
         done = seen.get(key, []) if reuse and shape is not None else []
         if len(done) >= 2 and proven[key]:
@@ -255,6 +262,20 @@ def _profile_stages(config, stages: int, points, parts, loader, reuse: bool) -> 
                 proven[key] = same_figures(*seen[key])
         profs.append(prof)
     return profs
+
+
+def _as_sent(part, sender, source: int):
+    """Stage ``part`` receiving the one tensor its sender's traced step output (its local shard,
+    dtype, requires_grad), where the split on the unparallelized model found another shape."""
+    args, kwargs, received, shape = part
+    sent = sender.capture.output_metas
+    if kwargs or len(received) != 1 or len(sent) != 1 or received[0].source != source or len(args) != 1:
+        return part
+    (size, dtype, grad), got = sent[0], received[0].tensor
+    if (tuple(got.shape), got.dtype) == (size, dtype):
+        return part
+    tensor = torch.empty(size, dtype=dtype, device="meta").requires_grad_(grad and dtype.is_floating_point)
+    return (tensor,), kwargs, [StageInput(tensor, source)], shape
 
 
 def _profile_stage(config, s: int, stages: int, points, args, kwargs, loader=load_model):

@@ -1,25 +1,23 @@
-"""Capture: one aten-level torch.fx graph of forward + loss + autograd backward (+ optimizer
-step), on fake tensors, with the lifetime of every storage as the eager run would have it (a
-capture read for its peak alone keeps its ops as records instead: CaptureOptions.nodes).
+"""Capture: one aten-level torch.fx graph of forward + loss + autograd backward (+ optimizer step), on fake tensors,
+with the lifetime of every storage as the eager run would have it (a capture read for its peak alone keeps its
+ops as records instead: CaptureOptions.nodes).
 
-How (DESIGN.md, "Facts verified here"): proxy tracing with make_fx costs 3.5× FlopCounterMode, so
-fxacct records ops the way FlopCounterMode sees them, in one TorchDispatchMode stacked on a
-FakeTensorMode, and builds the fx.Graph from those records afterwards. The records keep no
-tensor alive: every storage dies when the traced program drops its last reference (a local
-variable going out of scope, autograd releasing what it saved), and a weakref callback notes
-after which op. That is exactly when an eager run frees it, so the peak walk (fxacct.memory.peak)
-sees Python's own lifetimes, not a guess from the graph.
+How (DESIGN.md, "Facts verified here"): proxy tracing with make_fx costs 3.5× FlopCounterMode, so fxacct records ops
+the way FlopCounterMode sees them, in one TorchDispatchMode stacked on a FakeTensorMode, and builds the fx.Graph
+from those records afterwards. The records keep no tensor alive: every storage dies when the traced program drops
+its last reference (a local variable going out of scope, autograd releasing what it saved), and a weakref callback
+notes after which op. That is exactly when an eager run frees it, so the peak walk (fxacct.memory.peak) sees
+Python's own lifetimes, not a guess from the graph.
 
-Each node's meta holds ``val`` (a ``TensorMeta`` per output: shape, stride, dtype, storage id)
-and ``trace`` (fxacct.trace.graph_builder.NodeTrace): its role, the recorder's phase, the module
-FQN it ran in (global module hooks keep the stack; a shared module called twice keeps its one
-name), for a backward node the forward node it derives from (a forward op that records an
-autograd Node takes the next sequence number before it reaches the dispatch mode; the backward
-engine runs that Node's ops under the same number), which tensor arguments required grad, and
-the (bytes, dtype) autograd saved of the storages it allocated (parameters and buffers excluded).
+Each node's meta holds ``val`` (a ``TensorMeta`` per output: shape, stride, dtype, storage id) and ``trace``
+(fxacct.trace.graph_builder.NodeTrace): its role, the recorder's phase, the module FQN it ran in (global module
+hooks keep the stack; a shared module called twice keeps its one name), for a backward node the forward node it
+derives from (a forward op that records an autograd Node takes the next sequence number before it reaches the
+dispatch mode; the backward engine runs that Node's ops under the same number), which tensor arguments required
+grad, and the (bytes, dtype) autograd saved of the storages it allocated (parameters and buffers excluded).
 
-The user's module is left as it was: parameters are swapped for fake ones only inside
-``reparametrize_module``, and every hook is removed on the way out.
+The user's module is left as it was: parameters are swapped for fake ones only inside ``reparametrize_module``, and
+every hook is removed on the way out.
 """
 
 from __future__ import annotations
@@ -109,11 +107,11 @@ class Capture:
     saved_storages: frozenset = frozenset()  # storage ids autograd saved for backward
     master_weights: tuple[tuple[int, int, int], ...] = ()  # (storage id, bytes, count) of fp32 master copies
     inference: bool = False  # forward only, under eval() and no_grad()
-    # storage id -> index of the last op recorded before the traced program dropped it; storages
-    # alive when the step ends are absent
+    # storage id -> index of the last op recorded before the traced program dropped it (none for one alive at the end)
     deaths: dict | None = None
     returned_loss: bool = False  # the output carried a loss of its own (fxacct.trace.loss.returned_loss)
     output_storages: frozenset = frozenset()  # storage ids of the forward's output tensors (training)
+    output_metas: tuple = ()  # (local shape, dtype, requires_grad) of the forward's output tensors (training)
     # --compile: (region, forward GraphModule, backward GraphModule) AOTAutograd made per region
     compiled_graphs: tuple = ()
     # --compile: node name -> key of the fused kernel it runs in (fxacct.trace.fusion.FREE: a view),
@@ -147,6 +145,7 @@ class _Session:
     loss: torch.Tensor | None = None
     returned_loss: bool = False
     output_storages: frozenset = frozenset()
+    output_metas: tuple = ()
     compiled_graphs: tuple = ()  # --compile: (region, forward GraphModule, backward GraphModule)
     compiled: object = None  # --compile: the CompiledRegions that ran
 
@@ -267,8 +266,9 @@ def _train_step(session: _Session, box: list) -> None:
     o, rec = session.options, session.recorder
     rec.phase = LOSS
     output = box.pop()
-    session.output_storages = frozenset(session.storages.id_of(tp.local(t)) for t in tp.tree_leaves(output)
-                                        if isinstance(t, torch.Tensor))
+    leaves = [t for t in tp.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    session.output_storages = frozenset(session.storages.id_of(tp.local(t)) for t in leaves)
+    session.output_metas = tuple((tuple(tp.local(t).shape), t.dtype, t.requires_grad) for t in leaves)
     spec = LossSpec(o.loss, o.loss_output, o.causal_lm)
     session.returned_loss = returned_loss(output)
     target = _target(session, target_spec(output, spec))
@@ -360,7 +360,7 @@ def _finish(session: _Session) -> Capture:
         master_weights=tuple((storages.id_of(m), m.untyped_storage().nbytes(), c) for m, c in session.masters),
         inference=session.options.inference, deaths=dict(storages.deaths),
         returned_loss=session.returned_loss, output_storages=session.output_storages,
-        compiled_graphs=session.compiled_graphs, ops=ops,
+        compiled_graphs=session.compiled_graphs, ops=ops, output_metas=session.output_metas,
         **(session.compiled.by_node(builder.nodes) if session.compiled is not None else {}),
     )
 
