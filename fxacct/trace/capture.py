@@ -225,10 +225,9 @@ def _replay_for(session: _Session):
     o = session.options
     if o.inference and o.dedup:
         return BlockReplay(session.recorder, session.storages, find_runs(session.model))
-    # --checkpoint: no training replay. A replayed block stands in for a run of the module the
-    # checkpoint wrapper surrounds, so torch.utils.checkpoint's frame would see the saved tensors
-    # of one traced block against a recompute of each (CheckpointError); every block is traced.
-    # --compile: a compiled region runs its graphs, not its submodules: there are no block calls to replay
+    # --checkpoint: no training replay. A replayed block stands in for a run of the module the checkpoint wrapper
+    # surrounds: torch.utils.checkpoint's frame would see one traced block's saved tensors against a recompute of
+    # each (CheckpointError). --compile: a compiled region runs its graphs: no submodule calls to replay
     if o.dedup and o.backward and not o.checkpoint and o.compile is None:
         return TrainReplay(session.recorder, session.storages, find_runs(session.model), session.saved)
     return contextlib.nullcontext()
@@ -269,6 +268,7 @@ def _train_step(session: _Session, box: list) -> None:
     leaves = [t for t in tp.tree_leaves(output) if isinstance(t, torch.Tensor)]
     session.output_storages = frozenset(session.storages.id_of(tp.local(t)) for t in leaves)
     session.output_metas = tuple((tuple(tp.local(t).shape), t.dtype, t.requires_grad) for t in leaves)
+    del leaves  # (the outputs live only as long as the loss needs them, below)
     spec = LossSpec(o.loss, o.loss_output, o.causal_lm)
     session.returned_loss = returned_loss(output)
     target = _target(session, target_spec(output, spec))

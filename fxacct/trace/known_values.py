@@ -147,10 +147,11 @@ def _unknown_in(tree) -> bool:
 
 
 def _attach(func, real, out, max_numel: int) -> bool:
-    """Compute the outputs' values for real; False where they stay unknown. An op that returns
-    nothing and only writes into its arguments (``torch._foreach_add_`` on an optimizer's step
-    counts) runs for real on their values, which it updates in place as it updates the fakes."""
-    if out is None and tp.returns_nothing(func):
+    """Compute the outputs' values for real; False where they stay unknown. An in-place op that
+    returns nothing (``torch._foreach_add_`` on an optimizer's step counts) runs for real on its
+    arguments' values, which it updates as it updates the fakes; no other op that returns nothing
+    runs twice (a profiler's record-function exit has effects of its own)."""
+    if out is None and tp.returns_nothing(func) and schema_kind(func) == INPLACE:
         args, kwargs = real
         try:
             with tp.disable_current_modes():
