@@ -63,19 +63,9 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
             with KnownValues(scalars_only=True):  # its bookkeeping scalars (ASGD's mu.item()) have eager's values
                 opt.step()
         except Exception as e:
-            if optimizer.args.get("foreach") and _mixes_dtensor(stepped):
-                raise UsageError(f"{type(opt).__name__}'s foreach step (PyTorch's default on CUDA) cannot take "
-                                 "parameters that mix DTensor and plain tensors, as on a GPU: make every parameter "
-                                 "a DTensor in your parallelize (e.g. Replicate the unsharded ones) or give "
-                                 "--optim-arg foreach=False") from e
-            if optimizer.name.lower() in OPTIMIZERS and _has_dtensor(stepped):
-                # torch's own step on DTensors failed: DTensor refused one of its ops, as on the GPUs
-                raise UsageError(f"--optimizer {optimizer.name}: {type(opt).__name__}.step() cannot run on the DTensor "
-                                 f"parameters this mesh shards ({type(e).__name__}: {first_line(e).rstrip('.')}); "
-                                 "choose another optimizer, e.g. adamw") from e
-            if optimizer.args:  # a value its constructor accepted but its step cannot use
-                raise UsageError(f"{type(opt).__name__}.step() failed with options {optimizer.args}: "
-                                 f"{describe_exception(e)}; check --optim-arg") from e
+            usage = _usage_error(e, optimizer, opt, stepped)
+            if usage is not None:
+                raise usage from e
             raise
         if batch is not group:
             for shard in batch:  # the DTensor's own .grad keeps the gradient; the shard holds it no longer
@@ -89,6 +79,25 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
                    if isinstance(v, torch.Tensor)]
         recorder.repeats.append((start, len(recorder.records), count))
     return states, masters
+
+
+def _usage_error(e: Exception, optimizer, opt, stepped) -> UsageError | None:
+    """The step's failure as the user's choice of optimizer or options (exit 2), or None: the
+    error of the code that raised it (a class of the user's is theirs)."""
+    name = type(opt).__name__
+    if optimizer.args.get("foreach") and _mixes_dtensor(stepped):
+        return UsageError(f"{name}'s foreach step (PyTorch's default on CUDA) cannot take parameters that mix "
+                          "DTensor and plain tensors, as on a GPU: make every parameter a DTensor in your parallelize "
+                          "(e.g. Replicate the unsharded ones) or give --optim-arg foreach=False")
+    if optimizer.name.lower() in OPTIMIZERS and _has_dtensor(stepped):
+        # torch's own step on DTensors failed: DTensor refused one of its ops, as on the GPUs
+        return UsageError(f"--optimizer {optimizer.name}: {name}.step() cannot run on the DTensor parameters this "
+                          f"mesh shards ({type(e).__name__}: {first_line(e).rstrip('.')}); choose another optimizer, "
+                          "e.g. adamw")
+    if optimizer.args:  # a value its constructor accepted but its step cannot use
+        return UsageError(f"{name}.step() failed with options {optimizer.args}: {describe_exception(e)}; "
+                          "check --optim-arg")
+    return None
 
 
 def _batches(optimizer, params: list) -> list[tuple[list, int]]:
