@@ -148,10 +148,16 @@ def test_real_pipeline_run_with_tensor_parallel_stages_matches_the_rank_accounts
     for s in pipe.stages:
         one = predicted_by_op(s.profile.parallel.rows)
         assert predicted_by_op(s.collectives) == {op: [4 * n, 4 * b] for op, (n, b) in one.items()}
+    _pp_tp_run_matches(cfg, pipe, sends=4, nbytes=32768)
+
+
+def _pp_tp_run_matches(cfg, pipe, sends: int, nbytes: int) -> None:
+    """The real pp=2,tp=2 run: each rank's collectives those of its pipeline rank, ``sends`` sends
+    and receives of ``nbytes`` each, its op-level peak within ±2% of the rank's predicted one."""
     for m in run_mesh(cfg, steps=1, warmup=1):
         stage = pipe.stages[m.rank // 2]  # ranks row-major over (pp, tp)
         predicted = predicted_by_op(stage.collectives)
-        predicted.update(send=[4, 4 * 32768], recv=[4, 4 * 32768])
+        predicted.update(send=[sends, sends * nbytes], recv=[sends, sends * nbytes])
         assert m.collectives == predicted, (m.rank, m.collectives, predicted)
         assert abs(m.op_level_peak_bytes - stage.peak_bytes) <= 0.02 * stage.peak_bytes, (m.rank, m.op_level_peak_bytes)
 
@@ -168,12 +174,7 @@ def test_real_pipeline_run_with_sequence_parallel_stages_matches_the_rank_accoun
                         parallelize=target("examples/llama.py:parallelize_sp"), microbatches=2)
     pipe = fxacct.profile(cfg).parallel.pipeline
     assert [(s.send_bytes, s.recv_bytes) for s in pipe.stages] == [(2 * 16384, 2 * 16384)] * 2
-    for m in run_mesh(cfg, steps=1, warmup=1):
-        stage = pipe.stages[m.rank // 2]  # ranks row-major over (pp, tp)
-        predicted = predicted_by_op(stage.collectives)
-        predicted.update(send=[2, 2 * 16384], recv=[2, 2 * 16384])
-        assert m.collectives == predicted, (m.rank, m.collectives, predicted)
-        assert abs(m.op_level_peak_bytes - stage.peak_bytes) <= 0.02 * stage.peak_bytes, (m.rank, m.op_level_peak_bytes)
+    _pp_tp_run_matches(cfg, pipe, sends=2, nbytes=16384)
 
 
 def test_the_real_runs_counter_does_not_read_the_accounts_op_table(tmp_path):

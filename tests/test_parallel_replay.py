@@ -195,6 +195,29 @@ def test_autocast_probe_leaves_no_cached_casts_for_the_traced_block(replayed):
     assert a.parallel.rows == b.parallel.rows
 
 
+def _both_steps(monkeypatch, run):
+    """``run()`` with the optimizer stepping the shards (on_shards spied: whether each call took
+    them) and again with it stepping the DTensors (the oracle): (calls, the two profiles, the
+    optimizer's ops), the two accounts and their optimizer ops equal."""
+    used = []
+    real = optim_step.on_shards
+
+    def spy(params):
+        out = real(params)
+        used.append(out is not params)
+        return out
+
+    monkeypatch.setattr(optim_step, "on_shards", spy)
+    shards = run()
+    monkeypatch.setattr(optim_step, "on_shards", lambda params: params)
+    dtensors = run()
+    assert_same_account(shards, dtensors)
+    ops = [[str(n.target) for n in p.capture.graph.nodes if n.meta.get("trace") and
+            n.meta["trace"].phase == "optimizer"] for p in (shards, dtensors)]
+    assert ops[0] == ops[1]
+    return used, shards, dtensors, ops[0]
+
+
 @pytest.mark.parametrize("rel,kwargs,mesh,par", [
     (LLAMA, dict(n_layers=3), "fsdp=2,tp=2", "examples/llama.py:parallelize"),
     (LIST_LLAMA, dict(n_layers=3, hidden=96), "fsdp=4", "tests/models/llama_list.py:parallelize"),
@@ -205,27 +228,13 @@ def test_foreach_step_on_shards_equals_the_dtensor_step(monkeypatch, rel, kwargs
     (fxacct.trace.optim_step.on_shards) instead of the DTensors: the oracle is the DTensor step
     itself (on_shards switched off), whose recorded local ops must be the same, op for op, with the
     same account and peaks."""
-    used = []
-    real = optim_step.on_shards
-
-    def spy(params):
-        out = real(params)
-        used.append(out is not params)
-        return out
-
     def run():
         return fxacct.profile(fxacct.Config(target=target(rel), batch=2, kwargs=dict(kwargs), mesh=mesh, gpu="h100",
                                             parallelize=target(par) if par else None, find_max_batch=False))
 
-    monkeypatch.setattr(optim_step, "on_shards", spy)
-    shards = run()
+    used, shards, dtensors, ops = _both_steps(monkeypatch, run)
     assert used == [True]  # the shards were stepped
-    monkeypatch.setattr(optim_step, "on_shards", lambda params: params)
-    dtensors = run()
-    assert_same_account(shards, dtensors)
-    ops = [[str(n.target) for n in p.capture.graph.nodes if n.meta.get("trace") and
-            n.meta["trace"].phase == "optimizer"] for p in (shards, dtensors)]
-    assert ops[0] == ops[1] and any("_foreach_" in op for op in ops[0])
+    assert any("_foreach_" in op for op in ops)
     assert shards.memory.optimizer_bytes == dtensors.memory.optimizer_bytes > 0
     assert shards.parallel.time.optimizer_s == dtensors.parallel.time.optimizer_s > 0
 
@@ -236,29 +245,14 @@ def test_single_tensor_step_on_shards_equals_the_dtensor_step(monkeypatch, name)
     steps the DTensor parameters' shards too (one representative per shard shape: 8 blocks make
     75 parameters, over STEP_ALL_BELOW). Oracle: the DTensor step itself (on_shards switched off),
     op for op, with the same account and optimizer bytes."""
-    used = []
-    real = optim_step.on_shards
-
-    def spy(params):
-        out = real(params)
-        used.append(out is not params)
-        return out
-
     def run():
         return fxacct.profile(fxacct.Config(target=target(LLAMA), batch=2, kwargs=dict(n_layers=8), mesh="fsdp=2,tp=2",
                                             parallelize=target("examples/llama.py:parallelize"), optimizer=name,
                                             optim_args={"momentum": 0.9} if name == "sgd" else {}))
 
-    monkeypatch.setattr(optim_step, "on_shards", spy)
-    shards = run()
+    used, shards, dtensors, ops = _both_steps(monkeypatch, run)
     assert used and all(used)  # every representative's shard was stepped
-    assert 1 < len(used) < 75  # representatives, not every parameter
-    monkeypatch.setattr(optim_step, "on_shards", lambda params: params)
-    dtensors = run()
-    assert_same_account(shards, dtensors)
-    ops = [[str(n.target) for n in p.capture.graph.nodes if n.meta.get("trace") and
-            n.meta["trace"].phase == "optimizer"] for p in (shards, dtensors)]
-    assert ops[0] == ops[1] and ops[0]
+    assert 1 < len(used) < 75 and ops  # representatives, not every parameter
     assert shards.memory.optimizer_bytes == dtensors.memory.optimizer_bytes > 0
 
 

@@ -156,19 +156,19 @@ def _shards_stepped(optimizer) -> bool:
 
 
 def _has_dtensor(params) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return False
-    return any(isinstance(p, DTensor) for p in params)
+    return True in _dtensor_kinds(params)
 
 
 def _mixes_dtensor(params) -> bool:
     """Some parameters are DTensors (tensor parallel) and some plain tensors: torch's foreach kernels
     group by device and dtype only, and a DTensor op refuses plain tensors."""
+    return _dtensor_kinds(params) == {True, False}
+
+
+def _dtensor_kinds(params) -> set:
+    """Whether each parameter is a DTensor, as a set: {True}, {False}, both, or empty."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch without distributed
-        return False
-    kinds = {isinstance(p, DTensor) for p in params}
-    return kinds == {True, False}
+        return {False} if params else set()
+    return {isinstance(p, DTensor) for p in params}
