@@ -123,13 +123,19 @@ def test_a_callers_frozen_heap_stays_frozen(monkeypatch):
         gc.unfreeze()
 
 
-def test_a_nested_profile_leaves_the_heap_to_the_outer_one():
-    # fxacct.profile calls profile_module: the inner call neither freezes again nor thaws the outer freeze
+def test_a_nested_profile_leaves_the_heap_to_the_outer_one(monkeypatch):
+    # fxacct.profile calls profile_module: the inner call neither freezes again nor thaws the outer
+    # freeze. Spied, not counted, as above: a frozen object freed by reference counting during the
+    # inner call lowers gc.get_freeze_count() (a full CI run's order once left such objects: 1 failure)
+    calls = []
     model = Seen()
     with fxacct.heap.frozen_heap():
-        frozen, thresholds = gc.get_freeze_count(), gc.get_threshold()
+        thresholds = gc.get_threshold()
+        for name in ("freeze", "unfreeze"):
+            monkeypatch.setattr(gc, name, lambda name=name, real=getattr(gc, name): (calls.append(name), real())[1])
         fxacct.profile_module(model, (torch.empty(2, 4, device="meta"),))
-        assert set(model.frozen) == {frozen} and gc.get_freeze_count() == frozen
+        monkeypatch.undo()
+        assert calls == [] and len(model.frozen) == 2 and min(model.frozen) > 1000
         assert set(model.thresholds) == {thresholds} and gc.get_threshold() == thresholds
     assert gc.get_freeze_count() == 0
 
