@@ -28,9 +28,9 @@ class StageAccount:
     # on a CUDA target: the same step through the caching allocator (fxacct.memory.reserved), else None
     reserved: ReservedAccount | None = None
     # the parameters (their local shards) of every stage this rank runs: interleaved, more than
-    # ``profile``'s first stage holds; None where unknown (read ``profile``'s)
-    params: int | None = None
-    param_bytes: int | None = None
+    # ``profile``'s first stage holds (fxacct.parallel.pipeline._rank_account, which makes every one)
+    params: int = 0
+    param_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,6 @@ def collectives_json(parallel) -> list[dict]:
             for r in parallel.rows]
 
 
-def rank_params(s) -> tuple[int, int]:
-    """(parameters, their bytes) a pipeline rank holds: every stage it runs (interleaved: more than
-    its first), else its stage's."""
-    t = s.profile.accounting.totals
-    return (t.params if s.params is None else s.params, t.param_bytes if s.param_bytes is None else s.param_bytes)
-
-
 def pipeline_json(pipe) -> dict:
     return {"schedule": pipe.schedule, "microbatches": pipe.microbatches, "bubble_fraction": pipe.bubble_fraction,
             "stages_per_rank": pipe.stages_per_rank,
@@ -32,7 +25,7 @@ def pipeline_json(pipe) -> dict:
             "stages": [{"stage": s.stage, "stages_on_rank": list(s.stages_on_rank), "in_flight_microbatches": s.in_flight, "peak_bytes": s.peak_bytes,
                         "one_microbatch_peak_bytes": s.profile.memory.peak_train.bytes,
                         "activation_bytes": s.profile.accounting.totals.activation_bytes,
-                        "params": rank_params(s)[0], "param_bytes": rank_params(s)[1],
+                        "params": s.params, "param_bytes": s.param_bytes,
                         "forward_flops": s.profile.accounting.totals.forward.total,
                         "backward_flops": s.profile.accounting.totals.backward.total,
                         "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes, "sends": s.sends, "recvs": s.recvs,
@@ -43,7 +36,7 @@ def pipeline_json(pipe) -> dict:
 
 
 def render_pipeline(pipe, width: int | None = None) -> str:
-    rows = [[str(s.stage), f"{rank_params(s)[0]:,}",
+    rows = [[str(s.stage), f"{s.params:,}",
              f"{s.profile.accounting.totals.forward.total + s.profile.accounting.totals.backward.total:,}",
              format_bytes(s.profile.memory.peak_train.bytes), str(s.in_flight), format_bytes(s.peak_bytes),
              format_bytes(s.send_bytes), format_bytes(s.recv_bytes)] for s in pipe.stages]

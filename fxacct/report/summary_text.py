@@ -7,7 +7,6 @@ from __future__ import annotations
 import textwrap
 
 from fxacct.dtypes import dtype_name
-from fxacct.report.collectives import rank_params
 from fxacct.report.durations import format_ms
 from fxacct.step import Profile
 from fxacct.units import format_bytes, format_count
@@ -72,19 +71,17 @@ def _parameters(p: Profile, pipe=None) -> str:
     """The parameter count; under --mesh rank 0's shard, said so, beside the whole model's (under
     an interleaved pipeline rank 0's shards of each of its stages, summed)."""
     t, par = p.accounting.totals, p.parallel
-    if par is None:
-        return (f"{exact_count(t.params)}"
-                + (f", trainable {exact_count(t.trainable_params)}" if t.trainable_params != t.params else "")
-                + f"; {format_bytes(t.param_bytes)}")
-    whole = f"; the whole model {exact_count(par.model_params)}" if par.model_params else ""
-    if pipe is not None and pipe.stages_per_rank > 1:
-        first = pipe.stages[0]
-        params, nbytes = rank_params(first)
-        stages = ", ".join(map(str, first.stages_on_rank))
-        return f"per rank (rank 0's shards of stages {stages}) {exact_count(params)}; {format_bytes(nbytes)}{whole}"
     text = (f"{exact_count(t.params)}"
             + (f", trainable {exact_count(t.trainable_params)}" if t.trainable_params != t.params else "")
             + f"; {format_bytes(t.param_bytes)}")
+    if par is None:
+        return text
+    whole = f"; the whole model {exact_count(par.model_params)}" if par.model_params else ""
+    if pipe is not None and pipe.stages_per_rank > 1:
+        first = pipe.stages[0]
+        stages = ", ".join(map(str, first.stages_on_rank))
+        return (f"per rank (rank 0's shards of stages {stages}) {exact_count(first.params)}; "
+                f"{format_bytes(first.param_bytes)}{whole}")
     return f"per rank (rank 0's shard) {text}{whole}"
 
 

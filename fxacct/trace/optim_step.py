@@ -36,9 +36,10 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
     torch.optim's single-tensor implementations update each parameter on its own, so parameters
     of one shape and dtype allocate and compute the same: when ``optimizer.per_parameter``, one
     representative per (shape, dtype, has-grad; a DTensor's shard shape and placements) is stepped
-    and stands for the others (its state and ops counted that many times). Foreach/fused implementations and custom classes step all,
-    and so do models with few parameters, where stepping all is cheap and keeps one more effect
-    exact: a loop's locals (`denom`) outlive their iteration into the next parameter's update.
+    and stands for the others (its state and ops counted that many times). Foreach/fused
+    implementations and custom classes step all, and so do models with few parameters, where
+    stepping all is cheap and keeps one more effect exact: a loop's locals (`denom`) outlive their
+    iteration into the next parameter's update.
     Returns ([(state tensor, count)], [(master copy, count)])."""
     params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
     is_param = {id(p) for p in params}
