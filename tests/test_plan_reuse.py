@@ -173,6 +173,40 @@ def test_a_pooled_search_gives_the_plan_of_one_process():
     assert (two.layouts, two.traced, two.reused, two.pruned) == (one.layouts, one.traced, one.reused, one.pruned)
 
 
+@pytest.mark.slow  # spawns two worker processes
+def test_an_interrupted_pooled_search_frees_its_pool_before_it_returns():
+    """Ctrl-C while the workers run: by the time the interrupt leaves plan(), the pool's manager
+    thread is joined and its queues' semaphores are freed. The CLI leaves by os._exit, so anything
+    freed later never is, and multiprocessing's tracker printed "5 leaked semaphore objects" after
+    "error: interrupted" (one CI run in many: the thread was left to finish on its own)."""
+    import concurrent.futures.process
+    import gc
+    import multiprocessing
+    import multiprocessing.synchronize
+    import os
+    import signal
+    import threading
+    import time
+
+    def semaphores() -> int:
+        return sum(isinstance(o, multiprocessing.synchronize.SemLock) for o in gc.get_objects())
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while not multiprocessing.active_children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the workers are importing torch: plan() is waiting on them
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = semaphores()
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        plan(llama(kwargs={"n_layers": 2}), 4, 8, jobs=2)
+    managers = [t for t in threading.enumerate() if isinstance(t, concurrent.futures.process._ExecutorManagerThread)]
+    assert managers == [] and multiprocessing.active_children() == []
+    assert semaphores() == before
+
+
 @pytest.mark.slow  # a 70B-shaped plan's workers, interrupted once they run
 def test_ctrl_c_stops_the_plan_and_its_workers_quietly(tmp_path):
     """Ctrl-C reaches the plan's whole process group: exit 130 with one "interrupted" line, no

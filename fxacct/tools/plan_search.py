@@ -192,10 +192,12 @@ def search(planner: Planner, layouts: list[Layout], jobs: int = 1, cache_dir=Non
                 if planner.on_probe is not None:
                     planner.on_probe(p)
     except BaseException:  # an interrupt or a worker's error: start no other mesh, wait for none
-        pool.shutdown(wait=False, cancel_futures=True)
         for worker in multiprocessing.active_children():  # the meshes under way: stopped, not finished
             worker.terminate()
-        pool.shutdown(wait=True)  # the pool, its workers gone, closes its queues (no leaked semaphores)
+        # then joined: the pool's manager thread ends and frees its queues' five semaphores here. A
+        # shutdown(wait=False) first dropped the thread unjoined, so whether they were freed before
+        # the CLI's os._exit was a race; lost, multiprocessing's tracker warned of them as leaked
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
     for mesh in meshes:  # in mesh order, whatever order the workers finished in
