@@ -154,6 +154,39 @@ def eager_saved_bytes(model: torch.nn.Module, args=(), kwargs=None, amp: torch.d
     return sum(by.values()), by
 
 
+
+def eager_step_peak(model, args, loss_fn, target_tensor=None, optimizer=torch.optim.AdamW) -> int:
+    """The storage tracker over one steady-state training step of the real ``model`` (one
+    warm-up step first, as measure_training_step does; the gradients of the parameters and of
+    any input that requires grad set to None after it), the target resident like the inputs."""
+    import gc
+
+    from fxacct.runtime.storage_tracker import StorageTracker
+
+    opt = optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step():
+        loss = loss_fn(model(*args), target_tensor)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a.grad = None
+    gc.collect()
+    gc.disable()
+    try:
+        with StorageTracker() as tracker:
+            tracker.track(model, opt, args, target_tensor)
+            step()
+    finally:
+        gc.enable()
+    assert tracker.adopted_bytes == 0
+    return tracker.peak_bytes
+
 def real_model(rel: str, kwargs: dict, batch: int, dtype: torch.dtype | None = None):
     """(CPU model with real weights, args, kwargs) for 'examples/x.py:Name', inputs from the
     model's own example_inputs on CPU; with ``dtype`` the model and floating inputs are cast."""

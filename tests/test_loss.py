@@ -14,20 +14,19 @@ Oracles, independent of fxacct's capture, liveness and cost code:
 
 from __future__ import annotations
 
-import gc
 import json
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import flop_counter_oracle, model_flops, target
+from helpers import eager_step_peak, flop_counter_oracle, model_flops, target
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxacct
 from fxacct.errors import UsageError
 from fxacct.load import model_spec as loading
-from fxacct.runtime.storage_tracker import StorageTracker, measure_training_step
+from fxacct.runtime.storage_tracker import measure_training_step
 
 # A GPT-2 (examples/gpt2.py) whose vocabulary dominates: the logits' fp32 log-softmax and its
 # gradient, 4·64·2048·4 B = 2 MiB each, are where the training step peaks.
@@ -51,31 +50,6 @@ def _real_gpt():
     return model, idx
 
 
-def _eager_peak(model, args, loss_fn, target_tensor, optimizer=torch.optim.AdamW) -> int:
-    """The storage tracker over one steady-state step (one warm-up step first, as
-    measure_training_step does), the target resident like the inputs."""
-    opt = optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-
-    def step():
-        loss = loss_fn(model(*args), target_tensor)
-        loss.backward()
-        opt.step()
-        return loss
-
-    step()
-    opt.zero_grad(set_to_none=True)
-    gc.collect()
-    gc.disable()
-    try:
-        with StorageTracker() as tracker:
-            tracker.track(model, opt, args, target_tensor)
-            step()
-    finally:
-        gc.enable()
-    assert tracker.adopted_bytes == 0
-    return tracker.peak_bytes
-
-
 def _ce(out, y):
     return F.cross_entropy(out.float().view(-1, out.shape[-1]), y.view(-1))
 
@@ -91,7 +65,7 @@ def test_cross_entropy_peak_equals_eager_f_cross_entropy(optimizer):
     model, idx = _real_gpt()
     y = torch.randint(0, GPT[1]["vocab_size"], idx.shape)
     factory = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
-    eager = _eager_peak(model, (idx,), _ce, y, factory)
+    eager = eager_step_peak(model, (idx,), _ce, y, factory)
     assert abs(p.memory.peak_train.bytes / eager - 1) <= TOLERANCE, (p.memory.peak_train.bytes, eager)
     assert p.memory.peak_train.bytes == eager  # exact today
     assert p.memory.peak_train.phase in ("loss", "backward")  # the logits' log-softmax and gradient
@@ -148,7 +122,7 @@ def test_sum_peak_equals_eager_sum():
     too (a list of the output's tensors kept to the step's end once held them through it)."""
     p = fxacct.profile(_gpt_config("sum", optimizer="sgd"))
     model, idx = _real_gpt()
-    eager = _eager_peak(model, (idx,), lambda out, _: out.float().sum(), None, torch.optim.SGD)
+    eager = eager_step_peak(model, (idx,), lambda out, _: out.float().sum(), None, torch.optim.SGD)
     assert p.memory.peak_train.bytes == eager
 
 
@@ -156,7 +130,7 @@ def test_mse_peak_equals_eager_f_mse_loss():
     p = fxacct.profile(_gpt_config("mse", optimizer="sgd"))
     model, idx = _real_gpt()
     y = torch.randn(BATCH, 64, GPT[1]["vocab_size"])  # like the output: float32[4, 64, 2048]
-    eager = _eager_peak(model, (idx,), _mse, y, torch.optim.SGD)
+    eager = eager_step_peak(model, (idx,), _mse, y, torch.optim.SGD)
     assert p.memory.peak_train.bytes == eager
     # mse: 3 per element forward (sub, square, sum), 3 per element backward (docs/conventions.md)
     assert p.accounting.totals.loss_flops == 6 * BATCH * 64 * 2048

@@ -132,3 +132,36 @@ def test_reduce_scatter_copy_in_is_the_op_fsdp_calls():
     assert len(fsdp_ops) == 1 and fsdp_ops[0] in tp.fsdp_reduce_scatter_copy_ins(), seen
     # chunk i of every gradient, one after another: [g0 rows 0-1, g1 row 0, g0 rows 2-3, g1 row 1]
     assert out.tolist() == [1.0] * 6 + [2.0] * 3 + [1.0] * 6 + [2.0] * 3
+
+
+def test_top_saved_tensors_pack_is_the_innermost_hook():
+    def outer(t):
+        return t
+
+    def inner(t):
+        return t
+
+    assert tp.top_saved_tensors_pack() is None
+    with torch.autograd.graph.saved_tensors_hooks(outer, outer):
+        assert tp.top_saved_tensors_pack() is outer
+        with torch.autograd.graph.saved_tensors_hooks(inner, inner):
+            assert tp.top_saved_tensors_pack() is inner
+        assert tp.top_saved_tensors_pack() is outer
+
+
+def test_checkpoint_recompute_is_seen_in_both_variants():
+    """in_checkpoint_recompute is true inside the forward that torch.utils.checkpoint runs again
+    in the backward, reentrant or not, and false in the first forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def fn(x):
+        seen.append(tp.in_checkpoint_recompute())
+        return (x * 2).sin()
+
+    for reentrant in (False, True):
+        seen.clear()
+        x = torch.ones(3, requires_grad=True)
+        checkpoint(fn, x, use_reentrant=reentrant).sum().backward()
+        assert seen == [False, True], reentrant

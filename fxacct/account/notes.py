@@ -57,3 +57,16 @@ def fastpath_warnings(model: torch.nn.Module) -> tuple[str, ...]:
 UNTRAINED = ("nothing trains: no parameter and no input requires grad, so the step has no backward and no "
              "optimizer step and there is no training peak (eager loss.backward() would raise); the forward "
              "and inference account stand")
+# parameters require grad, the loss does not: the forward cut the autograd graph
+DETACHED = ("nothing trains: parameters require grad but the loss does not (the forward cuts the graph: "
+            "torch.no_grad, .detach(), or reentrant checkpointing with no input that requires grad; give "
+            "--input-requires-grad or checkpoint with use_reentrant=False), so the step has no backward and no "
+            "optimizer step and there is no training peak (eager loss.backward() would raise); the forward and "
+            "inference account stand")
+
+
+def untrained(capture) -> tuple[str, ...]:
+    """Why a step has no backward, if it has none."""
+    if capture.has_backward:
+        return ()
+    return (DETACHED,) if any(p.requires_grad for p in capture.params) else (UNTRAINED,)

@@ -281,11 +281,11 @@ def _train_step(session: _Session, box: list) -> None:
         return
     seed = torch.ones_like(loss)
     rec.phase = BACKWARD
-    if o.prepared is not None:  # FSDP2 reduce-scatters into .grad of parameters it swapped out
-        loss.backward(seed)
-        session.grads = tuple(t.grad for t in targets)
-    else:
-        session.grads = torch.autograd.grad(loss, targets, grad_outputs=seed, allow_unused=True)
+    # loss.backward() as a training loop calls it: each leaf's AccumulateGrad runs (FSDP2 reduce-scatters
+    # into .grad of the parameters it swapped out), and reentrant checkpointing, which refuses
+    # torch.autograd.grad (torch.autograd._is_checkpoint_valid), works
+    loss.backward(seed)
+    session.grads = tuple(t.grad for t in targets)
     del seed
     if o.optimizer is not None:
         rec.phase = OPTIMIZER

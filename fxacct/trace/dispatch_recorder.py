@@ -100,6 +100,9 @@ class Recorder(tp.TorchDispatchMode):
         # no_grad inside autograd.Function) does not; None: the recorder decides. ``fused``: the
         # node's result stays inside its fused kernel; ``requires_grad``: per tensor argument, or None
         self.override: tuple | None = None
+        # while a replay's probe runs (fxacct.trace.replay_train): the saved-tensor pack hook in force at
+        # each of its ops (a checkpointed region inside the block has its own)
+        self.packs_seen: set | None = None
         # every tensor tagged here, weakly: a capture clears its tags when it ends (untag), so a
         # tensor that outlives it (FSDP2's gathered parameters, a module's constant) is untagged
         # when the next capture of the same model meets it
@@ -284,6 +287,8 @@ class Recorder(tp.TorchDispatchMode):
             rg = wanted if wanted is not None and len(wanted) == len(rg) else rg
         self.records.append(OpRecord(func, ref_args, ref_kwargs, val, self.phase, module, link, rg, scope, origin))
         self.storages.clock = index
+        if self.packs_seen is not None:
+            self.packs_seen.add(tp.top_saved_tensors_pack())
 
 
 def module_tracking(recorder: Recorder, names: dict[int, str]):

@@ -87,7 +87,11 @@ class Storages:
         self.open = True
         # id -> (dtype, bytes) where the real kernel's output differs from the fake kernel's
         self.real: dict[int, tuple[torch.dtype, int]] = {}
-        self.pinned: set[int] = set()  # deaths set by fxacct.trace.replay_train, not by the callback
+        self.pinned: set[int] = set()  # deaths set by fxacct.parallel.fsdp_reduce_replay, not by the callback
+        # id -> (death, clock): a replayed block's incoming gradient (fxacct.trace.replay_train), which
+        # dies at ``death`` (its last use in the block) where it is freed with the clock still at
+        # ``clock`` (the block's backward returned and nothing else held it), else when it is freed
+        self.released: dict[int, tuple[int, int]] = {}
 
     @property
     def next_id(self) -> int:
@@ -114,7 +118,8 @@ class Storages:
         if self.ids.get(cdata) == sid:
             del self.ids[cdata]
         if self.open and sid not in self.pinned:
-            self.deaths[sid] = self.clock
+            death, clock = self.released.pop(sid, (self.clock, None))
+            self.deaths[sid] = death if clock == self.clock else self.clock
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ template maps onto any block of its run."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fxacct.trace.dispatch_recorder import BACKWARD
 from fxacct.trace.records import (
@@ -47,6 +47,9 @@ class Template:
     lingering: dict  # storage alive at the probe's end that is no output or gradient -> last use
     param_meta: tuple = ()  # the parameters as the probe's forward read them (fxacct.trace.replay._param_meta)
     grad_layouts: list = ()  # per target: (mesh, placements, shape, stride) of a DTensor gradient, else None
+    # saved input j -> index of the last record of the backward node that last reads it (where the
+    # engine lets that node's saved tensors go; the probe held its own inputs to the end)
+    input_release: dict = field(default_factory=dict)
 
 
 def to_template_space(records: list[OpRecord], fqn: str, ext_refs: dict, ext_store: dict) -> list[OpRecord]:
@@ -77,6 +80,37 @@ def last_uses(records: list[OpRecord], kind: str) -> dict:
             if slot.kind == kind:
                 last[slot.key] = i
     return last
+
+
+def released_at(records: list[OpRecord], fwd_len: int, saved_inputs: list) -> dict:
+    """Saved input j -> the index of the last backward record of the autograd node whose op last
+    reads input j's storage (the input or a view of it, as a Linear saves its reshaped input): the
+    engine releases a node's saved tensors once its apply returns, and a node's ops run
+    contiguously. A reader of no known node: its own index."""
+    wanted = {Slot("in", j): j for j in saved_inputs}
+
+    def inputs_read(ref: Ref):
+        if not isinstance(ref.source, int):
+            return (wanted[ref.source],) if ref.source in wanted else ()
+        out = records[ref.source].outputs
+        metas = out if isinstance(out, tuple) else (out,)
+        if ref.index is not None:
+            metas = metas[ref.index:ref.index + 1]
+        return tuple(wanted[m.storage] for m in metas if isinstance(m, TensorMeta) and m.storage in wanted)
+
+    last = {}
+    for i in range(fwd_len, len(records)):
+        r = records[i]
+        for ref in iter_nested((r.args, r.kwargs), Ref):
+            for j in inputs_read(ref):
+                last[j] = i
+    out = {}
+    for j, i in last.items():
+        link, end = records[i].link, i
+        while link is not None and end + 1 < len(records) and records[end + 1].link == link:
+            end += 1
+        out[j] = end
+    return out
 
 
 def lingering(records: list[OpRecord], born: set, deaths: dict, outputs: set, grads: set) -> dict:

@@ -7,8 +7,9 @@ fresh fake inputs of the actual inputs' shapes, strides, dtypes and requires_gra
 and then `torch.autograd.grad` of its outputs against fake incoming gradients — and compares the
 two traces op for op (arguments' relative places, shapes, strides, dtypes, storage lifetimes,
 which storages autograd saved). Only when they match does every block of the run go through
-`_ReplayFn`: one autograd node whose forward appends the template's forward records (the block's
-own module names, parameters, inputs, fresh storages) and returns new fake outputs, and whose
+`ReplayFn` (fxacct.trace.replay_node): one autograd node whose forward appends the template's
+forward records (the block's own module names, parameters, inputs, fresh storages) and returns
+new fake outputs, and whose
 backward, when the engine reaches it, appends the template's backward records and returns
 fresh gradients. A block's backward ops run contiguously in the eager engine too (they all have
 higher sequence numbers than the block before it), so the order of ops is the same.
@@ -18,8 +19,10 @@ plain attributes, no shared parameters). Under autocast, each parameter's low-pr
 autocast's cache until the region ends, outside the block, so a probe cannot see it die: a
 replayed copy dies at its last use, but not before the forward ends (``TrainReplay.finish``); a
 probe casts stand-ins (``_own_casts``). The inputs the template saved for backward are saved by
-`_ReplayFn` too, so they live as they would. `--no-dedup` traces every block; tests check both
-ways agree.
+`ReplayFn` too, so they live as they would. `--no-dedup` traces every block; tests check both
+ways agree. A block called where another saved-tensor hook is in force (inside the model's own
+torch.utils.checkpoint, or save_on_cpu), or one that checkpoints inside itself, is traced in full:
+a replay would save past that hook what it saves.
 
 Under --mesh (fxacct.parallel) the blocks may be FSDP2-wrapped: FSDP2 gathers a block's parameters
 in its pre-forward hook and frees them after, so such blocks are probed one at a time inside their
@@ -40,18 +43,19 @@ import torch
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import BACKWARD, FORWARD
-from fxacct.trace.grad_layout import as_layout, layout_of
+from fxacct.trace.grad_layout import layout_of
 from fxacct.trace.known_values import VALUE, known
 from fxacct.trace.records import TAG, DerivedFromRecord, OpRecord, Ref, Slot, TensorMeta, TookSequenceNumbers
 from fxacct.trace.replay import ForwardPatches, _has_dtensor, _Mismatch, _param_meta
+from fxacct.trace.replay_node import ReplayFn
 from fxacct.trace.replay_template import (
     Template,
     block_mapper,
     comparable,
-    find_meta,
     last_uses,
     lingering,
     norm_refs,
+    released_at,
     tagged,
     tags_kept,
     to_template_space,
@@ -78,6 +82,10 @@ class TrainReplay(ForwardPatches):
         return {"template": None, "tried": False, "run": run}
 
     def _call(self, block, fqn, pos, state, original, args, kwargs):
+        if tp.top_saved_tensors_pack() != self.saved.pack:
+            # inside torch.utils.checkpoint (or the model's own saved-tensor hooks): a replay would
+            # save past them what they save, and a probe's backward would break the checkpoint's frame
+            return original(*args, **kwargs)
         leaves, spec = tp.tree_flatten((args, kwargs))
         if _has_dtensor(leaves):  # a DTensor between blocks: its shard is no fresh tensor
             state["tried"], state["template"] = True, None
@@ -142,12 +150,13 @@ class TrainReplay(ForwardPatches):
     def _isolated(self):
         rec = self.recorder
         saved = (rec.records, rec.phase, rec.module_stack, self.storages.clock, self.storages.deaths)
-        rec.records, rec.module_stack = [], [rec.module_stack[-1]]
+        rec.records, rec.module_stack, rec.packs_seen = [], [rec.module_stack[-1]], set()
         self.storages.deaths = {}
         try:
             yield rec.records
         finally:
             rec.records, rec.phase, rec.module_stack, self.storages.clock, self.storages.deaths = saved
+            rec.packs_seen = None
 
     def _probe(self, item, leaves, spec, views: bool = True) -> Template | None:
         """A trace of ``item``'s block on fresh inputs like ``leaves``, forward and backward, in
@@ -171,15 +180,7 @@ class TrainReplay(ForwardPatches):
             outs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
             if not self._stands_in(outs, inputs, views):
                 return None
-            with rec.suppressed():
-                gouts = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in outs]
-            for j, g in enumerate(gouts):
-                setattr(g, TAG, Ref(Slot("probe-gout", j)))
-            keys = [Slot("in", j) for j, x in enumerate(inputs) if x.requires_grad]
-            keys += [Slot("param", n) for n, p in params.items() if p.requires_grad]
-            targets = [inputs[k.key] if k.kind == "in" else params[k.key] for k in keys]
-            rec.phase = BACKWARD
-            grads = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+            gouts, keys, grads = self._probe_backward(outs, inputs, params)
             deaths = dict(self.storages.deaths)
             saved_now = dict(self.saved.saved)
         # refs and storages in template space
@@ -206,8 +207,30 @@ class TrainReplay(ForwardPatches):
             last_uses(normalized, "gout"),
             lingering(normalized, born, deaths, {self.storages.id_of(x) for x in outs},
                        {self.storages.id_of(g) for g in grads if g is not None}),
-            _param_meta(params), layouts,
+            _param_meta(params), layouts, released_at(normalized, fwd_len, saved_inputs),
         )
+
+    def _probe_backward(self, outs, inputs, params) -> tuple[list, list, tuple]:
+        """A probe's backward: (the fake incoming gradients, the Slots of what needs a gradient,
+        the gradients). Raises _Mismatch where the block cannot be replayed: a checkpointed region
+        inside it (its pack hook was in force at some op), or reentrant checkpointing, which
+        refuses torch.autograd.grad (the block is traced in full, where a genuine error comes back)."""
+        rec = self.recorder
+        with rec.suppressed():
+            gouts = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in outs]
+        for j, g in enumerate(gouts):
+            setattr(g, TAG, Ref(Slot("probe-gout", j)))
+        keys = [Slot("in", j) for j, x in enumerate(inputs) if x.requires_grad]
+        keys += [Slot("param", n) for n, p in params.items() if p.requires_grad]
+        targets = [inputs[k.key] if k.kind == "in" else params[k.key] for k in keys]
+        rec.phase = BACKWARD
+        try:
+            grads = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+        except RuntimeError as e:
+            raise _Mismatch from e
+        if rec.packs_seen != {self.saved.pack}:
+            raise _Mismatch
+        return gouts, keys, grads
 
     def _stands_in(self, outs, inputs, views: bool) -> bool:
         """Whether a probe whose block returned ``outs`` can stand for it: fresh outputs that
@@ -239,7 +262,7 @@ class TrainReplay(ForwardPatches):
         params = dict(block.named_parameters())
         rec, lo = self.recorder, tp.next_autograd_number()
         base = len(rec.records)
-        flat = _ReplayFn.apply(self, template, block, fqn, inputs, params, *inputs, *params.values())
+        flat = ReplayFn.apply(self, template, block, fqn, inputs, params, *inputs, *params.values())
         flat = list(flat)
         out = [flat.pop(0) if isinstance(x, Slot) and x.kind == "out" else x for x in template.out_leaves]
         hi = rec.last_seq = tp.next_autograd_number()
@@ -286,93 +309,6 @@ class TrainReplay(ForwardPatches):
         else:
             sid = where  # a storage from outside the block (a shared table)
         return TensorMeta(val.shape, val.stride, val.dtype, sid, val.storage_nbytes, val.requires_grad)
-
-
-class _ReplayFn(torch.autograd.Function):
-    """One autograd node for a whole replayed block."""
-
-    @staticmethod
-    def forward(ctx, replay: TrainReplay, template: Template, block, fqn, inputs, params, *tensors):
-        rec = replay.recorder
-        local = {n: tp.local(p) for n, p in params.items()}
-        refs = {Slot("param", n): getattr(p, TAG) for n, p in local.items()}
-        refs.update({Slot("in", j): getattr(x, TAG) for j, x in enumerate(inputs)})
-        stores = {Slot("param", n): replay.storages.id_of(p) for n, p in local.items()}
-        stores.update({Slot("in", j): replay.storages.id_of(x) for j, x in enumerate(inputs)})
-        base = len(rec.records)
-        outs = []
-        with rec.suppressed():
-            for ref, sid in zip(template.out_refs, template.out_storages):
-                meta = find_meta(template, ref)
-                new = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="cpu")
-                setattr(new, TAG, Ref(base + ref.source, ref.index))
-                stores[sid] = replay.storages.id_of(new)
-                outs.append(new)
-        replay.emit(template, 0, template.fwd_len, refs, stores, fqn, None)
-        for sid, death in template.deaths.items():
-            if death < template.fwd_len and sid in stores:
-                replay.storages.deaths[stores[sid]] = base + death
-        ctx.replay, ctx.template, ctx.fqn, ctx.base = replay, template, fqn, base
-        ctx.refs, ctx.stores = refs, stores
-        ctx.n_inputs = len(inputs)
-        ctx.param_names = list(params)
-        ctx.save_for_backward(*[inputs[j] for j in template.saved_inputs])
-        ctx.set_materialize_grads(False)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *gouts):
-        replay, template = ctx.replay, ctx.template
-        rec = replay.recorder
-        refs, stores = dict(ctx.refs), dict(ctx.stores)
-        with rec.suppressed():
-            gouts = [g if g is not None else torch.zeros(ref_meta.shape, dtype=ref_meta.dtype, device="cpu")
-                     for g, ref_meta in zip(gouts, (find_meta(template, r) for r in template.out_refs))]
-        for j, g in enumerate(gouts):
-            refs[Slot("gout", j)] = rec.ref(g)
-            stores[Slot("gout", j)] = replay.storages.id_of(g)
-        base = len(rec.records)
-        results = {}
-        with rec.suppressed():
-            for key, gref in zip(template.targets, template.grads):
-                if gref is None:
-                    continue
-                if isinstance(gref, Slot) and gref.kind == "gout":
-                    results[key] = gouts[gref.key]
-                    continue
-                meta = find_meta(template, gref)
-                new = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="cpu")
-                setattr(new, TAG, Ref(base + gref.source - template.fwd_len, gref.index))
-                stores[meta.storage] = replay.storages.id_of(new)
-                results[key] = new
-        replay.emit(template, template.fwd_len, len(template.records), refs, stores, ctx.fqn, ctx.base)
-        # the engine frees an incoming gradient once the block's last op that reads it has run;
-        # here the engine holds it until this function returns, so its death is set from the
-        # template (the probe held its own incoming gradients to the end)
-        for j in range(len(gouts)):
-            last = template.gout_last_use.get(j)
-            if last is not None:
-                sid = stores[Slot("gout", j)]
-                replay.storages.deaths[sid] = base + last - template.fwd_len
-                replay.storages.pinned.add(sid)
-        for sid, death in template.deaths.items():
-            if sid in stores:
-                new_death = ctx.base + death if death < template.fwd_len else base + death - template.fwd_len
-                replay.storages.deaths[stores[sid]] = new_death
-        # what outlived the probe (autocast's cached low-precision copies of the parameters, kept
-        # until the autocast region ends): dies at its last use here, but not before the forward
-        # ends (finish() raises it there)
-        for sid, last in template.lingering.items():
-            if sid in stores:
-                replay.storages.deaths[stores[sid]] = ctx.base + last if last < template.fwd_len \
-                    else base + last - template.fwd_len
-                replay.lingering.add(stores[sid])
-        grads = [results.get(Slot("in", j)) for j in range(ctx.n_inputs)]
-        layouts = dict(zip(template.targets, template.grad_layouts))
-        with rec.suppressed():
-            grads += [as_layout(results.get(Slot("param", n)), layouts.get(Slot("param", n)))
-                      for n in ctx.param_names]
-        return (None, None, None, None, None, None, *grads)
 
 
 @contextlib.contextmanager

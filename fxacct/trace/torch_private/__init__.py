@@ -21,6 +21,17 @@ def current_autograd_number() -> int | None:
     node = current_autograd_node()
     return node._sequence_nr() if node is not None else None
 
+# The innermost saved_tensors_hooks now in force on this thread: (pack, unpack), or None.
+_top_saved_tensors_hooks = _require(torch._C._autograd, "_top_saved_tensors_default_hooks", "torch._C._autograd")
+
+
+def top_saved_tensors_pack():
+    """The pack hook autograd saves a tensor through here and now (torch.utils.checkpoint's, inside
+    a checkpointed region), or None."""
+    hooks = _top_saved_tensors_hooks(False)
+    return None if hooks is None else hooks[0]
+
+
 # The next autograd sequence number on this thread; a forward op that records a grad_fn takes one
 # before it redispatches below autograd, so a dispatch mode sees it already taken.
 next_autograd_number = _require(torch.autograd, "_get_sequence_nr", "torch.autograd")
@@ -193,8 +204,9 @@ from torch.utils import checkpoint as _checkpoint  # noqa: E402
 def _checkpoint_recompute_codes() -> frozenset:
     """The code objects activation checkpointing recomputes a forward in (torch/utils/checkpoint.py):
     the non-reentrant variant's ``recompute_fn``, a closure of ``_checkpoint_without_reentrant_generator``
-    called from the unpack hook of a saved tensor. (The reentrant variant refuses torch.autograd.grad,
-    which a capture calls, so it never runs here.)"""
+    called from the unpack hook of a saved tensor, and the reentrant variant's
+    ``CheckpointFunction.backward``, which runs the forward again under enable_grad and then a backward
+    of it (whose ops, under no_grad, make no autograd node: not a recompute)."""
     import types
 
     generator = _require(_checkpoint, "_checkpoint_without_reentrant_generator", "torch.utils.checkpoint")
@@ -202,7 +214,8 @@ def _checkpoint_recompute_codes() -> frozenset:
     if not codes:
         raise FxacctError(f"this torch ({torch.__version__}) has no recompute_fn in "
                           "torch.utils.checkpoint._checkpoint_without_reentrant_generator, which fxacct needs")
-    return frozenset(codes)
+    reentrant = _require(_checkpoint, "CheckpointFunction", "torch.utils.checkpoint")
+    return frozenset(codes | {reentrant.backward.__code__})
 
 
 _RECOMPUTE_CODES = _checkpoint_recompute_codes()
