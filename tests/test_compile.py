@@ -10,6 +10,7 @@ that compile are marked slow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -338,3 +339,71 @@ def test_compile_with_checkpoint_equals_a_real_compiled_checkpointed_step(case):
     assert prof.accounting.totals.recompute_flops > 0
     assert expected != _checkpointed_profile(case, compiled=False).accounting.totals.activation_bytes
     assert expected != _profile(name, compile_blocks=blocks, compile=not blocks).accounting.totals.activation_bytes
+
+
+def test_a_compiled_dropout_has_every_op_costed():
+    """Inductor draws a compiled graph's dropout with its own prims (inductor_seeds, inductor_lookup_seed,
+    inductor_random: torch/_inductor/inductor_prims.py), which were uncosted: `fxacct check
+    --require-no-unsupported-ops --compile` failed on any model with dropout. They make tensors
+    from sizes and seeds: creation, 0 FLOPs, as aten.rand is."""
+    p = _profile("mlp-gelu-dropout", compile=True)
+    ops = {n.target for n in p.capture.graph.nodes if n.op == "call_function"}
+    assert torch.ops.prims.inductor_random.default in ops
+    assert p.accounting.unsupported_ops == {}
+
+
+class _DictOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        f = torch.relu(self.a(x))
+        return {"logits": self.b(f), "features": f, "n": 3, "note": None}
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+
+
+class _DataclassOut(_DictOut):
+    def forward(self, x):
+        return _Out(self.b(torch.relu(self.a(x))))
+
+
+def test_a_compiled_region_may_return_constants_beside_its_tensors():
+    """torch.compile returns a dict with an int and a None among the tensors as it was (it
+    specializes on the constants); fxacct refused it (exit 3, blamed on the model). Its products
+    are the uncompiled model's: 2·B·(32·64 + 64·10) forward, twice that backward (the input needs
+    no gradient: the first Linear's input gradient is not computed)."""
+    model, x = _DictOut(), torch.randn(8, 32)
+    p = fxacct.profile_module(model, (x,), config=fxacct.Config(batch=8, compile=True))
+    forward = 2 * 8 * (32 * 64 + 64 * 10)
+    assert p.accounting.totals.forward.matmul == forward
+    assert p.accounting.totals.backward.matmul == 2 * forward - 2 * 8 * 64 * 32 * 1
+
+
+def test_a_compiled_region_returning_an_unknown_container_is_a_usage_error():
+    with pytest.raises(UsageError, match=r"returns an object of type _Out.*--compile-blocks"):
+        fxacct.profile_module(_DataclassOut(), (torch.randn(8, 32),), config=fxacct.Config(batch=8, compile=True))
+
+
+def test_a_whole_hugging_face_decoder_compiles():
+    """transformers checks for packed sequences (find_packed_sequence_indices) with a value-dependent
+    .all() unless torch.compiler.is_compiling(), which torch.compile holds true for its whole
+    session; fxacct's compile did not (exit 3, blamed on the default input). Compiled, its matmul
+    and attention FLOPs are the uncompiled model's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    kwargs = {"input_ids": torch.randint(0, 200, (2, 32)), "use_cache": False}
+
+    def products(compile: bool):
+        t = fxacct.profile_module(model, (), kwargs, fxacct.Config(batch=2, compile=compile)).accounting.totals
+        return t.forward.matmul, t.forward.attention, t.backward.matmul, t.backward.attention
+
+    assert products(True) == products(False)
+    assert not torch.compiler.is_compiling()  # the session ended with the trace

@@ -12,13 +12,17 @@
 A last test checks that every registry key is hit by at least one case here.
 """
 
+import math
+
 import pytest
 import torch
+from helpers import target
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+import fxacct
 from fxacct.costs import registry
 from fxacct.costs.registry import ZERO, CostContext, Flops, lookup
 
@@ -606,6 +610,55 @@ def test_foreach_ops_cost_their_single_tensor_twin():
     for op in (aten._foreach_copy_.default, aten._foreach_zero_.default):
         assert _cost_shapes(op, (shapes, shapes)) == ZERO  # copies and fills: no arithmetic
 
+
+
+def test_fused_optimizer_kernels_cost_their_foreach_steps():
+    # op for op as torch/optim's _multi_tensor_adam/_sgd/_adagrad, 1 per element each (17 elements):
+    # Adam/AdamW lerp, mul, addcmul, sqrt, div, add, addcdiv (7), +1 each for weight decay, amsgrad, maximize
+    shapes = [(3, 4), (5,)]
+    lists = (shapes,) * 6
+    for op in (aten._fused_adam_.default, aten._fused_adamw_.default):
+        plain, every = dict(weight_decay=0.0, amsgrad=False, maximize=False), dict(weight_decay=0.1, amsgrad=True, maximize=True)
+        assert _cost_shapes(op, lists, kwargs=plain) == Flops(other=7 * 17)
+        assert _cost_shapes(op, lists, kwargs=every) == Flops(other=10 * 17)
+    # SGD: the update (1); momentum's mul and add after the first step (on it, a clone), Nesterov's add
+    sgd = aten._fused_sgd_.default
+    assert _cost_shapes(sgd, lists[:3], kwargs=dict(weight_decay=0.0, momentum=0.0)) == Flops(other=17)
+    first = dict(weight_decay=0.01, momentum=0.9, nesterov=True, is_first_step=True)
+    assert _cost_shapes(sgd, lists[:3], kwargs=first) == Flops(other=3 * 17)
+    later = dict(weight_decay=0.0, momentum=0.9, nesterov=False, is_first_step=False)
+    assert _cost_shapes(sgd, lists[:3], kwargs=later) == Flops(other=3 * 17)
+    # Adagrad: addcmul, sqrt, add, mul, addcdiv (5), +1 weight decay
+    assert _cost_shapes(aten._fused_adagrad_.default, lists[:4], kwargs=dict(weight_decay=0.1)) == Flops(other=6 * 17)
+
+
+@pytest.mark.parametrize("optimizer, args", [
+    ("adam", {}), ("adamw", {}), ("adam", {"weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    ("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}), ("adagrad", {"weight_decay": 0.1}),
+])
+def test_a_fused_step_counts_what_the_foreach_step_counts(optimizer, args):
+    """The oracle: the foreach step of the same optimizer, traced op by op (its _foreach_* ops)."""
+    def step_flops(impl: str):
+        cfg = fxacct.Config(target=target("examples/mlp.py:MLP"), batch=2, optimizer=optimizer,
+                            kwargs=dict(d_model=32, d_hidden=64, n_blocks=2), optim_args={**args, impl: True})
+        acct = fxacct.profile(cfg).accounting
+        return acct.totals.optimizer_flops, acct.unsupported_ops
+
+    assert step_flops("fused") == step_flops("foreach")
+
+
+def test_fft_counts_by_fftws_convention():
+    # benchFFT (fftw.org/speed/method.html): 5·N·log2(N) per complex transform of N points, half
+    # for real data; a normalization scales each output element (2 FLOPs for a complex one)
+    x = torch.randn(4, 8, 16)
+    assert fx_cost(aten._fft_r2c.default, (x, [2], 0, True)) == Flops(other=160 * 32)  # 2.5·16·4, 32 rows
+    X = torch.fft.rfft(x)
+    assert fx_cost(aten._fft_c2r.default, (X, [2], 2, 16)) == Flops(other=160 * 32 + 4 * 8 * 16)  # irfft: 1/N
+    c = torch.randn(2, 8, 16, dtype=torch.cfloat)
+    assert fx_cost(aten._fft_c2c.default, (c, [1, 2], 0, True)) == Flops(other=5 * 128 * 7 * 2)  # 2-D: N = 128
+    assert fx_cost(aten._fft_c2c.default, (c, [2], 1, True)) == Flops(other=5 * 16 * 4 * 16 + 2 * 256)  # ortho
+    odd = torch.randn(3, 12, dtype=torch.cfloat)
+    assert fx_cost(aten._fft_c2c.default, (odd, [1], 0, True)) == Flops(other=round(5 * 12 * math.log2(12)) * 3)
 
 def _cell_backward_flops(gates, cell, biases, b, i, h) -> int:
     """Elementwise FLOPs of autograd through torch's cell, every input needing a gradient."""

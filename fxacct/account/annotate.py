@@ -117,6 +117,9 @@ def node_cost(node: fx.Node, causal_attention: str = "full") -> NodeCost:
         flops = info.formula(*_shape(node.args), out_shape=out_shape, ctx=ctx, **_shape(node.kwargs))
     else:
         flops = _user_formula(info, op, _shape(node.args), _shape(node.kwargs), out_shape, ctx)
+    if (flops.matmul or flops.attention) and info.source is None and outputs and outputs[0].dtype.is_complex:
+        # a complex multiply-add is 4 real multiplies and 4 real adds: 8 FLOPs, 4x a real one's 2
+        flops = Flops(matmul=4 * flops.matmul, attention=4 * flops.attention, other=flops.other)
     if flops.matmul and _in_attention(trace):  # SDPA's math path: its products are attention
         flops = Flops(matmul=0, attention=flops.attention + flops.matmul, other=flops.other)
     return NodeCost(flops, kind, new_bytes, saved_bytes, saved_pairs, False)

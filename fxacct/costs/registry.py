@@ -86,6 +86,10 @@ def registering_from(path: str):
     finally:
         _SOURCE.pop()
 FOREACH = "foreach"  # registry key of the _foreach_* family (multi-tensor optimizer ops)
+# ops that exist only once a module of torch's defines them (torch/_inductor/inductor_prims.py),
+# keyed by their qualified name so that fxacct need not import that module (seconds)
+_NAMED = frozenset({"prims::inductor_seeds", "prims::inductor_lookup_seed", "prims::inductor_random",
+                    "prims::inductor_randint"})
 
 
 def register(*ops, movement: bool = False, creation: bool = False, wants_grad_mask: bool = False):
@@ -93,7 +97,7 @@ def register(*ops, movement: bool = False, creation: bool = False, wants_grad_ma
     torch.ops.mylib.op.default, or an OpOverloadPacket such as torch.ops.mylib.op for all its
     overloads). Public (fxacct.costs.register): a user's custom op gets a formula the same way."""
     for op in ops:
-        if not isinstance(op, (OpOverload, OpOverloadPacket, torch.Tag)) and op != FOREACH:
+        if not isinstance(op, (OpOverload, OpOverloadPacket, torch.Tag)) and op != FOREACH and op not in _NAMED:
             raise ValueError(f"register takes torch.ops.NAMESPACE.OP[.OVERLOAD], got {op!r}")
 
     def wrap(formula):
@@ -119,7 +123,8 @@ def lookup(op) -> OpInfo | None:
     """The entry for an OpOverload: its own, its packet's, or its tag family's; None if unknown."""
     info = _REGISTRY.get(op)
     if info is None:
-        info = _REGISTRY.get(getattr(op, "overloadpacket", None))
+        packet = getattr(op, "overloadpacket", None)
+        info = _REGISTRY.get(packet) or _REGISTRY.get(getattr(packet, "_qualified_op_name", None))
     if info is None:
         tags = getattr(op, "tags", ())
         for tag in (torch.Tag.pointwise, torch.Tag.reduction, torch.Tag.inplace_view):

@@ -108,11 +108,27 @@ class _Flat(torch.nn.Module):
         args, kwargs = tp.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in self.flat],
                                          self.spec)
         leaves, out_spec = tp.tree_flatten(self.region.forward(*args, **kwargs))
-        if not all(isinstance(t, torch.Tensor) for t in leaves):
-            raise ModelError(f"--compile: module {self.region.name or '(root)'} returns non-tensor values "
-                             "(fxacct compiles regions that return tensors only)")
-        self.out_spec.append(out_spec)
-        return tuple(leaves)
+        for t in leaves:
+            if not isinstance(t, (torch.Tensor, *_CONSTANTS)):
+                raise UsageError(
+                    f"--compile: module {self.region.name or '(root)'} returns an object of type {type(t).__name__}, which fxacct "
+                    "cannot take apart into tensors (it compiles regions that return tensors, constants and "
+                    "containers of them): compile its blocks instead (--compile-blocks PATTERN), or register the "
+                    "type with torch.utils._pytree (register_dataclass)")
+        # the constants (a count, a flag, None) as the traced call returned them, as torch.compile
+        # specializes on them; None in a tensor's place
+        self.out_spec.append((out_spec, [None if isinstance(t, torch.Tensor) else (t,) for t in leaves]))
+        return tuple(t for t in leaves if isinstance(t, torch.Tensor))
+
+
+_CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
+
+
+def _unflatten(tensors, out_spec):
+    """A compiled region's output: its tensors put back among the constants it returned."""
+    spec, constants = out_spec
+    it = iter(tensors)
+    return tp.tree_unflatten([next(it) if c is None else c[0] for c in constants], spec)
 
 
 class _GraphRun(fx.Interpreter):
@@ -263,7 +279,7 @@ class CompiledRegions:
             if entry is None:
                 entry = region.compiled[key] = self._compile(region, flat, spec, tensors)
             fn, out_spec = entry
-            return tp.tree_unflatten(list(fn(*tensors)), out_spec[0])
+            return _unflatten(fn(*tensors), out_spec[0])
 
         return forward
 
@@ -285,7 +301,7 @@ class CompiledRegions:
         try:
             with tp.disable_current_modes(), fx_traceback.preserve_node_meta(), _module_meta(rec), \
                     lib.functorch_patch(force_non_lazy_backward_lowering=True), \
-                    lib.V.set_fake_mode(lib.detect_fake_mode(tensors)):
+                    lib.V.set_fake_mode(lib.detect_fake_mode(tensors)), lib.compile_session():
                 fn = lib.aot_module_simplified(flat_module, tensors, fw_compiler=fw, bw_compiler=bw,
                                                decompositions=lib.decompositions(), partition_fn=lib.partition_fn,
                                                keep_inference_input_mutations=True)

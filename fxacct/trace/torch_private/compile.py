@@ -22,6 +22,10 @@ _NAMES = (
     ("torch._guards", "detect_fake_mode", "detect_fake_mode"),
     # GraphLowering.decide_layout_opt: whether inductor runs a graph's convolutions channels-last
     ("torch._inductor.graph", "GraphLowering", "GraphLowering"),
+    # torch.compiler.is_compiling() is true for a whole torch.compile session, the model's forward
+    # traced included (torch/_dynamo/convert_frame.py, compile_inner): a model that takes another
+    # branch when compiled (transformers' is_torchdynamo_compiling) takes it here too
+    ("torch.compiler", "_compile_session_context", "compile_session"),
 )
 _loaded: SimpleNamespace | None = None
 
@@ -29,7 +33,7 @@ _loaded: SimpleNamespace | None = None
 def aot() -> SimpleNamespace:
     """aot_module_simplified, partition_fn, decompositions (the table's function),
     functorch_patch (torch._functorch.config.patch), V (inductor's virtualized globals),
-    detect_fake_mode and GraphLowering, each looked up once."""
+    detect_fake_mode, GraphLowering and compile_session, each looked up once."""
     global _loaded
     if _loaded is None:
         found = {}
