@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from fxacct.devices import get_device
-from fxacct.errors import ModelError
+from fxacct.errors import CompileError, ModelError
 from fxacct.heap import collect_dropped, freeze_made, with_frozen_heap
 from fxacct.load.config import Config
 from fxacct.load.hf import seq_len_note
@@ -55,6 +55,8 @@ def profile(config: Config) -> Profile:
         model, args, kwargs, inputs_for = load_model(config)
         try:
             return _one_device_notes(profile_module(model, args, kwargs, config, inputs_for))
+        except CompileError:  # torch.compile's own error: not the inputs'
+            raise
         except ModelError as e:
             note = seq_len_note(model, config.seq_len) or guessed_input_note(config, model)
             if note is None:

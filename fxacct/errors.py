@@ -59,6 +59,11 @@ class ModelError(FxacctError):
     exit_code = 3
 
 
+class CompileError(ModelError):
+    """A region of the model does not compile under --compile (exit 3): torch.compile's own error,
+    not the inputs'."""
+
+
 class InternalError(FxacctError):
     """fxacct's own code raised: a bug to report (exit 4)."""
 
@@ -311,6 +316,6 @@ def classify(e: BaseException, doing: str) -> FxacctError:
     return ModelError(f"{doing} raised {_what(e)}{at}; {USER_FRAMES_HINT}")
 
 
-__all__ = ["FxacctError", "UsageError", "ModelError", "InternalError", "passes_through", "calls_user_code", "acts_for_torch",
+__all__ = ["FxacctError", "UsageError", "ModelError", "CompileError", "InternalError", "passes_through", "calls_user_code", "acts_for_torch",
            "called_by_torch", "classify",
            "describe_exception", "internal_error", "first_line", "frame_kind", "USER_FRAMES_HINT"]

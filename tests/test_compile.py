@@ -407,3 +407,19 @@ def test_a_whole_hugging_face_decoder_compiles():
 
     assert products(True) == products(False)
     assert not torch.compiler.is_compiling()  # the session ended with the trace
+
+
+def test_a_compile_error_is_not_blamed_on_default_inputs(tmp_path, monkeypatch):
+    """Where fxacct chose the inputs (a Hugging Face config's defaults), a model's failure gets a
+    note naming them; a region that does not compile is torch.compile's error, not the inputs'."""
+    import fxacct.api
+
+    src = tmp_path / "bad.py"
+    src.write_text(BAD_MODEL)
+    monkeypatch.setattr(fxacct.api, "guessed_input_note", lambda config, model: "fxacct fed the model its default input")
+    with pytest.raises(fxacct.errors.CompileError) as e:
+        fxacct.profile(fxacct.Config(target=f"{src}:Bad", compile=True))
+    assert "default input" not in str(e.value) and "does not compile" in str(e.value)
+    cfg = fxacct.Config(target=f"{src}:Bad", inputs=("float[B,5]",))  # eager fails too: a wrong width
+    with pytest.raises(fxacct.errors.ModelError, match="^fxacct fed the model its default input: "):
+        fxacct.profile(cfg)

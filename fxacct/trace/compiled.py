@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from fxacct.errors import ModelError, UsageError, called_by_torch, first_line
+from fxacct.errors import CompileError, ModelError, UsageError, called_by_torch, first_line
 from fxacct.trace import torch_private as tp
 from fxacct.trace.checkpointing import matched_modules
 from fxacct.trace.dispatch_recorder import RECOMPUTE, Recorder
@@ -308,7 +308,7 @@ class CompiledRegions:
         except (ModelError, UsageError):
             raise
         except Exception as e:  # torch.compile's own error on the user's model
-            raise ModelError(f"--compile: module {name} does not compile: {type(e).__name__}: {first_line(e)}") from e
+            raise CompileError(f"--compile: module {name} does not compile: {type(e).__name__}: {first_line(e)}") from e
         finally:
             rec.last_seq = tp.next_autograd_number()  # the numbers AOTAutograd's tracing took are no step's
         self.graphs.append((region.name, graphs[0], graphs[1] if len(graphs) > 1 else None))
