@@ -73,10 +73,19 @@ def _timeline(cfg: fxacct.Config) -> list[tuple[str, int]]:
     return [(name.rstrip("_0123456789"), sum(live.values())) for name, _, live in out if not name.startswith("detach")]
 
 
-def test_a_replayed_step_lives_op_for_op_as_the_traced_one():
+@pytest.mark.parametrize("rel, kwargs, input_requires_grad", [
+    (f"{MODELS}:Residual", {}, True),
+    ("examples/llama.py:Llama", dict(n_layers=3, dim=64, n_heads=4, n_kv_heads=2, hidden=128, vocab_size=100,
+                                     max_seq=16), False),
+    ("examples/gpt2.py:GPT", dict(n_layer=3, n_head=4, n_embd=64, vocab_size=100, block_size=16), False),
+    ("examples/mlp.py:MLP", dict(d_model=32, d_hidden=64, n_blocks=3), True),
+])
+def test_a_replayed_step_lives_op_for_op_as_the_traced_one(rel, kwargs, input_requires_grad):
     """The memory timeline, not only its peak: a replayed block held its saved inputs to the end
-    of its whole backward where the engine lets them go after the node that saved them (65,536 B
-    two ops too long per block of the residual stack)."""
-    cfg = fxacct.Config(target=target(f"{MODELS}:Residual"), batch=BATCH, optimizer="sgd", loss="sum",
-                        input_requires_grad=True)
+    of its whole backward, where the engine lets them go once the node that saved them has run
+    (before it sums that node's gradient into another's): 65,536 B two ops too long per block of
+    the residual stack, 16,384 B one op too long per Llama block, 512 B per MLP block (where
+    the sum's other gradient is the block's incoming one)."""
+    cfg = fxacct.Config(target=target(rel), batch=BATCH, kwargs=kwargs, optimizer="sgd", loss="sum",
+                        input_requires_grad=input_requires_grad)
     assert _timeline(cfg) == _timeline(replace(cfg, dedup=False))

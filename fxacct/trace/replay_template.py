@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from fxacct.trace.dispatch_recorder import BACKWARD
 from fxacct.trace.records import (
     NO_NUMBERS,
@@ -22,6 +24,8 @@ from fxacct.trace.records import (
 )
 from fxacct.trace.records import comparable as comparable_args
 from fxacct.trace.replay import _relative
+
+aten = torch.ops.aten
 
 
 @dataclass
@@ -89,7 +93,9 @@ def released_at(records: list[OpRecord], fwd_len: int, saved_inputs: list) -> di
     contiguously. A reader of no known node: its own index."""
     wanted = {Slot("in", j): j for j in saved_inputs}
 
-    def inputs_read(ref: Ref):
+    def inputs_read(ref):  # a Ref, or a Slot where the template reads the input itself
+        if isinstance(ref, Slot):
+            return (wanted[ref],) if ref in wanted else ()
         if not isinstance(ref.source, int):
             return (wanted[ref.source],) if ref.source in wanted else ()
         out = records[ref.source].outputs
@@ -101,16 +107,29 @@ def released_at(records: list[OpRecord], fwd_len: int, saved_inputs: list) -> di
     last = {}
     for i in range(fwd_len, len(records)):
         r = records[i]
-        for ref in iter_nested((r.args, r.kwargs), Ref):
+        for ref in iter_nested((r.args, r.kwargs), (Ref, Slot)):
             for j in inputs_read(ref):
                 last[j] = i
     out = {}
     for j, i in last.items():
         link, end = records[i].link, i
-        while link is not None and end + 1 < len(records) and records[end + 1].link == link:
+        while link is not None and end + 1 < len(records) and records[end + 1].link == link \
+                and not _accumulates(records, records[end + 1]):
             end += 1
         out[j] = end
     return out
+
+
+def _accumulates(records: list[OpRecord], r: OpRecord) -> bool:
+    """Whether ``r`` is the engine summing two gradients of one tensor (an add of the products of
+    two nodes, or of one and the block's incoming gradient, a Slot): it runs after the node's apply
+    returned, under that node's link, its saved tensors already let go."""
+    if r.op is not aten.add.Tensor:
+        return False
+    sources = {records[a.source].link if isinstance(a.source, int) else a.source
+               for a in iter_nested(r.args, Ref)}
+    sources |= set(iter_nested(r.args, Slot))
+    return len(sources) > 1
 
 
 def lingering(records: list[OpRecord], born: set, deaths: dict, outputs: set, grads: set) -> dict:
