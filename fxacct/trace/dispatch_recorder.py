@@ -210,7 +210,8 @@ class Recorder(tp.TorchDispatchMode):
         if self.defer and not self.defer.isdisjoint(types):
             return self._deferred()
         unpacked, self.unpacked = self.unpacked, None
-        if func is _DETACH and unpacked is not None and args[0] is tp.local(unpacked):
+        if func is _DETACH and (unpacked is not None and args[0] is tp.local(unpacked)
+                                or self.phase == BACKWARD and tp.in_accumulate_grad()):
             return self._engine_detach(args[0])
         kwargs = kwargs or {}
         check = _EAGER_CHECKS.get(func)
@@ -245,7 +246,12 @@ class Recorder(tp.TorchDispatchMode):
         it was saved, with no op at all (a saved output it does detach: SavedTracker.pack tells them
         apart, and that detach is recorded as eager runs it). The ones left out are fxacct's own, a
         view per saved input per backward op: an eighth of a transformer's step. Its output is an
-        alias of the saved tensor: the ops that read it read the saved tensor's node."""
+        alias of the saved tensor: the ops that read it read the saved tensor's node.
+
+        AccumulateGrad's detach of the gradient it stores in .grad (loss.backward()) is left out
+        alike: a view, no bytes and no FLOPs, that the engine runs for a replayed block's
+        gradients only after the whole block (fxacct.trace.replay_node), for a traced block's
+        inside it; left in, the two would differ in the order of their nodes alone."""
         out = _DETACH(saved)
         if self.recording:
             self.tag(out, self.ref(saved))

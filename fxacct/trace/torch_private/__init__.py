@@ -16,6 +16,16 @@ from fxacct.trace.torch_private.required import _require
 current_autograd_node = _require(torch._C, "_current_autograd_node", "torch._C")
 
 
+# The backward node that stores a leaf's gradient in .grad (loss.backward()); it detaches the
+# gradient it keeps (torch/csrc/autograd/functions/accumulate_grad.h, accumulateGrad).
+AccumulateGrad = _require(torch._C._functions, "AccumulateGrad", "torch._C._functions")
+
+
+def in_accumulate_grad() -> bool:
+    """Whether the backward engine is running a leaf's AccumulateGrad now."""
+    return isinstance(current_autograd_node(), AccumulateGrad)
+
+
 def current_autograd_number() -> int | None:
     """The sequence number of the autograd Node the backward engine is running, or None."""
     node = current_autograd_node()
