@@ -19,7 +19,7 @@ from fxacct.devices import SDPA_BACKENDS
 from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.load.flags import CAUSAL_CONVENTIONS, COMPILE_MODES, DEFAULTS, LOSSES, check_request, parse_kwarg
-from fxacct.load.mesh import parse_mesh
+from fxacct.load.mesh import no_pipeline, parse_mesh
 from fxacct.load.output_path import check_writable
 from fxacct.load.quantities import DEFAULT_MFU, parse_count
 from fxacct.units import parse_bytes
@@ -296,15 +296,24 @@ def refuse_idle_flags(mesh) -> None:
         flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
         raise UsageError(f"{flag} says what FSDP2 does after a block's forward, and --mesh has no fsdp dimension: "
                          f"add one (e.g. --mesh fsdp=8) or drop {flag}")
+    if "reshard_after_forward" in given and ctx.params.get("parallelize") is not None:
+        flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
+        raise UsageError(f"{flag} sets fxacct's own FSDP2 wrapping, and --parallelize wraps the model itself: "
+                         f"pass reshard_after_forward to fully_shard in it, or drop {flag}")
+    if "reshard_after_forward" in given and str(ctx.params.get("target", "")).startswith("torchtitan:"):
+        flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
+        raise UsageError(f"{flag} sets fxacct's own FSDP2 wrapping, and torchtitan wraps its model itself "
+                         f"(its parallelism.fsdp_reshard_after_forward): drop {flag}")
     if "no_max_batch" in given and ctx.params.get("gpu") is None:
         raise UsageError("--no-max-batch skips the largest-batch search, which runs with --gpu only: drop it")
     if mesh is None and "gpus_per_node" in given:
         raise UsageError("--gpus-per-node says how the ranks of a --mesh sit on nodes, and one device has none: "
                          "add --mesh (e.g. --mesh fsdp=8) or drop --gpus-per-node")
+    if "gpus_per_node" in given and "gpu" in ctx.params and ctx.params.get("gpu") is None:
+        raise UsageError("--gpus-per-node places the ranks on nodes to time their communication, which needs a "
+                         "GPU's links: add --gpu NAME or drop --gpus-per-node")
     if "pp_schedule" in given and (mesh is None or mesh.size("pp") == 1):
-        example = f"pp=2,{mesh}" if mesh is not None else "pp=2"
-        raise UsageError(f"--pp-schedule says how a pipeline runs, but --mesh has no pp dimension: add one "
-                         f"(e.g. --mesh {example}) or drop --pp-schedule")
+        raise UsageError(f"--pp-schedule says how a pipeline runs, but {no_pipeline(mesh)} or drop --pp-schedule")
 
 
 def model_options(fn=None, *, hide=()):

@@ -101,11 +101,14 @@ def _one_device_notes(prof: Profile) -> Profile:
 def _predicted(prof: Profile) -> Profile:
     """The roofline's step time on config.gpu (or a calibrated CPU), where one is known."""
     prof = replace(prof, prediction=predict_profile(prof))
-    if prof.config.sdpa_backend == "auto" or prof.config.gpu is not None:
-        return prof
-    note = (f"--sdpa-backend {prof.config.sdpa_backend} has no effect without --gpu (a CPU times attention "
-            "as its calibration measured it): use it with --gpu")
-    return replace(prof, warnings=prof.warnings + (note,))
+    c, notes = prof.config, ()
+    if c.gpu is None and c.sdpa_backend != "auto":
+        notes += (f"--sdpa-backend {c.sdpa_backend} has no effect without --gpu (a CPU times attention as its "
+                  "calibration measured it): use it with --gpu",)
+    if c.gpu is None and c.mesh is not None and c.interconnect is not None:
+        notes += (f"--interconnect {c.interconnect} has no effect without --gpu (the mesh's communication is "
+                  "timed on a GPU's links only): use it with --gpu",)
+    return replace(prof, warnings=prof.warnings + notes) if notes else prof
 
 
 def _fitted_rank(prof: Profile, peak: int | None, basis: str) -> Profile:
@@ -113,7 +116,14 @@ def _fitted_rank(prof: Profile, peak: int | None, basis: str) -> Profile:
     rank's share of a global one, which ``fxacct plan`` searches."""
     if prof.config.gpu is None or peak is None:
         return prof
-    return replace(prof, memory=replace(prof.memory, fit=Fit.on(get_device(prof.config.gpu), peak, basis=basis)))
+    notes = (NO_MESH_SEARCH,) if prof.config.find_max_batch else ()
+    return replace(prof, memory=replace(prof.memory, fit=Fit.on(get_device(prof.config.gpu), peak, basis=basis)),
+                   warnings=prof.warnings + notes)
+
+
+NO_MESH_SEARCH = ("no largest batch under --mesh (each batch is a rank's share of a global one, a whole trace "
+                  "of a rank's step): `fxacct plan --gpus N --global-batch B` searches layouts and micro-batches "
+                  "(--no-max-batch silences this)")
 
 
 def _pipeline(config: Config, build=profile_pipeline) -> Profile:

@@ -39,9 +39,11 @@ def test_a_flag_without_effect_is_a_usage_error(command, flags, says):
 
 
 def test_their_defaults_and_a_mesh_that_uses_them_pass():
-    """The defaults given explicitly by nobody pass on one device; --gpus-per-node with a --mesh passes."""
+    """The defaults given explicitly by nobody pass on one device; --gpus-per-node with a --mesh and
+    a --gpu (whose links it times the communication on) passes."""
     assert CliRunner().invoke(cli, ["check", *MLP, "--max-params", "1e9"]).exit_code == 0
-    r = CliRunner().invoke(cli, ["check", *MLP, "--mesh", "fsdp=2", "--gpus-per-node", "2", "--max-params", "1e9"])
+    r = CliRunner().invoke(cli, ["check", *MLP, "--mesh", "fsdp=2", "--gpus-per-node", "2", "--gpu", "h100",
+                                 "--no-max-batch", "--max-params", "1e9"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(cli, ["check", *MLP, "--mesh", "fsdp=2", "--no-reshard-after-forward", "--gpu", "h100",
                                  "--no-max-batch", "--optimizer", "none"])

@@ -53,6 +53,13 @@ def test_text_table_sums_to_its_total():
     # the pipeline's flags without pp would do nothing
     (["--pp-split", "layers.1"], "--pp-split says how a pipeline runs, but --mesh has no pp dimension"),
     (["--mesh", "fsdp=2", "--microbatches", "4"], "add one (e.g. --mesh pp=2,fsdp=2) or drop --microbatches"),
+    # pp=1 is there but is no pipeline: it suggested --mesh pp=2,pp=1, which is refused
+    (["--mesh", "pp=1,fsdp=2", "--microbatches", "2"], "pp=1 is no pipeline: give pp=2 or more (e.g. --mesh pp=2,fsdp=2)"),
+    (["--mesh", "pp=1", "--pp-schedule", "gpipe"], "pp=1 is no pipeline: give pp=2 or more (e.g. --mesh pp=2) or drop"),
+    # without --gpu no communication is timed: it was accepted silently under --mesh
+    (["--mesh", "fsdp=2", "--gpus-per-node", "4"], "add --gpu NAME or drop --gpus-per-node"),
+    # --parallelize wraps the model itself: fxacct's own wrapping flag changed nothing, silently
+    (["--mesh", "fsdp=2", "--parallelize", PAR, "--no-reshard-after-forward"], "pass reshard_after_forward to fully_shard"),
     # a CUDA target beside a real run of CPU processes compares unlike things
     (["--mesh", "fsdp=2", "--runtime", "--device", "cpu", "--gpu", "h100"], "--gpu h100 is a CUDA target"),
     (["--mesh", "tp=2"], "carries no tensor-parallel plan"),
@@ -323,3 +330,27 @@ def test_markdown_under_a_mesh_says_whose_figures_and_lists_the_collectives():
     total = sum(c["count"] for c in doc["collectives"])
     row = next(line for line in r.stdout.splitlines() if line.startswith("total "))
     assert row.split()[1] == f"{total:,}", (row, total)
+
+
+def test_gpu_under_a_mesh_says_no_largest_batch_is_searched():
+    """One device with --gpu searches the largest batch; under --mesh none is searched (a plan's
+    job), which was silent: the fit line simply had no largest batch, and --no-max-batch was
+    accepted as if it changed something. Now a warning names fxacct plan; --no-max-batch silences it."""
+    one = _invoke(LLAMA, "--gpu", "h100", "--format", "json")
+    assert one.exit_code == 0 and json.loads(one.stdout)["memory"]["fit"]["max_batch"] > 0
+    mesh = _invoke(LLAMA, "--mesh", "fsdp=2", "--gpu", "h100", "--format", "json")
+    doc = json.loads(mesh.stdout)
+    assert doc["memory"]["fit"]["max_batch"] is None
+    assert any(w.startswith("no largest batch under --mesh") and "fxacct plan" in w for w in doc["warnings"])
+    quiet = json.loads(_invoke(LLAMA, "--mesh", "fsdp=2", "--gpu", "h100", "--no-max-batch", "--format", "json").stdout)
+    assert not any(w.startswith("no largest batch") for w in quiet["warnings"])
+
+
+def test_interconnect_without_gpu_says_it_changes_nothing_under_a_mesh_too():
+    """On one device --interconnect was said to change nothing; under --mesh without --gpu it was
+    silently accepted (no communication is timed without a GPU's links)."""
+    doc = json.loads(_invoke(LLAMA, "--mesh", "fsdp=2", "--interconnect", "roce", "--format", "json").stdout)
+    assert any(w.startswith("--interconnect roce has no effect without --gpu") for w in doc["warnings"])
+    timed = json.loads(_invoke(LLAMA, "--mesh", "fsdp=2", "--interconnect", "roce", "--gpu", "h100",
+                               "--no-max-batch", "--format", "json").stdout)
+    assert not any(w.startswith("--interconnect") for w in timed["warnings"])

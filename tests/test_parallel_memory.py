@@ -39,6 +39,21 @@ def test_fsdp2_bytes_with_dim0_padding():
     assert p.memory.optimizer_scalars == (len(params), 4 * len(params))
 
 
+def test_a_ranks_checkpoint_is_its_own_shards():
+    """What the rank writes (torch.distributed.checkpoint, per rank): its parameter shards and its
+    optimizer state, the padded arithmetic above. It was the whole model's state_dict (DTensors'
+    global numel) beside the rank's optimizer state: at fsdp=4 the GPT's full 4-byte weights."""
+    n = 4
+    with torch.device("meta"):
+        model = load(GPT)(**GPT_KW)
+    params = list(model.parameters())
+    shard = sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) * 4 for p in params)
+    buffers = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                  if name.split(".")[-1] not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set)
+    p = _profile(GPT, "fsdp=4", kwargs=dict(GPT_KW))
+    assert p.memory.checkpoint_bytes == shard + (2 * shard + 4 * len(params)) + buffers
+
+
 def test_mesh_fsdp_agrees_with_the_shard_arithmetic():
     """Llama's dims all divide by 4 (no padding): --mesh fsdp=4 holds exactly 1/4 of every
     parameter, gradient and optimizer buffer, what --world-size 4 --shard fsdp computes; they

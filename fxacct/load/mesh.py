@@ -41,6 +41,19 @@ class MeshSpec:
     def __str__(self) -> str:
         return ",".join(f"{name}={size}" for name, size in self.dims)
 
+    def pipelined(self) -> str:
+        """This mesh with a pipeline of 2 stages: its pp=1 made pp=2, or pp=2 put first."""
+        if "pp" in dict(self.dims):
+            return ",".join(f"{name}={2 if name == 'pp' else size}" for name, size in self.dims)
+        return f"pp=2,{self}"
+
+
+def no_pipeline(mesh: MeshSpec | None) -> str:
+    """What a usage error says of a mesh without a pipeline, with the mesh that would have one."""
+    if mesh is not None and "pp" in dict(mesh.dims):
+        return f"--mesh's pp=1 is no pipeline: give pp=2 or more (e.g. --mesh {mesh.pipelined()})"
+    return f"--mesh has no pp dimension: add one (e.g. --mesh {mesh.pipelined() if mesh else 'pp=2'})"
+
 
 def parse_mesh(text: str) -> MeshSpec:
     """'fsdp=8,tp=8' -> MeshSpec((('fsdp', 8), ('tp', 8))). One-line usage errors otherwise."""
@@ -127,6 +140,4 @@ def check_pipeline_flags(config) -> None:
         return
     given = [flag for flag, field in PIPELINE_FLAGS if getattr(config, field) is not None]
     if given:
-        mesh = f"pp=2,{config.mesh}" if config.mesh else "pp=2"
-        raise UsageError(f"{given[0]} says how a pipeline runs, but --mesh has no pp dimension: add one "
-                         f"(e.g. --mesh {mesh}) or drop {given[0]}")
+        raise UsageError(f"{given[0]} says how a pipeline runs, but {no_pipeline(config.mesh)} or drop {given[0]}")

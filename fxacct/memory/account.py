@@ -12,6 +12,7 @@ from fxacct.costs.registry import numel
 from fxacct.dtypes import dtype_name
 from fxacct.memory.peak import Peak
 from fxacct.memory.reserved import ReservedAccount
+from fxacct.trace import torch_private as tp
 from fxacct.trace.capture import Capture
 from fxacct.trace.records import itemsize
 
@@ -111,13 +112,16 @@ def view_summary(accounting: Accounting, capture: Capture) -> ViewSummary:
 def checkpoint_payload(model: torch.nn.Module, dtype: torch.dtype | None, capture: Capture) -> dict:
     """Tensor bytes of torch.save(model.state_dict()) + torch.save(optimizer.state_dict()), by
     dtype: each storage once (tied weights share one), non-persistent buffers excluded (they are
-    not in state_dict). The zip/pickle framing (a few hundred bytes per tensor) is not included."""
+    not in state_dict). The zip/pickle framing (a few hundred bytes per tensor) is not included.
+    Under --mesh, what the rank holds, as its optimizer state is: a DTensor's local shard (a
+    replicated one whole, on every rank), as torch.distributed.checkpoint writes it per rank."""
     out: dict[str, int] = {}
     seen = set()
     for t in model.state_dict(keep_vars=True).values():
         if not isinstance(t, torch.Tensor) or id(t) in seen:
             continue
         seen.add(id(t))
+        t = tp.local(t)
         dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
         out[dtype_name(dt)] = out.get(dtype_name(dt), 0) + t.numel() * itemsize(dt)
     for state in capture.optimizer_state:
