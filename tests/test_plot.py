@@ -125,6 +125,23 @@ def test_the_title_says_which_step_it_shows(mlp_profile):
         "memory over its forward (nothing trains: no training step)")
 
 
+def test_a_pipelines_plot_says_it_shows_stage_0s_micro_batch():
+    """Under --mesh pp=P the plotted trace is stage 0's, one micro-batch: it was titled "one
+    training step", its peak marked as if the rank's (2,639,956 B against the schedule's 3,957,836)."""
+    from helpers import target
+
+    from fxacct.report.plot import _title
+    from fxacct.units import format_bytes
+
+    prof = fxacct.profile(fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs={"n_layers": 4},
+                                        mesh="pp=2", pp_split=target("examples/llama.py:pipeline_stage")))
+    pipe = prof.parallel.pipeline
+    assert pipe.peak_bytes > prof.memory.peak_train.bytes
+    title = _title(prof)
+    assert "stage 0's memory over one micro-batch's step" in title
+    assert f"the schedule of {pipe.microbatches} micro-batches peaks at {format_bytes(pipe.peak_bytes)}" in title
+
+
 def test_missing_matplotlib_is_a_usage_error(mlp_profile, tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -14,7 +14,7 @@ from fxacct.errors import UsageError
 from fxacct.memory import sharding
 from fxacct.memory.peak import CATEGORIES, PARAMETERS, lifetimes, walk
 from fxacct.report.files import atomic_file
-from fxacct.units import GiB
+from fxacct.units import GiB, format_bytes
 
 _PHASE_COLORS = {"forward": "#4c72b0", "loss": "#c44e52", "backward": "#dd8452", "optimizer": "#55a868"}
 
@@ -56,6 +56,11 @@ def _title(profile) -> str:
     title = f"{target}, batch {cfg.batch}: memory over {step}"
     if profile.memory.per_rank is not None:
         title += f"\nper rank, --shard {cfg.shard} --world-size {cfg.world_size}"
+    pipe = profile.parallel.pipeline if profile.parallel is not None else None
+    if pipe is not None:  # the plot is stage 0's trace: one micro-batch, not the schedule's step
+        title = (f"{target}, micro-batch {cfg.batch}: stage 0's memory over one micro-batch's step\n"
+                 f"(the schedule of {pipe.microbatches} micro-batches peaks at {format_bytes(pipe.peak_bytes)} on "
+                 "its largest rank)")
     return title
 
 
