@@ -70,6 +70,9 @@ def test_text_table_sums_to_its_total():
     # the optimizer's fp32 copies would be plain tensors beside DTensor shards (it crashed, exit 4)
     (["--mesh", "fsdp=2", "--dtype", "bf16", "--master-weights"], "use --amp bfloat16 instead of --dtype bfloat16"),
     (["--mesh", "tp=2", "--parallelize", PAR, "--dtype", "bf16", "--master-weights"], "use --amp bfloat16 instead"),
+    # no MixedPrecisionPolicy of fxacct's under the user's own --parallelize: it said there was one
+    (["--mesh", "fsdp=2", "--parallelize", PAR, "--dtype", "bf16", "--master-weights"],
+     "bfloat16 compute; your --parallelize sets its own fully_shard policies)"),
     # the user's own low precision, not bf16 whatever it was
     (["--mesh", "fsdp=2", "--dtype", "fp16", "--master-weights"], "use --amp float16 instead of --dtype float16"),
     # the real pipeline run takes torch's plain step: it would print ratios against another step

@@ -124,9 +124,12 @@ def check_config(config) -> None:
                          f"use --mesh fsdp=N for FSDP2, or --world-size N --shard {config.shard} for the quick estimate")
     if config.master_weights:  # its fp32 copies are plain tensors beside FSDP2's and DTensor's shards
         low = dtype_name(config.dtype) if config.dtype is not None else "bfloat16"
+        # fxacct's own FSDP2 wrapping takes --amp as its MixedPrecisionPolicy; a --parallelize of the user's, as autocast
+        how = ("your --parallelize sets its own fully_shard policies" if config.parallelize is not None
+               else f"under FSDP2 its MixedPrecisionPolicy gathers them in {low}")
         raise UsageError(f"--master-weights with --mesh {spec}: fxacct keeps no fp32 copies beside the engine's "
                          f"sharded parameters; use --amp {low} instead of --dtype {low} --master-weights (fp32 "
-                         f"parameters, {low} compute; under FSDP2 its MixedPrecisionPolicy gathers them in {low})")
+                         f"parameters, {low} compute; {how})")
 
 
 PIPELINE_FLAGS = (("--pp-split", "pp_split"), ("--microbatches", "microbatches"),
