@@ -365,7 +365,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
               world_size, shard, no_dedup=False, no_max_batch=False, count_recompute=False,
               loss=DEFAULTS.loss, hf_class=None, seq_len=None, checkpoint=(), checkpoint_policy=None,
               costs=(), mesh=None, alloc_conf=None, fp8=None, torchtitan_args=(), compile_model=False,
-              compile_blocks=(), compile_mode="default", sdpa_backend="auto", **_) -> Config:
+              compile_blocks=(), compile_mode="default", sdpa_backend="auto", parallelize=None, **_) -> Config:
     # the flags' strings go to Config as they are: it parses dtypes, input specs and optimizer
     # options (one parser each, the library's). With --mesh (with_mesh adds its other flags): a clash
     # with --shard is named as that, not as --shard's own want of a --world-size. First the checks
@@ -383,7 +383,7 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
         checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
-        alloc_conf=alloc_conf, fp8=fp8,
+        parallelize=parallelize, alloc_conf=alloc_conf, fp8=fp8,
         torchtitan_args=tuple(torchtitan_args),
         compile=compile_model, compile_blocks=tuple(compile_blocks), compile_mode=compile_mode,
         sdpa_backend=sdpa_backend,
