@@ -292,18 +292,8 @@ def refuse_idle_flags(mesh) -> None:
     given = {name for name in ("gpus_per_node", "pp_schedule", "reshard_after_forward", "no_max_batch")
              if name in ctx.params and ctx.get_parameter_source(name) in (
                  click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)}
-    if "reshard_after_forward" in given and (mesh is None or mesh.size("fsdp") == 1):
-        flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
-        raise UsageError(f"{flag} says what FSDP2 does after a block's forward, and --mesh has no fsdp dimension: "
-                         f"add one (e.g. --mesh fsdp=8) or drop {flag}")
-    if "reshard_after_forward" in given and ctx.params.get("parallelize") is not None:
-        flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
-        raise UsageError(f"{flag} sets fxacct's own FSDP2 wrapping, and --parallelize wraps the model itself: "
-                         f"pass reshard_after_forward to fully_shard in it, or drop {flag}")
-    if "reshard_after_forward" in given and str(ctx.params.get("target", "")).startswith("torchtitan:"):
-        flag = "--reshard-after-forward" if ctx.params["reshard_after_forward"] else "--no-reshard-after-forward"
-        raise UsageError(f"{flag} sets fxacct's own FSDP2 wrapping, and torchtitan wraps its model itself "
-                         f"(its parallelism.fsdp_reshard_after_forward): drop {flag}")
+    if "reshard_after_forward" in given:
+        _refuse_idle_reshard(ctx.params, mesh)
     if "no_max_batch" in given and ctx.params.get("gpu") is None:
         raise UsageError("--no-max-batch skips the largest-batch search, which runs with --gpu only: drop it")
     if mesh is None and "gpus_per_node" in given:
@@ -314,6 +304,21 @@ def refuse_idle_flags(mesh) -> None:
                          "GPU's links: add --gpu NAME or drop --gpus-per-node")
     if "pp_schedule" in given and (mesh is None or mesh.size("pp") == 1):
         raise UsageError(f"--pp-schedule says how a pipeline runs, but {no_pipeline(mesh)} or drop --pp-schedule")
+
+
+def _refuse_idle_reshard(params: dict, mesh) -> None:
+    """--[no-]reshard-after-forward sets fxacct's own FSDP2 wrapping: without an fsdp dimension,
+    or where the user's --parallelize or torchtitan wraps the model, it would change nothing."""
+    flag = "--reshard-after-forward" if params["reshard_after_forward"] else "--no-reshard-after-forward"
+    if mesh is None or mesh.size("fsdp") == 1:
+        raise UsageError(f"{flag} says what FSDP2 does after a block's forward, and --mesh has no fsdp dimension: "
+                         f"add one (e.g. --mesh fsdp=8) or drop {flag}")
+    if params.get("parallelize") is not None:
+        raise UsageError(f"{flag} sets fxacct's own FSDP2 wrapping, and --parallelize wraps the model itself: "
+                         f"pass reshard_after_forward to fully_shard in it, or drop {flag}")
+    if str(params.get("target", "")).startswith("torchtitan:"):
+        raise UsageError(f"{flag} sets fxacct's own FSDP2 wrapping, and torchtitan wraps its model itself "
+                         f"(its parallelism.fsdp_reshard_after_forward): drop {flag}")
 
 
 def model_options(fn=None, *, hide=()):

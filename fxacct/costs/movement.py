@@ -7,7 +7,7 @@ alone (kind `creation`). Views need no entry: the schema's alias annotation make
 
 import torch
 
-from fxacct.costs.registry import register_zero
+from fxacct.costs.registry import INDUCTOR_RANDOM, register_zero
 
 aten = torch.ops.aten
 
@@ -45,8 +45,6 @@ register_zero(
     aten.linspace, aten.logspace, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full,
     aten.new_empty_strided, aten.bernoulli, aten.tensor, aten._efficientzerotensor,
     torch.ops.prims.iota,  # arange as inductor's decompositions write it (torch/_refs: arange -> prims.iota)
-    # the random numbers of a compiled graph's dropout, by name (fxacct.costs.registry._NAMED): its
-    # seeds, the one each use looks up, the draws
-    "prims::inductor_seeds", "prims::inductor_lookup_seed", "prims::inductor_random", "prims::inductor_randint",
+    *INDUCTOR_RANDOM,  # a compiled graph's dropout draws, by name
     creation=True,
 )

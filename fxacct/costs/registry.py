@@ -86,10 +86,11 @@ def registering_from(path: str):
     finally:
         _SOURCE.pop()
 FOREACH = "foreach"  # registry key of the _foreach_* family (multi-tensor optimizer ops)
-# ops that exist only once a module of torch's defines them (torch/_inductor/inductor_prims.py),
-# keyed by their qualified name so that fxacct need not import that module (seconds)
-_NAMED = frozenset({"prims::inductor_seeds", "prims::inductor_lookup_seed", "prims::inductor_random",
-                    "prims::inductor_randint"})
+# the random numbers of a compiled graph's dropout (torch/_inductor/inductor_prims.py): its seeds,
+# the one each use looks up, the draws. They exist only once torch._inductor is imported (seconds),
+# so they are keyed by their qualified name (fxacct.costs.movement registers them)
+INDUCTOR_RANDOM = ("prims::inductor_seeds", "prims::inductor_lookup_seed", "prims::inductor_random",
+                   "prims::inductor_randint")
 
 
 def register(*ops, movement: bool = False, creation: bool = False, wants_grad_mask: bool = False):
@@ -97,7 +98,7 @@ def register(*ops, movement: bool = False, creation: bool = False, wants_grad_ma
     torch.ops.mylib.op.default, or an OpOverloadPacket such as torch.ops.mylib.op for all its
     overloads). Public (fxacct.costs.register): a user's custom op gets a formula the same way."""
     for op in ops:
-        if not isinstance(op, (OpOverload, OpOverloadPacket, torch.Tag)) and op != FOREACH and op not in _NAMED:
+        if not isinstance(op, (OpOverload, OpOverloadPacket, torch.Tag)) and op != FOREACH and op not in INDUCTOR_RANDOM:
             raise ValueError(f"register takes torch.ops.NAMESPACE.OP[.OVERLOAD], got {op!r}")
 
     def wrap(formula):

@@ -88,9 +88,9 @@ class Storages:
         # id -> (dtype, bytes) where the real kernel's output differs from the fake kernel's
         self.real: dict[int, tuple[torch.dtype, int]] = {}
         self.pinned: set[int] = set()  # deaths set by fxacct.parallel.fsdp_reduce_replay, not by the callback
-        # id -> (death, clock): a replayed block's incoming gradient (fxacct.trace.replay_train), which
-        # dies at ``death`` (its last use in the block) where it is freed with the clock still at
-        # ``clock`` (the block's backward returned and nothing else held it), else when it is freed
+        # id -> (death, clock): a replayed block's incoming gradient or saved input (fxacct.trace.replay_node),
+        # which dies at ``death`` (where the traced block let it go) if it is freed with the clock still
+        # at ``clock`` (the block's backward returned and nothing else held it), else when it is freed
         self.released: dict[int, tuple[int, int]] = {}
 
     @property

@@ -74,7 +74,7 @@ class ReplayFn(torch.autograd.Function):
         # unless something else holds it (a residual's other branch, whose gradient is the same
         # tensor, waits in the input buffer of the op before the block); here the engine holds it
         # until this function returns, so where it is freed then, it died at its last use in the
-        # template (the probe held its own incoming gradients to the end), else when it is freed
+        # template (the probe held its own incoming gradients to the end), else when it is freed.
         # The block's saved inputs likewise: the engine lets a node's saved tensors go once it has
         # run, where ctx holds them to the end of the whole block's backward
         held = [(Slot("gout", j), last) for j, last in template.gout_last_use.items() if j < len(gouts)]
