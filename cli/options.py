@@ -388,7 +388,8 @@ def to_config(target, batch, dtype, kwargs_json, kwarg_items, input_specs, input
         find_max_batch=not no_max_batch, count_recompute=count_recompute,
         loss=loss, hf_class=hf_class, seq_len=seq_len,
         checkpoint=tuple(checkpoint), checkpoint_policy=checkpoint_policy, costs=tuple(costs), mesh=mesh,
-        parallelize=parallelize, alloc_conf=alloc_conf, fp8=fp8,
+        parallelize=parallelize if mesh is not None else None,  # plan takes one for the meshes it makes
+        alloc_conf=alloc_conf, fp8=fp8,
         torchtitan_args=tuple(torchtitan_args),
         compile=compile_model, compile_blocks=tuple(compile_blocks), compile_mode=compile_mode,
         sdpa_backend=sdpa_backend,
