@@ -11,6 +11,7 @@ import click
 
 import fxacct
 from fxacct.load.quantities import parse_duration
+from fxacct_cli.idle_flags import refuse_idle_flags
 from fxacct_cli.main import cli, examples, write_output
 from fxacct_cli.options import (
     DEBUG,
@@ -23,7 +24,6 @@ from fxacct_cli.options import (
     max_memory_option,
     mesh_options,
     model_options,
-    refuse_idle_flags,
     to_config,
     with_mesh,
 )

@@ -13,6 +13,7 @@ import fxacct
 from fxacct.errors import InternalError, ModelError, UsageError
 from fxacct.load.flags import DEFAULT_DEPTH, DEFAULT_TOP
 from fxacct.load.run_options import RuntimeOptions
+from fxacct_cli.idle_flags import refuse_idle_flags
 from fxacct_cli.main import cli, examples, report_stream, write_output
 from fxacct_cli.options import (
     DEBUG,
@@ -26,7 +27,6 @@ from fxacct_cli.options import (
     group,
     mesh_options,
     model_options,
-    refuse_idle_flags,
     terminal_width,
     to_config,
     with_mesh,
