@@ -124,10 +124,12 @@ def test_short_allocations_equal_eager(case, dtype, memory_format):
         strides[i] = strides[i + 1] * shape[i + 1] * 2  # padded rows: not the contiguous strides
     fast, stock = _both(aten.empty_strided.default, lambda x: (list(shape), strides), case, new)
     assert fast[:6] == stock[:6] and fast[1] == tuple(strides)
-    # empty_like follows the input's layout under preserve_format, and its device with none given
-    fast, stock = _both(aten.empty_like.default, lambda x: (x,), case, {"memory_format": memory_format})
-    assert _addressed(fast)[:6] == _addressed(stock)[:6]
-    assert not fast[6] and not stock[6]  # a new storage, not the input's
+    # empty_like follows the input's layout under preserve_format, and its device with none given;
+    # zeros_like and ones_like (an optimizer's state) alike
+    for like in (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default):
+        fast, stock = _both(like, lambda x: (x,), case, {"memory_format": memory_format})
+        assert _addressed(fast)[:6] == _addressed(stock)[:6]
+        assert not fast[6] and not stock[6]  # a new storage, not the input's
     # to_empty of a model built on meta: empty_like of a meta tensor, on the device asked or its own
     for device in ({"device": torch.device("cpu")}, {}):
         meta = _make(torch.device("meta"), case)
@@ -137,6 +139,39 @@ def test_short_allocations_equal_eager(case, dtype, memory_format):
         with stock_mode:
             stock = aten.empty_like.default(meta, memory_format=memory_format, **device)
         assert type(fast) is type(stock) and _described(fast, meta) == _described(stock, meta)
+
+
+@given(base_tensors(), st.sampled_from([torch.float32, torch.bfloat16, torch.int64]), st.booleans())
+def test_fresh_and_alias_equal_the_modes_own(case, dtype, strided):
+    """fake_mode.fresh (a replayed block's outputs and gradients, a capture's parameters) and
+    fake_mode.alias (the engine's detach) made below every Python mode: the tensor the mode's own
+    dispatch of empty_strided / empty / detach makes, of that mode, on the same device, with a new
+    storage (fresh) or the input's (alias)."""
+    mode = fake_mode.FakeTensorMode()
+    x = _make(mode, case, dtype)
+    shape, stride = tuple(x.shape), x.stride()
+    made = fake_mode.fresh(mode, shape, stride if strided else None, dtype)
+    with mode:
+        stock = torch.empty_strided(shape, stride, dtype=dtype) if strided else torch.empty(shape, dtype=dtype)
+    assert type(made) is type(stock) is tp.FakeTensor and made.fake_mode is mode
+    assert _described(made, x) == _described(stock, x) and not _described(made, x)[6]
+    view = fake_mode.alias(x)
+    with mode:
+        stock = x.detach()
+    assert type(view) is tp.FakeTensor and view.fake_mode is mode and not view.requires_grad
+    assert _described(view, x) == _described(stock, x) and _described(view, x)[6]  # x's own storage
+
+
+def test_alias_declines_what_the_short_path_would():
+    """alias answers None (the caller dispatches detach) where fxacct's short path would not take it:
+    a real tensor, another mode's fake, a fake with a constant value, torch's own FakeTensorMode."""
+    mode = fake_mode.FakeTensorMode(allow_non_fake_inputs=True)
+    with tp.FakeTensorMode() as other:
+        foreign = torch.empty(4, 4)
+    constant = mode.fake_tensor_converter.from_real_tensor(mode, torch.tensor([1.0, 2.0]), make_constant=True)
+    for t in (torch.empty(4, 4), foreign, constant):
+        assert fake_mode.alias(t) is None
+    assert foreign.fake_mode is other
 
 
 def test_short_path_declines_what_it_cannot_answer():

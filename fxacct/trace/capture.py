@@ -223,13 +223,14 @@ def _to_fake(t, options: CaptureOptions):
 
 def _replay_for(session: _Session):
     o = session.options
+    runs = o.reuse.runs_of if o.reuse is not None else find_runs
     if o.inference and o.dedup:
-        return BlockReplay(session.recorder, session.storages, find_runs(session.model))
+        return BlockReplay(session.recorder, session.storages, runs(session.model), session.mode)
     # --checkpoint: no training replay. A replayed block stands in for a run of the module the checkpoint wrapper
     # surrounds: torch.utils.checkpoint's frame would see one traced block's saved tensors against a recompute of
     # each (CheckpointError). --compile: a compiled region runs its graphs: no submodule calls to replay
     if o.dedup and o.backward and not o.checkpoint and o.compile is None:
-        return TrainReplay(session.recorder, session.storages, find_runs(session.model), session.saved)
+        return TrainReplay(session.recorder, session.storages, runs(session.model), session.mode, session.saved)
     return contextlib.nullcontext()
 
 
@@ -285,7 +286,8 @@ def _train_step(session: _Session, box: list) -> None:
     # into .grad of the parameters it swapped out), and reentrant checkpointing, which refuses
     # torch.autograd.grad (torch.autograd._is_checkpoint_valid), works
     loss.backward(seed)
-    session.grads = tuple(t.grad for t in targets)
+    with tp.no_torch_function():  # fxacct's own reads
+        session.grads = tuple(t.grad for t in targets)
     del seed
     if o.optimizer is not None:
         rec.phase = OPTIMIZER

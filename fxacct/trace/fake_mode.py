@@ -43,7 +43,11 @@ VIEWS = frozenset({
 })
 # Uninitialized allocations: the tensor is its shape, strides, dtype and device.
 NEW = frozenset({aten.empty.memory_format, aten.empty_strided.default})
-LIKE = frozenset({aten.empty_like.default})
+# Allocations like another tensor: the meta kernel's metadata is what FakeTensorMode's own handler of
+# them (fake_impls.py, like_constructors) returns too; the values (zeros, ones) are the known-value
+# mode's to keep (fxacct.trace.known_values), above this one. An optimizer's state (zeros_like per
+# parameter, Adam's two) takes this path.
+LIKE = frozenset({aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default})
 
 # The namespaces whose ops FakeTensorMode may cache (torch._library.utils.is_builtin); the others
 # (fsdp.*, c10d.*, _c10d_functional.*, a user's custom ops) it runs uncached every time.
@@ -119,6 +123,31 @@ class FakeTensorMode(tp.FakeTensorMode):
             elif not isinstance(a, (int, float, bool, torch.dtype, torch.memory_format, type(None))):
                 return False
         return True
+
+
+def fresh(mode: FakeTensorMode, shape, stride, dtype: torch.dtype) -> torch.Tensor:
+    """A new fake tensor of ``mode`` on the CPU: what ``torch.empty_strided`` (``torch.empty`` where
+    ``stride`` is None) under the mode returns (its short path above: the meta kernel's output
+    wrapped), made below every Python mode. A replayed block makes one per output and gradient
+    (about 900 on a 70B step) with the recorder suppressed, a capture one per parameter: the trip
+    through the recorder and the fake mode's dispatch costs 3-4x the tensor."""
+    with tp.no_python_dispatch():
+        meta = (torch.empty(shape, dtype=dtype, device=_META) if stride is None
+                else torch.empty_strided(shape, stride, dtype=dtype, device=_META))
+    return tp.FakeTensor(mode, meta, _CPU)
+
+
+def alias(t: torch.Tensor) -> torch.Tensor | None:
+    """``aten.detach(t)`` (a new tensor on t's storage) made below every Python mode where t is a
+    plain fake tensor of fxacct's mode, whose short path would make it (None elsewhere): the view
+    without the dispatch to reach it."""
+    mode = t.fake_mode if type(t) is tp.FakeTensor else None
+    if not isinstance(mode, FakeTensorMode) or mode.shape_env is not None or mode.propagate_real_tensors \
+            or not mode._plain((t,)):
+        return None
+    with tp.in_kernel_invocation_manager(mode), tp.no_python_dispatch():
+        meta = aten.detach.default(t)
+    return tp.FakeTensor(mode, meta, t.fake_device)
 
 
 def _device(t: torch.Tensor) -> torch.device:

@@ -13,12 +13,16 @@ import torch
 from fxacct.load.inputs import BOUND
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import Recorder
-from fxacct.trace.fake_mode import FakeTensorMode
+from fxacct.trace.fake_mode import FakeTensorMode, fresh
 
 
-def fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A fake CPU tensor with t's shape and strides (call inside the FakeTensorMode)."""
-    if dtype is not None and t.is_floating_point():
+def fake_like(t: torch.Tensor, dtype: torch.dtype | None, mode: FakeTensorMode | None = None) -> torch.Tensor:
+    """A fake CPU tensor with t's shape and strides (contiguous, cast to ``dtype`` where given and t
+    is floating): call inside the FakeTensorMode, or give fxacct's ``mode`` (made at once)."""
+    cast = dtype is not None and t.is_floating_point()
+    if mode is not None:
+        return fresh(mode, t.shape, None if cast else t.stride(), dtype if cast else t.dtype)
+    if cast:
         return torch.empty(t.shape, dtype=dtype, device="cpu")
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
@@ -50,27 +54,28 @@ class FakeModel:
     buffer_groups: dict  # id(buffer) -> its names
     attributes: list  # (module, name, real, fake) of tensors kept as plain attributes
 
+    @tp.torch_function_off  # fxacct's own reads (tp.no_torch_function)
     def trainable(self) -> list[torch.Tensor]:
         return [self.fake_of[pid] for pid in self.param_groups if self.fake_of[pid].requires_grad]
 
 
-def fake_model(model: torch.nn.Module, dtype: torch.dtype | None) -> FakeModel:
-    """Call inside the FakeTensorMode."""
+def fake_model(model: torch.nn.Module, dtype: torch.dtype | None, mode: FakeTensorMode) -> FakeModel:
+    """The fakes of ``mode`` (fake_like), which is entered."""
     fake = FakeModel({}, {}, {}, {}, [])
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in fake.fake_of:
             # as the model has it, in inference too: under no_grad it records nothing, but autocast
             # caches its low-precision copy of a weight that requires grad until the region ends
-            fake.fake_of[id(p)] = fake_like(p, dtype).requires_grad_(p.requires_grad)
+            fake.fake_of[id(p)] = fake_like(p, dtype, mode).requires_grad_(p.requires_grad)
         fake.param_groups.setdefault(id(p), []).append(name)
         fake.state[name] = fake.fake_of[id(p)]
     for name, b in model.named_buffers(remove_duplicate=False):
         if id(b) not in fake.fake_of:
-            fake.fake_of[id(b)] = fake_like(b, dtype)
+            fake.fake_of[id(b)] = fake_like(b, dtype, mode)
         fake.buffer_groups.setdefault(id(b), []).append(name)
         fake.state[name] = fake.fake_of[id(b)]
     # tensors a module keeps as plain attributes (not parameters or buffers): swapped too
-    fake.attributes = [(m, k, v, fake_like(v, dtype)) for m in model.modules() for k, v in vars(m).items()
+    fake.attributes = [(m, k, v, fake_like(v, dtype, mode)) for m in model.modules() for k, v in vars(m).items()
                        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
     return fake
 

@@ -41,14 +41,16 @@ def step_once(optimizer, param_groups, fake_of, targets, grads, master_weights: 
     stepping all is cheap and keeps one more effect exact: a loop's locals (`denom`) outlive their
     iteration into the next parameter's update.
     Returns ([(state tensor, count)], [(master copy, count)])."""
-    params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
-    is_param = {id(p) for p in params}
-    for t, g in zip(targets, grads):
-        if g is not None and id(t) in is_param:
-            t.grad = g
+    with tp.no_torch_function():  # fxacct's own reads and writes of .grad
+        params = [fake_of[pid] for pid in param_groups if fake_of[pid].requires_grad]
+        is_param = {id(p) for p in params}
+        for t, g in zip(targets, grads):
+            if g is not None and id(t) in is_param:
+                t.grad = g
+        batches = _batches(optimizer, params)
     states: list[tuple[torch.Tensor, int]] = []
     masters: list[tuple[torch.Tensor, int]] = []
-    for group, count in _batches(optimizer, params):
+    for group, count in batches:
         start = len(recorder.records)
         stepped = batch = on_shards(group) if _shards_stepped(optimizer) else group
         if master_weights:

@@ -14,7 +14,7 @@ import torch
 
 from fxacct.trace import torch_private as tp
 from fxacct.trace.frozen_init import fast_init
-from fxacct.trace.torch_private import storage_key
+from fxacct.trace.torch_private import key_of_storage
 
 TAG = "_fxacct_ref"  # attribute set on each traced tensor: which record (or placeholder) made it
 
@@ -105,7 +105,7 @@ class Storages:
 
     def id_of(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
-        cdata = storage_key(t)
+        cdata = key_of_storage(st)
         sid = self.ids.get(cdata)
         if sid is None:
             sid = len(self.nbytes)

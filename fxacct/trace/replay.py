@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from fxacct.trace import torch_private as tp
+from fxacct.trace.fake_mode import fresh
 from fxacct.trace.records import NO_NUMBERS, TAG, OpRecord, Ref, Slot, TensorMeta, comparable, map_nested
 from fxacct.trace.replay_runs import find_runs  # noqa: F401  (re-exported)
 
@@ -76,8 +77,9 @@ class ForwardPatches:
     """Routes each block's forward through ``self._call`` while active; restores every block's
     own forward (an instance attribute only shadows the class method) on exit."""
 
-    def __init__(self, recorder, storages, runs):
+    def __init__(self, recorder, storages, runs, mode):
         self.recorder = recorder
+        self.mode = mode  # the capture's FakeTensorMode: a replay's fresh tensors are its (fake_mode.fresh)
         self.storages = storages
         self.runs = runs
         self.installed: list[tuple[torch.nn.Module, object]] = []
@@ -115,12 +117,14 @@ class BlockReplay(ForwardPatches):
     def _new_state(run) -> dict:
         return {"spans": [], "template": None, "ok": True}
 
+    @tp.torch_function_off
     def _describe(self, t: torch.Tensor) -> _Tensor:
         st = t.untyped_storage()
         return _Tensor(getattr(t, TAG, None), self.storages.id_of(t), tuple(t.shape), tuple(t.stride()),
                        t.dtype, t.requires_grad,
                        t.storage_offset() == 0 and st.nbytes() == t.numel() * t.element_size())
 
+    @tp.torch_function_off  # fxacct's own reads (tp.no_torch_function), as _replay's and _describe's
     def _span(self, block, args, kwargs) -> tuple[_Span, list]:
         leaves, spec = tp.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -226,6 +230,7 @@ class BlockReplay(ForwardPatches):
 
     # -- replaying ---------------------------------------------------------------------------
 
+    @tp.torch_function_off
     def _replay(self, template: _Span, span: _Span, inputs: list, template_fqn: str, fqn: str):
         rec = self.recorder
         t_refs, t_stores = self._external(template)
@@ -251,7 +256,7 @@ class BlockReplay(ForwardPatches):
                     continue
                 if not leaf.whole or not isinstance(leaf.ref, Ref) or not leaf.ref.is_record:
                     raise _Mismatch  # a view of a larger buffer: not reproducible by a fresh tensor
-                new = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device="cpu")
+                new = fresh(self.mode, leaf.shape, leaf.stride, leaf.dtype)
                 out_store[leaf.storage] = self.storages.id_of(new)
                 setattr(new, TAG, Ref(leaf.ref.source + offset, leaf.ref.index))
                 out_leaves.append(new)

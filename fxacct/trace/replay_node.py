@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from fxacct.trace import torch_private as tp
+from fxacct.trace.fake_mode import fresh
 from fxacct.trace.grad_layout import as_layout
 from fxacct.trace.records import TAG, Ref, Slot
 from fxacct.trace.replay_template import Template, find_meta
@@ -28,7 +29,7 @@ class ReplayFn(torch.autograd.Function):
         with rec.suppressed():
             for ref, sid in zip(template.out_refs, template.out_storages):
                 meta = find_meta(template, ref)
-                new = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="cpu")
+                new = fresh(replay.mode, meta.shape, meta.stride, meta.dtype)
                 setattr(new, TAG, Ref(base + ref.source, ref.index))
                 stores[sid] = replay.storages.id_of(new)
                 outs.append(new)
@@ -45,6 +46,7 @@ class ReplayFn(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @tp.torch_function_off  # fxacct's bookkeeping alone (tp.no_torch_function)
     def backward(ctx, *gouts):
         replay, template = ctx.replay, ctx.template
         rec = replay.recorder
@@ -65,7 +67,7 @@ class ReplayFn(torch.autograd.Function):
                     results[key] = gouts[gref.key]
                     continue
                 meta = find_meta(template, gref)
-                new = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="cpu")
+                new = fresh(replay.mode, meta.shape, meta.stride, meta.dtype)
                 setattr(new, TAG, Ref(base + gref.source - template.fwd_len, gref.index))
                 stores[meta.storage] = replay.storages.id_of(new)
                 results[key] = new

@@ -65,8 +65,8 @@ from fxacct.trace.replay_template import (
 class TrainReplay(ForwardPatches):
     """Installed on the blocks of every run for the length of one training capture."""
 
-    def __init__(self, recorder, storages, runs, saved_tracker):
-        super().__init__(recorder, storages, runs)
+    def __init__(self, recorder, storages, runs, mode, saved_tracker):
+        super().__init__(recorder, storages, runs, mode)
         self.saved = saved_tracker
         self.lingering: set[int] = set()
 
@@ -97,9 +97,11 @@ class TrainReplay(ForwardPatches):
             state["tried"] = True
             state["template"] = self._learn(state["run"], leaves, spec)
         template = state["template"] or own
-        if template is not None and torch.is_grad_enabled() and self._inputs_match(template, leaves, spec) \
-                and template.param_meta == _param_meta(dict(block.named_parameters())):
-            return self._replay(template, block, fqn, leaves)
+        if template is not None and torch.is_grad_enabled():
+            with tp.no_torch_function():  # fxacct's bookkeeping alone until the block's own forward
+                params = dict(block.named_parameters())
+                if self._inputs_match(template, leaves, spec) and template.param_meta == _param_meta(params):
+                    return self._replay(template, block, fqn, leaves, params)
         return original(*args, **kwargs)
 
     def _learn_in_place(self, state, pos, fqn, block, leaves, spec) -> Template | None:
@@ -257,9 +259,8 @@ class TrainReplay(ForwardPatches):
 
     # -- replaying a block ---------------------------------------------------------------------
 
-    def _replay(self, template: Template, block, fqn: str, leaves):
+    def _replay(self, template: Template, block, fqn: str, leaves, params: dict):
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
-        params = dict(block.named_parameters())
         rec, lo = self.recorder, tp.next_autograd_number()
         base = len(rec.records)
         flat = ReplayFn.apply(self, template, block, fqn, inputs, params, *inputs, *params.values())

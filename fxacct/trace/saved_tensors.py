@@ -26,6 +26,7 @@ class SavedTracker:
         # a block input saved only through a DTensor makes that block's training step unreplayable)
         self.wrapped: set[int] = set()
 
+    @tp.torch_function_off  # fxacct's own reads (tp.no_torch_function)
     def pack(self, t: torch.Tensor):
         local = tp.local(t)  # a DTensor's bytes are its local shard's (its wrapper holds none)
         sid = self.storages.id_of(local)

@@ -5,6 +5,8 @@ message naming the API instead of mis-counting later. tests/test_torch_private.p
 behaviour each one must have.
 """
 
+import functools
+
 import torch
 
 from fxacct.errors import FxacctError
@@ -86,6 +88,11 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def key_of_storage(st: torch.UntypedStorage) -> int:
+    """storage_key of a tensor whose untyped storage is ``st``."""
+    return st._cdata
+
+
 def fx_append_node(graph, op: str, target, args: tuple, kwargs: dict, name: str):
     """torch.fx.Graph.create_node without its per-node pytree walk over the arguments (a warning
     check for raw SymInts, which fake tensors with static shapes never produce): a third of the
@@ -160,6 +167,9 @@ def returns_nothing(op) -> bool:
 # Run real tensors past every active dispatch mode (fake tensors, the recorder): the small known
 # values of fxacct.trace.known_values are computed for real beside the traced op.
 disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "torch.utils._python_dispatch")
+# How many TorchDispatchModes a mode's __torch_dispatch__ has below it (itself popped while it runs), the
+# fake mode included.
+dispatch_modes_below = _require(_python_dispatch, "_len_torch_dispatch_stack", "torch.utils._python_dispatch")
 
 
 # kineto (torch.profiler's backend) logs through its own logger, not Python's: at its default level it
@@ -206,6 +216,27 @@ function_mode_stack = _require(_overrides, "_get_current_function_mode_stack", "
 def no_python_dispatch():
     """Ops run their kernels directly, below every TorchDispatchMode and tensor subclass."""
     return torch._C._DisableTorchDispatch()
+
+
+def no_torch_function():
+    """Every TorchFunctionMode and subclass ``__torch_function__`` off: for fxacct's own reads of
+    tensor metadata inside a capture (a storage, strides, requires_grad, a parameter list), which
+    otherwise each pass through the capture's function modes (fxacct.trace.dispatch_recorder's
+    AttentionScope, fxacct.trace.targets' CudaRules) at 2-4 us a read: about 20k reads in the
+    bookkeeping of a 70B step's replayed blocks, optimizer and saved tensors. Never around the
+    model's own code, whose calls those modes are there to see. (Inside a dispatch mode's
+    ``__torch_dispatch__`` torch has them off already.)"""
+    return torch._C.DisableTorchFunction()
+
+
+def torch_function_off(fn):
+    """``fn`` run under no_torch_function()."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 from torch.utils import checkpoint as _checkpoint  # noqa: E402
