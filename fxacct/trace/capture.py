@@ -333,8 +333,7 @@ def _finish(session: _Session) -> Capture:
     grads = tuple(None if g is None else tp.local(g) for g in session.grads)
     ops = None if session.options.nodes or session.compiled else builder.op_list(rec.records, rec.constants)
     if ops is None:
-        builder.add_records(rec.records, rec.constants, rec.repeat_of)
-        builder.attach_saved(session.saved.saved)
+        builder.add_records(rec.records, rec.constants, rec.repeat_of, session.saved.saved)
         out_refs = [getattr(g, TAG) for g in grads if g is not None] + [getattr(t, TAG) for t in session.outputs]
         builder.graph.output(tuple(builder.lookup(r) for r in out_refs))
     got_grad = {id(t): g is not None for t, g in zip(session.targets, grads)}

@@ -118,10 +118,17 @@ class GraphBuilder:
         self.nodes[index] = node
         return node
 
-    def add_records(self, records: list[OpRecord], constants, repeat_of) -> None:
-        """Every record becomes a node; a backward node knows the forward node it derives from."""
+    def add_records(self, records: list[OpRecord], constants, repeat_of, saved: dict) -> None:
+        """Every record becomes a node; a backward node knows the forward node it derives from;
+        each storage autograd saved (``saved``: storage id -> (bytes, dtype)) is put on the node
+        that allocated it, its first producer in graph order (a placeholder's, or an op's)."""
         for slot, meta in constants:
             self.placeholder(slot, "constant", meta, CONSTANT)
+        remaining = dict(saved)
+        for node in self.graph.nodes:  # the placeholders alone, so far
+            mine = _claim(node.meta["val"], remaining)
+            if mine:
+                node.meta["trace"] = replace(node.meta["trace"], saved=node.meta["trace"].saved + mine)
         seq_owner: dict[int, fx.Node] = {}
         for index, r in enumerate(records):
             link, derived_from, repeat = r.link, None, 1
@@ -131,8 +138,9 @@ class GraphBuilder:
                 derived_from = seq_owner.get(link.sequence_nr)
             elif r.phase == "optimizer":
                 repeat = repeat_of(index)
+            mine = _claim(r.outputs, remaining) if remaining else ()
             node = self.add(index, r, NodeTrace(OP, r.phase, r.module, derived_from, r.args_requires_grad,
-                                                r.scope, repeat, origin=r.origin))
+                                                r.scope, repeat, mine, origin=r.origin))
             if isinstance(r.link, TookSequenceNumbers):
                 for s in r.link.numbers():
                     seq_owner[s] = node
@@ -152,17 +160,9 @@ class GraphBuilder:
                       {self.nodes[slot].name: tuple(ops) for slot, ops in readers.items()},
                       {slot: node.meta["val"] for slot, node in self.nodes.items() if isinstance(slot, Slot)})
 
-    def attach_saved(self, saved: dict[int, tuple[int, torch.dtype]]) -> None:
-        """Put each saved storage's (bytes, dtype) on the node that allocated it (its first
-        producer)."""
-        remaining = dict(saved)
-        for node in self.graph.nodes:
-            if not remaining:
-                return
-            if node.target is operator.getitem:
-                continue
-            val = node.meta.get("val")
-            mine = tuple(remaining.pop(v.storage) for v in (val if isinstance(val, tuple) else (val,))
-                         if isinstance(v, TensorMeta) and v.storage in remaining)
-            if mine:
-                node.meta["trace"] = replace(node.meta["trace"], saved=node.meta["trace"].saved + mine)
+
+def _claim(val, remaining: dict) -> tuple:
+    """The (bytes, dtype) of each saved storage among ``val``'s tensors still in ``remaining``,
+    taken out of it (a storage is put on its first producer alone)."""
+    return tuple(remaining.pop(v.storage) for v in (val if isinstance(val, tuple) else (val,))
+                 if isinstance(v, TensorMeta) and v.storage in remaining)
