@@ -286,8 +286,7 @@ def _train_step(session: _Session, box: list) -> None:
     # into .grad of the parameters it swapped out), and reentrant checkpointing, which refuses
     # torch.autograd.grad (torch.autograd._is_checkpoint_valid), works
     loss.backward(seed)
-    with tp.no_torch_function():  # fxacct's own reads
-        session.grads = tuple(t.grad for t in targets)
+    session.grads = tuple(t.grad for t in targets)
     del seed
     if o.optimizer is not None:
         rec.phase = OPTIMIZER
