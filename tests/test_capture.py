@@ -457,3 +457,98 @@ def test_an_example_id_past_the_embedding_is_refused_as_eager_refuses_it():
     with pytest.raises(fxacct.errors.ModelError, match="ids up to 12 in an embedding of 10 rows"):
         fxacct.profile_module(model, (torch.tensor([[3, 12]]),))
     fxacct.profile_module(model, (torch.tensor([[3, 9]]),))  # the last row: eager runs it
+
+
+class _NormBlock(nn.Module):
+    """LayerNorm (one op, three outputs, two of them saved), a linear, a residual, and a plain tensor
+    attribute (no parameter, no buffer: a constant of the capture) that a multiply saves."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+        self.scale = torch.full((d,), 0.5)
+
+    def forward(self, x):
+        return x + self.lin(self.norm(x)) * self.scale
+
+
+class _NormStack(nn.Module):
+    def __init__(self, d: int = 8, blocks: int = 4, classes: int = 5):
+        super().__init__()
+        self.blocks = nn.ModuleList(_NormBlock(d) for _ in range(blocks))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, target):
+        return torch.nn.functional.cross_entropy(self.model(x), target)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_saved_bytes_sit_on_their_first_producers_as_eager_saves_them(dedup):
+    """What autograd saves is put on the node that made each storage: inputs and the loss's target
+    (placeholders), a tensor attribute (a constant placeholder), LayerNorm's mean and rstd (its op
+    node, never the getitems that read them out), replayed blocks' ops alike. Their sum is what a
+    real eager forward and loss save (saved-tensor hooks, each storage once, parameters aside)."""
+    import operator
+
+    from helpers import eager_saved_bytes
+
+    B, d = 3, 8
+    p = profile_meta(on_meta(_NormStack), (meta_input(B, d),), loss="cross-entropy", dedup=dedup)
+    nodes = list(p.capture.graph.nodes)
+    getitems = [n for n in nodes if n.target is operator.getitem]
+    assert getitems and all(n.meta["trace"].saved == () for n in getitems)
+    saved = {n: n.meta["trace"].saved for n in nodes if "trace" in n.meta and n.target is not operator.getitem}
+    norms = [n for n in saved if n.target is torch.ops.aten.native_layer_norm.default and n.meta["trace"].phase == "forward"]
+    assert len(norms) == 4 and all(len(saved[n]) == 3 for n in norms)  # its output (the linear saves it), mean, rstd
+    torch.manual_seed(0)
+    real = _WithLoss(_NormStack())
+    total, _ = eager_saved_bytes(real, (torch.randn(B, d), torch.randint(0, 5, (B,))))
+    assert sum(b for s in saved.values() for b, _ in s) == total == p.accounting.totals.activation_bytes
+    scales = [n for n in saved if n.op == "placeholder" and n.name.startswith("constant") and n.meta["val"].shape == (d,)]
+    assert len(scales) == 4 and all(saved[n] == ((4 * d, torch.float32),) for n in scales)  # saved by each multiply
+    assert saved[next(n for n in nodes if n.name == "target")]  # nll_loss saves its target
+
+
+class _ModeWitness(nn.Module):
+    """A block whose forward notes the torch-function modes in force when it runs."""
+
+    seen: list[int] = []
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        from fxacct.trace import torch_private as tp
+
+        _ModeWitness.seen.append(len(tp.function_mode_stack()))
+        return torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None])[0] + self.lin(x)
+
+
+@pytest.mark.parametrize("gpu", [None, "h100"])
+def test_the_models_code_runs_under_the_captures_function_modes_when_blocks_replay(gpu):
+    """fxacct's own bookkeeping turns the capture's torch-function modes off (its metadata reads);
+    the model's code never runs without them: each block forward that runs (the probes and the
+    inference capture's traced blocks) sees the attention scope (and, for a GPU, the CUDA kernel
+    rules), so the attention FLOPs of every block, replayed or not, equal tracing every block's."""
+    _ModeWitness.seen = []
+    model = on_meta(lambda: nn.Sequential(*[_ModeWitness(8) for _ in range(5)]))
+    replayed = profile_meta(model, (meta_input(6, 8),), gpu=gpu)
+    want = 2 if gpu else 1
+    assert _ModeWitness.seen and min(_ModeWitness.seen) >= want
+    assert len(_ModeWitness.seen) < 10  # blocks replayed: fewer forwards than 5 (train) + 5 (inference)
+    traced = profile_meta(model, (meta_input(6, 8),), gpu=gpu, dedup=False)
+    assert replayed.accounting.totals.forward.attention == traced.accounting.totals.forward.attention > 0
+    assert replayed.accounting.totals == traced.accounting.totals

@@ -6,6 +6,8 @@ whose FSDP2 hooks make thousands of such ops, equal node for node to one traced 
 
 from __future__ import annotations
 
+import contextlib
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -172,6 +174,11 @@ def test_alias_declines_what_the_short_path_would():
     for t in (torch.empty(4, 4), foreign, constant):
         assert fake_mode.alias(t) is None
     assert foreign.fake_mode is other
+    # fresh in torch's own mode: dispatched inside it (entered here, or already in force)
+    for ctx in (contextlib.nullcontext(), other):
+        with ctx:
+            made = fake_mode.fresh(other, (2, 3), (1, 2), torch.bfloat16)
+        assert type(made) is tp.FakeTensor and made.fake_mode is other and made.stride() == (1, 2)
 
 
 def test_short_path_declines_what_it_cannot_answer():
@@ -203,6 +210,40 @@ def test_mesh_account_equal_without_short_path(monkeypatch):
     monkeypatch.setattr(fake_mode.FakeTensorMode, "_short", lambda self, func, args, kwargs: None)
     monkeypatch.setattr(fake_mode.FakeTensorMode, "_uncached", lambda self, func, types, args, kwargs:
                         tp.FakeTensorMode.dispatch(self, func, types, args, kwargs))
+    assert_same_account(fast, profile())
+
+
+def test_an_account_with_fxacct_s_own_tensors_made_below_the_modes_equals_one_with_them_dispatched(monkeypatch):
+    """A replayed model's step (train and inference) with the tensors fxacct makes itself made below
+    the Python modes (fake_mode.fresh: replayed outputs and gradients, fake parameters; fake_mode.alias:
+    the engine's detach of each gradient) and with them dispatched through every mode, as before:
+    node for node the same account. Both shortcuts are counted, so the comparison is not vacuous."""
+    from fxacct.trace import dispatch_recorder, fake_model, replay, replay_node
+
+    def profile():
+        return fxacct.profile(fxacct.Config(target=target("examples/llama.py:Llama"), batch=2, kwargs=dict(n_layers=4)))
+
+    made = {"fresh": 0, "alias": 0}
+
+    def counted(name, fn):
+        def run(*args):
+            out = fn(*args)
+            made[name] += out is not None
+            return out
+        return run
+
+    for module in (replay, replay_node, fake_model):
+        monkeypatch.setattr(module, "fresh", counted("fresh", fake_mode.fresh))
+    monkeypatch.setattr(dispatch_recorder, "alias", counted("alias", fake_mode.alias))
+    fast = profile()
+    assert made["fresh"] > 50 and made["alias"] > 20, made
+
+    def dispatched(mode, shape, stride, dtype):
+        return torch.empty(shape, dtype=dtype) if stride is None else torch.empty_strided(shape, stride, dtype=dtype)
+
+    for module in (replay, replay_node, fake_model):
+        monkeypatch.setattr(module, "fresh", dispatched)
+    monkeypatch.setattr(dispatch_recorder, "alias", lambda t: None)
     assert_same_account(fast, profile())
 
 

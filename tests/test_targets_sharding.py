@@ -114,6 +114,29 @@ def test_no_probability_matrix_is_saved_on_gpu_or_cpu():
         assert not [r for r in p.accounting.nodes if r.activation_bytes and tuple(r.shape[-2:]) == (T, T)], gpu
 
 
+class Sdpa3d(nn.Module):
+    """SDPA on (B, T, D) tensors: no head dimension, which every fused kernel needs."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_sdpa_without_a_head_dimension_takes_the_math_path_on_a_gpu():
+    # flash, memory-efficient and cuDNN attention take 4-D query/key/value only
+    # (ATen/native/transformers/sdp_utils_cpp.h, check_tensor_shapes); 3-D ones run CUDA's math path:
+    # QKᵀ and PV as two batched matmuls, 2·B·T·T·D FLOPs each (B=2, T=32, D=16), and the softmax saved
+    p = profile_meta(on_meta(Sdpa3d), (meta_input(2, T, 16),), gpu="h100", find_max_batch=False)
+    ops = [r.op for r in p.accounting.nodes]
+    assert not [op for op in ops if "scaled_dot_product" in op], ops
+    assert p.accounting.totals.forward.attention == 2 * (2 * 2 * T * T * 16)
+    assert [r for r in p.accounting.nodes if r.activation_bytes and tuple(r.shape[-2:]) == (T, T)]
+
+
 def test_gpt_cpu_attention_is_cpu_flash():
     # CPU flash saves out 16,384 B + logsumexp 1,024 B, no RNG state
     p = fxacct.profile(config("GPT", batch=2))

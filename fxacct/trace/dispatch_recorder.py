@@ -302,7 +302,8 @@ def _engine_alias(t: torch.Tensor) -> torch.Tensor:
     """``aten.detach(t)`` for the engine, from inside the recorder: where the fake mode alone is
     below it and would take its short path (fxacct.trace.fake_mode), the same view made at once
     (fake_mode.alias); a loss.backward() of a 70B step runs about 800 of them."""
-    out = alias(t) if tp.dispatch_modes_below() == 1 else None
+    out = alias(t) if tp.dispatch_modes_below() == 1 and tp.fake_mode_in_force() is getattr(t, "fake_mode", None) \
+        else None
     return _DETACH(t) if out is None else out
 
 

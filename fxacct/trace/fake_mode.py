@@ -27,6 +27,8 @@ nothing and write only into their ``out`` tensors run their kernel once per sign
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fxacct.errors import passes_through
@@ -130,7 +132,13 @@ def fresh(mode: FakeTensorMode, shape, stride, dtype: torch.dtype) -> torch.Tens
     ``stride`` is None) under the mode returns (its short path above: the meta kernel's output
     wrapped), made below every Python mode. A replayed block makes one per output and gradient
     (about 900 on a 70B step) with the recorder suppressed, a capture one per parameter: the trip
-    through the recorder and the fake mode's dispatch costs 3-4x the tensor."""
+    through the recorder and the fake mode's dispatch costs 3-4x the tensor. Where the short path
+    would not serve (another mode, a shape environment, real tensors propagated) the factory is
+    dispatched as before, inside ``mode``."""
+    if not isinstance(mode, FakeTensorMode) or mode.shape_env is not None or mode.propagate_real_tensors:
+        with contextlib.nullcontext() if tp.fake_mode_in_force() is mode else mode:
+            return (torch.empty(shape, dtype=dtype, device=_CPU) if stride is None
+                    else torch.empty_strided(shape, stride, dtype=dtype, device=_CPU))
     with tp.no_python_dispatch():
         meta = (torch.empty(shape, dtype=dtype, device=_META) if stride is None
                 else torch.empty_strided(shape, stride, dtype=dtype, device=_META))

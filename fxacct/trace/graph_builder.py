@@ -103,7 +103,8 @@ class GraphBuilder:
         node = self.getitems.get(ref)
         if node is None:
             node = self.graph.create_node("call_function", operator.getitem, (parent, ref.index))
-            node.meta.update(val=parent.meta["val"][ref.index], trace=parent.meta["trace"])
+            trace = parent.meta["trace"]  # what autograd saved of its outputs stays on the op's node alone
+            node.meta.update(val=parent.meta["val"][ref.index], trace=replace(trace, saved=()) if trace.saved else trace)
             self.getitems[ref] = node
         return node
 

@@ -49,6 +49,11 @@ def _to_fp32(x):
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
+    if not query.dim() == key.dim() == value.dim() == 4:
+        # every fused kernel takes (B, H, T, D) alone; CUDA runs others on its math path, as the CPU does
+        # (ATen/native/transformers/sdp_utils_cpp.h, check_tensor_shapes)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(groups, -3)

@@ -172,6 +172,11 @@ disable_current_modes = _require(_python_dispatch, "_disable_current_modes", "to
 dispatch_modes_below = _require(_python_dispatch, "_len_torch_dispatch_stack", "torch.utils._python_dispatch")
 
 
+def fake_mode_in_force():
+    """The FakeTensorMode on this thread's dispatch mode stack, or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
 # kineto (torch.profiler's backend) logs through its own logger, not Python's: at its default level it
 # writes "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" and "profiler_stop" lines to
 # stderr around every profile. It reads KINETO_LOG_LEVEL once, when the first profile in the process
