@@ -238,11 +238,9 @@ def test_an_account_with_fxacct_s_own_tensors_made_below_the_modes_equals_one_wi
     fast = profile()
     assert made["fresh"] > 50 and made["alias"] > 20, made
 
-    def dispatched(mode, shape, stride, dtype):
-        return torch.empty(shape, dtype=dtype) if stride is None else torch.empty_strided(shape, stride, dtype=dtype)
-
     for module in (replay, replay_node, fake_model):
-        monkeypatch.setattr(module, "fresh", dispatched)
+        monkeypatch.setattr(module, "fresh", lambda mode, shape, stride, dtype: fake_mode.dispatched_empty(
+            shape, stride, dtype))
     monkeypatch.setattr(dispatch_recorder, "alias", lambda t: None)
     assert_same_account(fast, profile())
 

@@ -92,9 +92,14 @@ class FakeTensorMode(tp.FakeTensorMode):
             self._out_only_done.add(key)
         return out
 
+    def serves(self, args=(), like: bool = False) -> bool:
+        """Whether the short path may answer an op on ``args``: no shape environment, no real
+        tensors propagated, plain arguments (_plain)."""
+        return self.shape_env is None and not self.propagate_real_tensors and self._plain(args, like)
+
     @passes_through
     def _short(self, func, args, kwargs):
-        if self.shape_env is not None or self.propagate_real_tensors or not self._plain(args, func in LIKE):
+        if not self.serves(args, func in LIKE):
             return None
         if func in VIEWS:
             if kwargs:
@@ -135,14 +140,21 @@ def fresh(mode: FakeTensorMode, shape, stride, dtype: torch.dtype) -> torch.Tens
     through the recorder and the fake mode's dispatch costs 3-4x the tensor. Where the short path
     would not serve (another mode, a shape environment, real tensors propagated) the factory is
     dispatched as before, inside ``mode``."""
-    if not isinstance(mode, FakeTensorMode) or mode.shape_env is not None or mode.propagate_real_tensors:
+    if not (isinstance(mode, FakeTensorMode) and mode.serves()):
         with contextlib.nullcontext() if tp.fake_mode_in_force() is mode else mode:
-            return (torch.empty(shape, dtype=dtype, device=_CPU) if stride is None
-                    else torch.empty_strided(shape, stride, dtype=dtype, device=_CPU))
+            return dispatched_empty(shape, stride, dtype)
     with tp.no_python_dispatch():
         meta = (torch.empty(shape, dtype=dtype, device=_META) if stride is None
                 else torch.empty_strided(shape, stride, dtype=dtype, device=_META))
     return tp.FakeTensor(mode, meta, _CPU)
+
+
+def dispatched_empty(shape, stride, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty_strided`` (``torch.empty`` where ``stride`` is None) on the CPU, through every
+    mode in force: under a fake mode, a fake tensor of it."""
+    if stride is None:
+        return torch.empty(shape, dtype=dtype, device=_CPU)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=_CPU)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor | None:
@@ -150,8 +162,7 @@ def alias(t: torch.Tensor) -> torch.Tensor | None:
     plain fake tensor of fxacct's mode, whose short path would make it (None elsewhere): the view
     without the dispatch to reach it."""
     mode = t.fake_mode if type(t) is tp.FakeTensor else None
-    if not isinstance(mode, FakeTensorMode) or mode.shape_env is not None or mode.propagate_real_tensors \
-            or not mode._plain((t,)):
+    if not (isinstance(mode, FakeTensorMode) and mode.serves((t,))):
         return None
     with tp.in_kernel_invocation_manager(mode), tp.no_python_dispatch():
         meta = aten.detach.default(t)

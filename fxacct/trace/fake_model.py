@@ -13,18 +13,15 @@ import torch
 from fxacct.load.inputs import BOUND
 from fxacct.trace import torch_private as tp
 from fxacct.trace.dispatch_recorder import Recorder
-from fxacct.trace.fake_mode import FakeTensorMode, fresh
+from fxacct.trace.fake_mode import FakeTensorMode, dispatched_empty, fresh
 
 
 def fake_like(t: torch.Tensor, dtype: torch.dtype | None, mode: FakeTensorMode | None = None) -> torch.Tensor:
     """A fake CPU tensor with t's shape and strides (contiguous, cast to ``dtype`` where given and t
     is floating): call inside the FakeTensorMode, or give fxacct's ``mode`` (made at once)."""
     cast = dtype is not None and t.is_floating_point()
-    if mode is not None:
-        return fresh(mode, t.shape, None if cast else t.stride(), dtype if cast else t.dtype)
-    if cast:
-        return torch.empty(t.shape, dtype=dtype, device="cpu")
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    shape, stride, dtype = t.shape, None if cast else t.stride(), dtype if cast else t.dtype
+    return fresh(mode, shape, stride, dtype) if mode is not None else dispatched_empty(shape, stride, dtype)
 
 
 def fake_input(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
