@@ -17,7 +17,7 @@ import click
 import cloup
 
 from fxacct.errors import INTERNAL_HINT, USER_FRAMES_HINT, FxacctError, ModelError, classify, internal_error
-from fxacct.heap import rarer_full_collections
+from fxacct.heap import one_command_process
 
 
 def _fail(e: FxacctError, debug: bool):
@@ -171,8 +171,9 @@ def main() -> None:
     wall time on a 2-core machine (measured: `import torch, transformers` with and without
     os._exit), a fifth of a small model's whole answer; every command has finished its work (files
     written atomically, worker pools shut down by their `with` blocks) before this point. For the
-    same reason its full garbage collections are made rarer (fxacct.heap.rarer_full_collections)."""
-    rarer_full_collections()
+    same reason the garbage collector skips what would free nothing before the exit
+    (fxacct.heap.one_command_process)."""
+    one_command_process()
     code = run()
     for stream in (sys.stdout, sys.stderr):
         try:
