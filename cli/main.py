@@ -171,7 +171,7 @@ def main() -> None:
     wall time on a 2-core machine (measured: `import torch, transformers` with and without
     os._exit), a fifth of a small model's whole answer; every command has finished its work (files
     written atomically, worker pools shut down by their `with` blocks) before this point. For the
-    same reason the garbage collector skips what would free nothing before the exit
+    same reason its garbage collector is off: what it would free, the exit frees
     (fxacct.heap.one_command_process)."""
     one_command_process()
     code = run()

@@ -37,26 +37,21 @@ a search froze it, a full collection (about 0.1 s with torch in the heap, beside
 traces). The CLI's one call pays neither.
 Measured on the 70B profiles (bench/speed.py): see docs/speed.md.
 
-A process that runs one command and exits (the CLI, ``fxacct_cli.main.main``) says so once
-(``one_command_process``), and the collector is spared two kinds of work that free nothing the
-process needs before it leaves:
-- full collections are made rarer for its whole life: importing torch and transformers builds
-  about 450k long-lived objects, and the default thresholds walk them all in four full
-  collections that free nothing of note (0.25 s of a 3.4 s small Hugging Face profile, measured
-  with gc.callbacks on a 2-core machine; 0.47 s of the 70B --mesh fsdp=8,tp=8 profile), at the
-  same peak RSS;
-- as a call returns, what it made moves to the oldest generation (``gc.freeze()`` empties the
-  young generations into the frozen heap and zeroes the young count, CPython's gcmodule.c
-  gc_freeze_impl; ``gc.unfreeze()`` then gives the whole to the oldest). Otherwise the first
-  allocation after the collector comes back starts a young collection of everything the call
-  made (its young count is every allocation since its way in), which walks the captures and
-  frees their cyclic garbage (the inference capture, the probes' fake tensors and their
-  finalizers) just before the process leaves without freeing anything: on the tiny Qwen2's 3 s
-  CLI profile one collection of 14k objects, 0.11-0.12 s by gc.callbacks, and 0.2 s of wall
-  time with what it frees (8 runs alternating with the code before). A later call of the same
-  command (``fxacct diff`` profiles twice) collects it on its way in, a full collection, as after
-  a search.
-Inside it a trace's ``frozen_heap`` switches the collector off as above.
+A process that runs one command and exits (the CLI, ``fxacct_cli.main.main``, which leaves by
+``os._exit``) says so once (``one_command_process``), and its collector is switched off for the
+rest of its life: what it would collect is freed by the exit anyway, and collecting costs.
+Measured with gc.callbacks on the tiny Qwen2's 3 s CLI profile (2-core machine):
+- importing torch and transformers builds about 450k long-lived objects; the default thresholds
+  walk them all in four full collections that free nothing of note (0.25 s; 0.47 s of the 70B
+  --mesh fsdp=8,tp=8 profile) and in about 370 young ones (0.05 s);
+- as a call returns and the collector comes back, the first allocation starts a young
+  collection of everything the call made (its young count is every allocation since its way in),
+  which walks the captures and frees their cyclic garbage (the inference capture, the probes'
+  fake tensors and their finalizers): one collection of 14k objects, 0.11-0.12 s, and 0.2 s of
+  wall time with what it frees (8 runs alternating with the collector back on).
+fxacct's own collections still run there: a search frees each probe it drops, and a later call of
+the same command (``fxacct diff`` profiles twice) collects on its way in where the last one left
+what it made. Peak RSS is the same: the collections skipped free nothing the command needs.
 
 A process that froze its own heap (a forking server does, before ``fork``) keeps it as it is:
 fxacct freezes only when nothing is frozen, so it never unfreezes what the caller froze, and a
@@ -69,9 +64,6 @@ import contextlib
 import functools
 import gc
 
-FULL_COLLECTIONS_RARER = 10  # for a one-command process (module docstring)
-
-
 _inside = False  # a frozen_heap of fxacct's own is open (a nested call asks nothing of gc)
 # how the last of them left what it made, as the generation gc.collect takes to reach it: None (none
 # has closed), in the young generations (YOUNG: collecting 0 and 1 finds what the caller dropped
@@ -80,7 +72,7 @@ _inside = False  # a frozen_heap of fxacct's own is open (a nested call asks not
 YOUNG, OLD = 1, 2
 _returned: int | None = None
 _froze_made = False
-_one_command = False  # one_command_process(): the process leaves after its one command
+_one_command = False  # one_command_process(): the process leaves after its one command, collector off
 
 
 @contextlib.contextmanager
@@ -92,7 +84,7 @@ def frozen_heap():
         yield
         return
     enabled = gc.isenabled()  # a caller who switched the collector off keeps it off
-    if enabled and _returned is not None:
+    if (enabled or _one_command) and _returned is not None:
         gc.collect(_returned)  # an earlier call's dropped results, before freeze() keeps them (module docstring)
     gc.freeze()
     gc.disable()
@@ -100,9 +92,7 @@ def frozen_heap():
     try:
         yield
     finally:
-        if _one_command:
-            gc.freeze()  # what the call made, to the oldest generation with the rest (module docstring)
-        _inside, _returned, _froze_made = False, OLD if _froze_made or _one_command else YOUNG, False
+        _inside, _returned, _froze_made = False, OLD if _froze_made else YOUNG, False
         if enabled:
             gc.enable()
         gc.unfreeze()
@@ -131,12 +121,11 @@ def collect_dropped() -> None:
 
 
 def one_command_process() -> None:
-    """For a process that runs one command and exits (module docstring): full collections
-    FULL_COLLECTIONS_RARER times rarer from here to its end, and each of fxacct's calls leaves what
-    it made in the oldest generation rather than to a young collection as it returns."""
+    """For a process that runs one command and exits (module docstring): the collector off from
+    here to its end; fxacct's own collections (a search's dropped probes, a later call's way in)
+    still run."""
     global _one_command
-    young, middle, full = gc.get_threshold()
-    gc.set_threshold(young, middle, full * FULL_COLLECTIONS_RARER)
+    gc.disable()
     _one_command = True
 
 
