@@ -51,7 +51,9 @@ Measured with gc.callbacks on the tiny Qwen2's 3 s CLI profile (2-core machine):
   wall time with what it frees (8 runs alternating with the collector back on).
 fxacct's own collections still run there: a search frees each probe it drops, and a later call of
 the same command (``fxacct diff`` profiles twice) collects on its way in where the last one left
-what it made. Peak RSS is the same: the collections skipped free nothing the command needs.
+what it made. Peak RSS is the same: the collections skipped free nothing the command needs. The
+real model's steps a runtime run measures have the collector on (``collector_on``), as a
+training loop has it.
 
 A process that froze its own heap (a forking server does, before ``fork``) keeps it as it is:
 fxacct freezes only when nothing is frozen, so it never unfreezes what the caller froze, and a
@@ -127,6 +129,22 @@ def one_command_process() -> None:
     global _one_command
     gc.disable()
     _one_command = True
+
+
+@contextlib.contextmanager
+def collector_on():
+    """The collector on, as the user's own training loop has it, where ``one_command_process``
+    switched it off: the real steps fxacct.runtime times and measures, whose cyclic garbage (a
+    model may make some every step) is freed as in that loop, not held to the exit. A caller who
+    switched it off keeps it off."""
+    if not _one_command or gc.isenabled():
+        yield
+        return
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.disable()
 
 
 def with_frozen_heap(fn):

@@ -44,6 +44,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from fxacct.errors import FxacctError, ModelError, classify, first_line
+from fxacct.heap import collector_on
 from fxacct.load.config import Config
 from fxacct.load.hf import is_causal_lm
 from fxacct.predict.calibration import cpu_name
@@ -334,7 +335,7 @@ def measure(config: Config, device: torch.device, steps: int, warmup: int, node_
     progress = progress or (lambda phase, done, total: None)
     tp.quiet_kineto()  # before the profiler's first start in this process
     try:
-        with _model_errors(device, config.batch):
+        with _model_errors(device, config.batch), collector_on():  # as the user's training loop has it
             progress("warm-up", 0, warmup)
             for i in range(warmup):
                 step()
