@@ -12,12 +12,15 @@ empty one on top. Subprocesses inherit ``os.environ``; a test that passes ``env=
 from ``os.environ``.
 """
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+import fxacct.heap
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -62,3 +65,15 @@ def meta():
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def one_command_process(monkeypatch):
+    """This process as the CLI's (fxacct.heap.one_command_process: its collector off for good), for
+    the test; the collector and the module's state back as they were after it."""
+    monkeypatch.setattr(fxacct.heap, "_one_command", False)
+    fxacct.heap.one_command_process()
+    try:
+        yield
+    finally:
+        gc.enable()

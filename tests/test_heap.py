@@ -93,15 +93,11 @@ def _graphs() -> int:
 
 
 @pytest.fixture(params=[False, True], ids=["library", "one command"])
-def one_command(request, monkeypatch):
+def one_command(request):
     """A library caller's process, or a one-command one (the CLI's: collector off for good)."""
-    monkeypatch.setattr(fxacct.heap, "_one_command", False)
     if request.param:
-        fxacct.heap.one_command_process()
-    try:
-        yield request.param
-    finally:
-        gc.enable()
+        request.getfixturevalue("one_command_process")
+    return request.param
 
 
 @pytest.mark.parametrize("search", [False, True], ids=["profile", "largest batch"])
@@ -157,14 +153,9 @@ def test_a_nested_profile_leaves_the_heap_to_the_outer_one(monkeypatch):
     assert gc.get_freeze_count() == 0
 
 
-def test_a_one_command_process_switches_the_collector_off_for_good(monkeypatch):
-    monkeypatch.setattr(fxacct.heap, "_one_command", False)
-    try:
-        fxacct.heap.one_command_process()
-        fxacct.profile_module(Seen(), (torch.empty(2, 4, device="meta"),))
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+def test_a_one_command_process_switches_the_collector_off_for_good(one_command_process):
+    fxacct.profile_module(Seen(), (torch.empty(2, 4, device="meta"),))
+    assert not gc.isenabled()
 
 
 def test_a_one_command_process_leaves_a_calls_garbage_to_the_exit(one_command):

@@ -18,7 +18,6 @@ from click.testing import CliRunner
 from helpers import ROOT
 
 import fxacct
-import fxacct.heap
 from fxacct.predict import calibration
 from fxacct.runtime import RuntimeOptions, run
 from fxacct_cli.main import cli
@@ -241,7 +240,7 @@ def test_kernel_scratch_is_called_out_when_the_allocator_peak_is_far_above_the_p
     assert _scratch_note(None, 5000, 1000) == []
 
 
-def test_a_one_command_process_measures_the_real_steps_with_the_collector_on(monkeypatch):
+def test_a_one_command_process_measures_the_real_steps_with_the_collector_on(one_command_process, monkeypatch):
     # the CLI switches its collector off (fxacct.heap.one_command_process); a training loop runs with it
     # on, and so do the steps measured: warm-up, timed and profiled. The op-level peak's step pauses it
     # on purpose (storages in reference cycles die at a fixed point), and the process's stays off after
@@ -249,12 +248,7 @@ def test_a_one_command_process_measures_the_real_steps_with_the_collector_on(mon
     seen = []
     step = runtime_run._Step.__call__
     monkeypatch.setattr(runtime_run._Step, "__call__", lambda self, *a: (seen.append(gc.isenabled()), step(self, *a))[1])
-    monkeypatch.setattr(fxacct.heap, "_one_command", False)
-    fxacct.heap.one_command_process()
-    try:
-        config = fxacct.Config(target=MLP[0], kwargs={"d_model": 64, "d_hidden": 128, "n_blocks": 1}, batch=2)
-        runtime_run.measure(config, torch.device("cpu"), steps=2, warmup=1)
-        assert seen == [True] * 5 + [False], seen
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+    config = fxacct.Config(target=MLP[0], kwargs={"d_model": 64, "d_hidden": 128, "n_blocks": 1}, batch=2)
+    runtime_run.measure(config, torch.device("cpu"), steps=2, warmup=1)
+    assert seen == [True] * 5 + [False], seen
+    assert not gc.isenabled()
