@@ -48,10 +48,10 @@ class Model(torch.nn.Module):
         return checkpoint(self.body, x, self.w, use_reentrant=False)
 
 
-def account(how: str) -> fxacct.Profile:
+def account(how: str, **config) -> fxacct.Profile:
     with torch.device("meta"):
         model = Model(how)
-    return fxacct.profile_module(model, (torch.empty(N, D, device="meta"),))
+    return fxacct.profile_module(model, (torch.empty(N, D, device="meta"),), config=fxacct.Config(**config))
 
 
 def test_a_custom_function_recomputing_in_its_backward_is_not_checkpointing():
@@ -72,3 +72,14 @@ def test_torch_utils_checkpoint_is_still_a_recompute():
     # the backward left is the plain model's: dW only (x needs no gradient) and gelu's backward
     assert t.backward == plain.accounting.totals.backward and t.backward.matmul == MM
     assert "recomputed by activation checkpointing" in render_profile_text(p)
+
+
+def test_the_summary_says_where_counted_recompute_went():
+    """--count-recompute (hardware FLOPs) puts the recompute in the backward: the summary's recompute
+    line says so, where by default (model FLOPs) it says it is left out."""
+    model_flops, hardware = account("checkpoint"), account("checkpoint", count_recompute=True)
+    assert hardware.accounting.totals.backward.matmul == model_flops.accounting.totals.backward.matmul + MM
+    text, default = render_profile_text(hardware), render_profile_text(model_flops)
+    assert "1.024k FLOPs, in the backward above (hardware FLOPs: --count-recompute)" in text
+    assert "not in the backward above" not in text
+    assert "1.024k FLOPs, not in the backward above (model FLOPs; --count-recompute adds them)" in default

@@ -53,8 +53,9 @@ def summary(p: Profile) -> str:
     lines = head + [flops_table, ""]
     lines.append(f"loss FLOPs ({LOSS_TEXT.get(c.loss, c.loss)}, not in the totals above): {_flops(t.loss_flops)}")
     if t.recompute_flops:
-        lines.append(f"recomputed by activation checkpointing in the backward: {_flops(t.recompute_flops)} "
-                     "FLOPs, not in the backward above (model FLOPs; --count-recompute adds them)")
+        lines.append(f"recomputed by activation checkpointing in the backward: {_flops(t.recompute_flops)} FLOPs, "
+                     + ("in the backward above (hardware FLOPs: --count-recompute)" if c.count_recompute
+                        else "not in the backward above (model FLOPs; --count-recompute adds them)"))
     lines.append(f"parameters: {_exact(t.params, format_count)}; trainable {_exact(t.trainable_params, format_count)}"
                  f"; {format_bytes(t.param_bytes)}; gradients {format_bytes(t.grad_bytes)}")
     by_loss = f"; the loss's {format_bytes(t.loss_activation_bytes)} of them" if t.loss_activation_bytes else ""
