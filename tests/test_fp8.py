@@ -154,3 +154,13 @@ def test_fp8_under_fsdp2_matches_a_real_gloo_run():
     for m in run_mesh(cfg, steps=1, warmup=1):
         assert m.collectives == predicted, (m.rank, m.collectives)
         assert abs(m.op_level_peak_bytes - p.memory.peak_train.bytes) <= 0.02 * p.memory.peak_train.bytes
+
+
+@pytest.mark.parametrize("mesh", [(), ("--mesh", "fsdp=1")])
+def test_fp8_with_float8_parameters_is_one_line_exit_2(mesh):
+    """--fp8 casts high-precision weights to float8 for each matmul: float8 parameters (--dtype fp8)
+    leave nothing to cast from; told before any trace, on one device and under a mesh alike."""
+    result = CliRunner().invoke(cli, ["profile", LLAMA, "--fp8", "rowwise", "--dtype", "fp8", *mesh])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "--dtype float8_e4m3fn" in lines[0] and "--dtype bf16" in lines[0], lines

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fxacct.devices import SDPA_BACKENDS, get_device
-from fxacct.dtypes import parse_dtype
+from fxacct.dtypes import dtype_name, parse_dtype
 from fxacct.errors import UsageError
 from fxacct.interconnects import network
 from fxacct.load import fp8
@@ -123,6 +123,10 @@ class Config:
             raise UsageError("--parallelize needs --mesh (e.g. --mesh fsdp=2,tp=2): it is called as fn(model, mesh)")
         self._check_zero1()
         fp8.check(self.fp8)
+        if self.fp8 is not None and self.dtype is not None and self.dtype.itemsize == 1:
+            raise UsageError(f"--fp8 {self.fp8} keeps the linear layers' weights in high precision and casts them to "
+                             f"float8 for each matmul, so --dtype {dtype_name(self.dtype)} leaves it nothing to cast "
+                             "from: give --dtype bf16 (or fp32), or drop --fp8")
         self.optimizer_spec().resolve()
         self._check_expert_load()
         if self.torchtitan_args and not is_torchtitan(self.target):
