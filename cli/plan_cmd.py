@@ -63,6 +63,11 @@ def plan_command(fmt, gpus, global_batch, confirm, jobs, no_cache, output, **opt
         if given(name) == click.core.ParameterSource.COMMANDLINE:  # the plan chooses each of these per layout
             raise UsageError(f"fxacct plan chooses {flag} for each layout it tries: drop {flag} (give --gpus and "
                              "--global-batch)")
+    for flag, name, why in (("--no-max-batch", "no_max_batch", "searches for no largest batch (each layout's micro-batch "
+                             "is one it tries)"),
+                            ("--zero1", "zero1", "lays out FSDP2 meshes, which shard the optimizer state already")):
+        if given(name) == click.core.ParameterSource.COMMANDLINE:  # a flag of profile's that no layout reads
+            raise UsageError(f"fxacct plan {why}: drop {flag}")
     check_job(gpus, global_batch)  # before the Config: its mesh is fsdp={gpus}
     config = with_mesh(to_config(**{**options, "mesh": None}), **{**options, "mesh": f"fsdp={gpus}"})
     result = plan(config, gpus, global_batch, confirm, jobs or default_jobs(),

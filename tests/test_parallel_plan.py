@@ -291,6 +291,8 @@ def test_a_pipeline_alone_gets_no_parallelize_function():
     (["--world-size", "4"], "chooses --world-size for each layout"),  # it named a --mesh nobody gave
     (["--shard", "zero3"], "chooses --shard for each layout"),  # it asked for a --world-size, then refused that
     (["--checkpoint", "nomatch.*"], "--checkpoint 'nomatch.*' matches no module"),  # it exited 0, rows rejected
+    (["--no-max-batch"], "searches for no largest batch"),  # it was accepted and ignored
+    (["--zero1"], "shard the optimizer state already: drop --zero1"),  # it named a --mesh fsdp=4 nobody gave
 ])
 def test_plan_flags_it_chooses_itself_are_usage_errors(flags, says):
     args = ["plan", target("examples/gpt2.py:GPT"), "--gpus", "4", "--gpu", "h100", "--global-batch", "8", *flags]
