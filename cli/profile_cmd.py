@@ -149,6 +149,9 @@ def profile_command(fmt, summary_only, wide, by, depth, top, output, plot, runti
                          "no timed step may be it; give --warmup 1 or more")
     if run_options is not None and config.mesh is not None:
         return _mesh_runtime(config, run_options, fmt, output, layout)
+    if run_options is not None and fmt in ("csv", "markdown"):  # before the run: the report would leave it out
+        raise UsageError(f"--format {fmt} carries no runtime figures: use --format table, json or html with "
+                         "--runtime, or drop --runtime")
     if run_options is not None:
         run = _run_runtime(config, run_options)
         result, prediction = run.profile, run.prediction

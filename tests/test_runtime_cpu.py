@@ -115,6 +115,41 @@ def test_text_report_shows_both_sides(tmp_path):
     assert "not calibrated" in out
 
 
+def test_the_summary_of_a_runtime_run_shows_what_it_measured():
+    """--summary after --runtime: the whole step as measured (step times, the measured/predicted
+    table, the peaks, MFU); the measured modules and nodes are the full report's. It printed the
+    account's summary alone, the run measured for nothing."""
+    result = invoke("profile", *MLP, *FAST, "--summary")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "runtime on cpu" in out and "step times: fastest" in out and "measured/predicted" in out
+    assert "peak memory (allocator)" in out and "MFU" in out
+    assert "top 10 nodes by measured time" not in out and "modules (depth" not in out
+
+
+@pytest.mark.parametrize("fmt", ["csv", "markdown"])
+def test_runtime_with_a_report_that_cannot_show_it_is_refused_before_the_run(fmt, monkeypatch):
+    """csv and markdown carry no runtime figures: refused before any real step runs (the run was
+    made, then left out of the report)."""
+    import fxacct.runtime
+
+    monkeypatch.setattr(fxacct.runtime, "run", lambda *a, **k: pytest.fail("the real steps ran"))
+    result = invoke("profile", *MLP, *FAST, "--format", fmt)
+    assert result.exit_code == 2, result.output
+    assert f"--format {fmt} carries no runtime figures" in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("fmt", ["csv", "markdown"])
+def test_render_refuses_a_runtime_its_format_would_drop(fmt):
+    from fxacct.report import render
+
+    config = fxacct.Config(target=MLP[0], batch=4, kwargs=dict(d_model=128, d_hidden=256, n_blocks=2))
+    r = run(config, RuntimeOptions(device="cpu", steps=1, warmup=0))
+    with pytest.raises(fxacct.UsageError, match=f"the {fmt} report carries no runtime figures"):
+        render(r.profile, fmt, runtime=r)
+    assert "runtime on cpu" in render(r.profile, "text", runtime=r)
+
+
 @pytest.mark.parametrize("stage, steps", [("timed", 2), ("profiled", 5)])
 def test_ctrl_c_stops_and_keeps_what_was_measured(stage, steps):
     # a KeyboardInterrupt right after the second plain ("timed") or profiled step (raised from the

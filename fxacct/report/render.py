@@ -25,6 +25,7 @@ from fxacct.step import Profile
 
 FORMATS = ("text", "json", "csv", "markdown", "html")
 ALIASES = {"table": "text"}  # the CLI's --format name of the text report
+RUNTIME_FORMATS = ("text", "json", "html")  # the reports that show a --runtime run beside the account
 PREDICT = object()  # render's default: the profile's own prediction (fxacct.api attaches it)
 
 
@@ -42,6 +43,9 @@ def render(profile: Profile, format: str = "text", prediction=PREDICT, runtime=N
     fmt = ALIASES.get(format, format)
     if fmt not in FORMATS:
         raise UsageError(f"unknown report format {format!r}: use one of {', '.join(FORMATS)}")
+    if runtime is not None and fmt not in RUNTIME_FORMATS:
+        raise UsageError(f"the {fmt} report carries no runtime figures ({', '.join(RUNTIME_FORMATS)} do): render "
+                         "the run in one of those, or give no runtime")
     if prediction is PREDICT:
         prediction = profile.prediction
     depth = DEFAULT_DEPTH if depth is None else depth
@@ -58,4 +62,4 @@ def render(profile: Profile, format: str = "text", prediction=PREDICT, runtime=N
                                runtime=runtime, width=width, summary_only=summary_only)
 
 
-__all__ = ["render", "FORMATS"]
+__all__ = ["render", "FORMATS", "RUNTIME_FORMATS"]

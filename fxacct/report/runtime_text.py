@@ -131,7 +131,9 @@ def _scratch_note(predicted: int | None, allocator: int | None, op_level: int | 
             "oneDNN convolution and matmul buffers, weight reorders); budget for it from this measurement"]
 
 
-def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = None) -> str:
+def runtime_headline(result) -> list[str]:
+    """What a --runtime run measured of the whole step: the device, the step times, predicted beside
+    measured totals, the peaks and the achieved FLOP/s and MFU: what --summary shows of the run."""
     m, c = result.measured, result.comparison
     p = result.prediction
     what = "inference steps (forward, eval, no_grad)" if m.inference else "training steps"
@@ -146,7 +148,7 @@ def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = N
     if m.interrupted:
         lines.append(f"INTERRUPTED: {m.steps} of {m.steps_requested} timed steps completed; figures are over those")
     if not m.steps:
-        return "\n".join(lines + ["no timed step completed: nothing was measured"])
+        return lines + ["no timed step completed: nothing was measured"]
     steps = sorted(t.step_s for t in m.step_times)
     spread = f"step times: fastest {ms(steps[0])}, median {ms(m.step_s)}, slowest {ms(steps[-1])}"
     if steps[0] > 0 and steps[-1] / steps[0] > NOISY:
@@ -168,6 +170,15 @@ def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = N
         lines.append(f"input transfer, one batch ({format_bytes(t.bytes)}) to {m.device}: pageable "
                      f"{ms(t.pageable_s)}, pinned + non_blocking {ms(t.pinned_s)}; step {ms(m.step_s)} "
                      f"({100 * t.pageable_s / m.step_s:.1f}% / {100 * t.pinned_s / m.step_s:.1f}% of it)")
+    return lines
+
+
+def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = None) -> str:
+    """runtime_headline, then the measured modules (to ``depth``) and the ``top`` nodes by measured time."""
+    m, c = result.measured, result.comparison
+    lines = runtime_headline(result)
+    if not m.steps:
+        return "\n".join(lines)
     modules = [r for r in c.modules if r.depth <= depth]
     lines += ["", f"modules (depth {depth}, inclusive):", _rows_table(modules, "module", False, width)]
     nodes = sorted(c.nodes, key=lambda r: -(r.measured_s or 0.0))[:top]
@@ -178,4 +189,4 @@ def runtime_section(result, depth: int = 2, top: int = 10, width: int | None = N
     return "\n".join(lines)
 
 
-__all__ = ["predicted_section", "runtime_section", "NOT_CALIBRATED"]
+__all__ = ["predicted_section", "runtime_headline", "runtime_section", "NOT_CALIBRATED"]

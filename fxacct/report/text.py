@@ -10,7 +10,7 @@ from fxacct.report.checkpoint_text import checkpoint_section
 from fxacct.report.collectives import render_collectives
 from fxacct.report.compile_text import compile_section
 from fxacct.report.memory_text import render_memory
-from fxacct.report.runtime_text import predicted_section, runtime_section
+from fxacct.report.runtime_text import predicted_section, runtime_headline, runtime_section
 from fxacct.report.summary_text import render_summary, uncosted_ops
 from fxacct.report.tables import tabulate
 from fxacct.report.width import fit_table, wrap_lines
@@ -153,12 +153,15 @@ def render_profile_text(p: Profile, depth: int = DEFAULT_DEPTH, top: int = DEFAU
                         width: int | None = None, summary_only: bool = False) -> str:
     """The one-screen summary (fxacct.report.summary_text), then (unless ``summary_only``) render_text,
     the predicted step time (fxacct.predict.roofline) and, after --runtime, the comparison of
-    predicted and measured (fxacct.report.runtime_text). Tables fit ``width`` and prose wraps at it
-    (None: no limit)."""
+    predicted and measured (fxacct.report.runtime_text; under ``summary_only`` its whole-step part
+    alone). Tables fit ``width`` and prose wraps at it (None: no limit)."""
     parts = [render_summary(p, prediction, width)]
     if p.warnings:  # what makes the numbers less than exact: under --summary too
         parts += ["", *(f"WARNING: {w}" for w in p.warnings)]
-    if not summary_only:
+    if summary_only:
+        if runtime is not None:  # what the run measured of the whole step; its modules and nodes are the table's
+            parts += ["", "\n".join(runtime_headline(runtime))]
+    else:
         parts += ["", render_text(p, depth=depth, top=top, width=width).rstrip("\n"), "",
                   predicted_section(prediction)]
         if p.parallel is not None:
