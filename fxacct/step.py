@@ -15,7 +15,13 @@ import torch
 
 from fxacct.account.accounting import Accounting, account
 from fxacct.account.annotate import annotate
-from fxacct.account.notes import fastpath_warnings, precision_warnings, untrained
+from fxacct.account.notes import (
+    fastpath_warnings,
+    idle_count_recompute,
+    ignored_input_grad,
+    precision_warnings,
+    untrained,
+)
 from fxacct.costs.user import load_costs
 from fxacct.devices import get_device
 from fxacct.load import fp8, model_spec
@@ -261,7 +267,8 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
                                      per_rank, unit, reserved_step(config, cap, life, model))
     notes = precision_warnings(cap)
     notes += (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
-    notes += fastpath_warnings(model) + untrained(cap)
+    notes += fastpath_warnings(model) + untrained(cap) + ignored_input_grad(config.input_requires_grad, cap)
+    notes += idle_count_recompute(config.count_recompute, acct.totals.recompute_flops)
     return Profile(config, acct, memory, cap, notes, model_class=type(model).__name__)
 
 

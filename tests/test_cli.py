@@ -966,3 +966,31 @@ def test_python_dash_m_fxacct_runs_the_cli(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("Usage:") and "profile" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("mesh", [(), ("--mesh", "fsdp=1")])
+def test_input_requires_grad_on_integer_inputs_says_it_changes_nothing(mesh):
+    """Token ids have no gradient: --input-requires-grad on a model whose every input is an integer
+    tensor leaves the account as it was (it was silent); a warning says so, on one device and under a
+    mesh alike. A floating-point input takes the flag (dInput joins the backward) and gets no warning."""
+    plain = profile_json(*TINY_GPT, *mesh)
+    flagged = profile_json(*TINY_GPT, "--input-requires-grad", *mesh)
+    assert flagged["totals"] == plain["totals"]
+    said = [w for w in flagged["warnings"] if "--input-requires-grad changes nothing" in w]
+    assert len(said) == 1 and "(int64)" in said[0], flagged["warnings"]
+    assert not any("--input-requires-grad" in w for w in plain["warnings"])
+    floats = profile_json(TWO_LAYER, "--batch", "2", "--input-requires-grad", *mesh)
+    assert floats["totals"]["backward_flops"] > profile_json(TWO_LAYER, "--batch", "2", *mesh)["totals"]["backward_flops"]
+    assert not any("--input-requires-grad" in w for w in floats["warnings"])
+
+
+@pytest.mark.parametrize("mesh", [(), ("--mesh", "fsdp=1")])
+def test_count_recompute_with_nothing_recomputed_says_it_changes_nothing(mesh):
+    """--count-recompute without checkpointing left the account as it was, silently; a warning says
+    so, on one device and under a mesh alike. With --checkpoint it counts and says nothing."""
+    plain, flagged = profile_json(*TINY_GPT, *mesh), profile_json(*TINY_GPT, "--count-recompute", *mesh)
+    assert flagged["totals"] == plain["totals"]
+    assert any(w.startswith("--count-recompute changes nothing") for w in flagged["warnings"]), flagged["warnings"]
+    checkpointed = profile_json(*TINY_GPT, "--checkpoint", "h.*", "--count-recompute", *mesh)
+    assert checkpointed["totals"]["recompute_flops"] > 0
+    assert not any("--count-recompute" in w for w in checkpointed["warnings"])

@@ -54,6 +54,27 @@ def fastpath_warnings(model: torch.nn.Module) -> tuple[str, ...]:
             "(torch.backends.mha.set_fastpath_enabled(False) runs them in eager too)",)
 
 
+def ignored_input_grad(requested: bool, cap: Capture) -> tuple[str, ...]:
+    """--input-requires-grad asks for the inputs' gradients (dInput in the backward): autograd gives
+    only floating-point tensors one, so where every input is an integer tensor (token ids) the flag
+    changes nothing, which is said rather than left silent."""
+    dtypes = [n.meta["val"].dtype for n in cap.input_nodes]
+    if not requested or not dtypes or any(dt.is_floating_point or dt.is_complex for dt in dtypes):
+        return ()
+    names = ", ".join(sorted({str(dt).removeprefix("torch.") for dt in dtypes}))
+    return (f"--input-requires-grad changes nothing: every input of the model is an integer tensor ({names}), "
+            "which has no gradient; it adds dInput only for floating-point inputs",)
+
+
+def idle_count_recompute(requested: bool, recompute_flops: int) -> tuple[str, ...]:
+    """--count-recompute counts what activation checkpointing re-runs in the backward: where nothing
+    is re-run (no --checkpoint, no checkpointing of the model's own) it changes nothing, said so."""
+    if not requested or recompute_flops:
+        return ()
+    return ("--count-recompute changes nothing: no op of this step is recomputed (add --checkpoint PATTERN to "
+            "checkpoint modules)",)
+
+
 UNTRAINED = ("nothing trains: no parameter and no input requires grad, so the step has no backward and no "
              "optimizer step and there is no training peak (eager loss.backward() would raise); the forward "
              "and inference account stand")
