@@ -274,6 +274,20 @@ def test_checkpoint_under_a_mesh_says_the_what_if_is_single_device():
     assert any("the what-if table" in w and "run without --mesh" in w for w in doc["warnings"]), doc["warnings"]
 
 
+def test_compile_under_a_mesh_says_the_what_if_is_single_device():
+    """The compile what-if (the step eager beside compiled) is one device's too: under --mesh the
+    JSON's compile was null with no word of why, where --checkpoint's said so. One device keeps it."""
+    args = ("--batch", "2", "--compile-blocks", "layers.*", "--format", "json")
+    r = _invoke(LLAMA, *args, "--mesh", "fsdp=2")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["compile"] is None
+    said = [w for w in doc["warnings"] if w.startswith("--compile-blocks with --mesh")]
+    assert len(said) == 1 and "run without --mesh to see it" in said[0], doc["warnings"]
+    one = json.loads(_invoke(LLAMA, *args).stdout)
+    assert one["compile"]["regions"] and not any("with --mesh" in w for w in one["warnings"])
+
+
 STACK = """import torch, torch.nn as nn
 class Stack(nn.Module):
     def __init__(self, inplace=False):

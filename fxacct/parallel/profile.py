@@ -78,9 +78,16 @@ def general_attention_warnings(hf_model: bool, spec: MeshSpec, kwargs: dict) -> 
 
 
 def whatif_warnings(config) -> tuple[str, ...]:
-    """The checkpointing what-if (memory saved against FLOPs recomputed, module by module) is
-    traced on one device: under --mesh it is not, and the report says so rather than drop it."""
-    if not config.checkpoint:
-        return ()
-    return ("--checkpoint with --mesh: the rank's step is traced checkpointed; the what-if table (the same step "
-            "without checkpointing, module by module) is computed on one device only: run without --mesh to see it",)
+    """The checkpointing and torch.compile what-ifs (the same step without checkpointing, or eager,
+    module by module) are traced on one device: under --mesh they are not (the JSON's ``checkpoint``
+    and ``compile`` are null), and the report says so rather than drop them."""
+    notes = ()
+    if config.checkpoint:
+        notes += ("--checkpoint with --mesh: the rank's step is traced checkpointed; the what-if table (the same "
+                  "step without checkpointing, module by module) is computed on one device only: run without --mesh "
+                  "to see it",)
+    if config.compiled:
+        notes += (f"{'--compile' if config.compile else '--compile-blocks'} with --mesh: the rank's step is traced "
+                  "compiled; the what-if table (the same step eager, module by module) is computed on one device "
+                  "only: run without --mesh to see it",)
+    return notes
