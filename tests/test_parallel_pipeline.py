@@ -382,6 +382,7 @@ def test_pipeline_summary_says_what_is_one_micro_batch_and_what_is_the_step():
     assert f"training step, rank 0 {exact_bytes(pipe.stages[0].peak_bytes)} (2 micro-batches in flight)" in text
     step = next(line for line in text.splitlines() if "step time" in line)
     assert "the whole step: 4 micro-batches through 2 stages" in step, step
+    assert "predicted on NVIDIA H100 SXM5 80GB, the whole step" in step, step  # the device's name, as without pp
     from fxacct.report.durations import format_ms
     from fxacct.report.summary_text import _rate
 

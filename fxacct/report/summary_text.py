@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
+from fxacct.devices import get_device
 from fxacct.dtypes import dtype_name
 from fxacct.report.durations import format_ms
 from fxacct.step import Profile
@@ -166,7 +167,7 @@ def _mesh_time(p: Profile, prediction) -> str:
 def _pipeline_time(p: Profile, pipe) -> str:
     """--mesh pp=P with a device model: the whole step, every micro-batch through the schedule."""
     c, t = p.config, p.accounting.totals
-    where = c.gpu or "this CPU"
+    where = get_device(c.gpu).name if c.gpu else "this CPU"  # the name every other step time gives
     text = (f"{format_ms(1e3 * pipe.step_s)} predicted on {where}, the whole step: {pipe.microbatches} micro-batches "
             f"through {len(pipe.stages) * pipe.stages_per_rank} stages ({pipe.schedule}, roofline; sends and the "
             "collectives inside a stage not on it)")
