@@ -8,6 +8,8 @@ network); --runtime builds the same model for real (same parameters, same inputs
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -301,3 +303,20 @@ def test_the_report_names_the_class_built_where_the_target_does_not(tmp_path):
     assert profile_json(*layer)["model_class"] == "TransformerEncoderLayer"
     text = CliRunner().invoke(cli, ["profile", *layer]).output
     assert text.splitlines()[0] == "fxacct profile: torch.nn:TransformerEncoderLayer"
+
+
+def test_an_hf_profile_writes_nothing_of_torchao_to_stderr(tmp_path):
+    """transformers' modeling classes import torchao wherever it is installed, and torchao logs a
+    warning for each CUDA extension a CPU-only machine cannot load, plus torch's notices of its enums
+    (four lines, on every hf: profile, that read as errors); fxacct quiets them as --fp8's import does.
+    A fresh process: an import done earlier in this one would log nothing to catch."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(tmp_path / "llama")
+    proc = subprocess.run([sys.executable, "-m", "fxacct_cli", "profile", f"hf:{tmp_path / 'llama'}", "--batch", "1",
+                           "--summary"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr

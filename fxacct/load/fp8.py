@@ -38,7 +38,7 @@ def check(recipe: str | None) -> None:
 
 def float8_tensor_type():
     """torchao's tensor subclass of a float8 operand (its ops desugar into casts and _scaled_mm)."""
-    with _quiet_import():
+    with quiet_torchao():
         from torchao.float8.float8_training_tensor import Float8TrainingTensor
     return Float8TrainingTensor
 
@@ -55,7 +55,7 @@ def convert(model: torch.nn.Module, recipe: str | None) -> list[str]:
     if recipe is None:
         return []
     check(recipe)
-    with _quiet_import():
+    with quiet_torchao():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     names = [n for n, m in model.named_modules() if eligible(m, n)]
     if not names:
@@ -66,9 +66,10 @@ def convert(model: torch.nn.Module, recipe: str | None) -> list[str]:
 
 
 @contextlib.contextmanager
-def _quiet_import():
+def quiet_torchao():
     """torchao logs a warning for each CUDA extension it cannot load on a CPU-only machine
-    (torchao/__init__.py); they are not the user's concern here."""
+    (torchao/__init__.py) as it is imported: by --fp8's conversion, or by transformers' modeling
+    classes wherever torchao is installed (fxacct.load.hf); they are not the user's concern here."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]  # and its Enum notice
     levels = [lg.level for lg in loggers]
     for lg in loggers:

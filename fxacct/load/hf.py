@@ -27,6 +27,7 @@ import torch
 
 from fxacct.errors import UsageError
 from fxacct.load.flags import hf_config_file
+from fxacct.load.fp8 import quiet_torchao
 from fxacct.load.inputs import InputSpec
 
 MAX_DEFAULT_SEQ = 2048
@@ -89,10 +90,11 @@ def read_config(path_text: str, overrides: dict):
 def model_class(config, name: str | None):
     """--hf-class, else the config's architectures[0] when transformers has it, else the default."""
     transformers = transformers_module()
-    if name is None:
-        archs = getattr(config, "architectures", None) or []
-        name = next((a for a in archs if is_hf_class(getattr(transformers, a, None))), DEFAULT_CLASS)
-    cls = getattr(transformers, name, None)
+    with quiet_torchao():  # the class's module imports transformers' modeling, and torchao where installed
+        if name is None:
+            archs = getattr(config, "architectures", None) or []
+            name = next((a for a in archs if is_hf_class(getattr(transformers, a, None))), DEFAULT_CLASS)
+        cls = getattr(transformers, name, None)
     if not is_hf_class(cls):
         raise UsageError(f"--hf-class {name!r} is not a transformers model class: name one such as "
                          f"{DEFAULT_CLASS}, AutoModel or LlamaForCausalLM")
@@ -109,7 +111,8 @@ def build(cls, config, build_kwargs: dict) -> torch.nn.Module:
     kwargs = dict(build_kwargs, dtype=torch.float32)
     if hasattr(cls, "from_config"):
         try:
-            return cls.from_config(config, **kwargs)
+            with quiet_torchao():  # an Auto class imports its model's module (and torchao) here
+                return cls.from_config(config, **kwargs)
         except ValueError as e:
             if "Unrecognized configuration class" in str(e):
                 examples = "AutoModelForSeq2SeqLM, AutoModel" if getattr(config, "is_encoder_decoder", False) \
