@@ -39,7 +39,8 @@ BUDGETS = [
     click.option("--max-flops-per-example", default=None, metavar="N",
                  help="Forward+backward FLOPs per example (default: none)."),
     click.option("--max-step-time", default=None, metavar="TIME",
-                 help="Step time budget (250ms, 1.5s): model FLOPs at the --gpu's peak × --mfu (default: none)."),
+                 help="Step time budget (250ms, 1.5s; a bare number is seconds): model FLOPs at the --gpu's peak × --mfu "
+                      "(default: none)."),
     MFU,
     click.option("--require-no-unsupported-ops", is_flag=True, help="Fail when an op has no cost formula."),
 ]
