@@ -268,7 +268,7 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
     notes = precision_warnings(cap)
     notes += (ignored_loss_warning(config.loss),) if cap.returned_loss and config.loss != MODEL else ()
     notes += fastpath_warnings(model) + untrained(cap) + ignored_input_grad(config.input_requires_grad, cap)
-    notes += idle_count_recompute(config.count_recompute, acct.totals.recompute_flops)
+    notes += idle_count_recompute(config, acct.totals.recompute_flops)
     return Profile(config, acct, memory, cap, notes, model_class=type(model).__name__)
 
 

@@ -66,10 +66,13 @@ def ignored_input_grad(requested: bool, cap: Capture) -> tuple[str, ...]:
             "which has no gradient; it adds dInput only for floating-point inputs",)
 
 
-def idle_count_recompute(requested: bool, recompute_flops: int) -> tuple[str, ...]:
+def idle_count_recompute(config, recompute_flops: int) -> tuple[str, ...]:
     """--count-recompute counts what activation checkpointing re-runs in the backward: where nothing
-    is re-run (no --checkpoint, no checkpointing of the model's own) it changes nothing, said so."""
-    if not requested or recompute_flops:
+    is re-run (no --checkpoint, no checkpointing of the model's own) it changes nothing, said so. A
+    pipeline stage's step is one of several (another stage may checkpoint), so it is said of a whole
+    model's step alone."""
+    pipelined = config.mesh is not None and config.mesh.size("pp") > 1
+    if not config.count_recompute or config.checkpoint or pipelined or recompute_flops:
         return ()
     return ("--count-recompute changes nothing: no op of this step is recomputed (add --checkpoint PATTERN to "
             "checkpoint modules)",)
