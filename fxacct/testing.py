@@ -74,7 +74,10 @@ def assert_fits(model: torch.nn.Module, inputs, *, gpu: str = "h100", optimizer:
     "79.6GiB"), by default the GPU's capacity as the driver reports it. ``inputs``: a tensor, a tuple of positional inputs, or a
     dict of keyword inputs (meta tensors are enough); ``batch`` defaults to their first dim.
     Other keyword arguments are fxacct.Config fields (optim_args, input_requires_grad, ...)."""
-    limit = parse_bytes(max_memory) if isinstance(max_memory, str) else max_memory
+    try:
+        limit = parse_bytes(max_memory) if isinstance(max_memory, str) else max_memory
+    except ValueError as e:  # a size it cannot read: the caller's to fix, told as a usage error
+        raise UsageError(f"max_memory={e}") from None
     return _check(model, inputs, Limits(max_memory_bytes=limit), batch=batch, dtype=dtype, amp=amp,
                   master_weights=master_weights, gpu=gpu, optimizer=optimizer, world_size=world_size,
                   shard=shard, **config)

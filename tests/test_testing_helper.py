@@ -70,3 +70,10 @@ def test_keyword_inputs_and_an_explicit_batch(mlp):
 def test_assert_flops_without_a_budget_is_a_usage_error(mlp, x):
     with pytest.raises(UsageError, match="needs a budget"):
         assert_flops(mlp, x)
+
+
+def test_a_size_assert_fits_cannot_read_is_a_usage_error(mlp, x):
+    """'80 gigs' raised parse_bytes' bare ValueError, where every other bad argument of the helpers
+    is a UsageError; its message (the units it takes) is kept."""
+    with pytest.raises(UsageError, match=r"max_memory='80 gigs' is not a byte size: write a number with a unit"):
+        assert_fits(mlp, x, gpu="h100", max_memory="80 gigs")
