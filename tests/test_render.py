@@ -3,10 +3,11 @@
 table keeps the --depth default of the text table (2)."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
-from helpers import load
+from helpers import load, target
 
 import fxacct
 from fxacct.errors import UsageError
@@ -63,3 +64,22 @@ def test_markdown_keeps_the_default_depth_of_the_table():
     assert all(r == "(root)" or (r in names and r.count(".") + 1 <= 2) for r in rows), rows
     deeper = cli_text(*TINY_GPT, "--format", "markdown", "--depth", "9")
     assert "#### Modules (depth 9, inclusive)" in deeper and "`h.0.attn.c_attn`" in deeper
+
+
+@pytest.mark.parametrize("fmt, options, words", [
+    ("csv", dict(by="layer"), "by='layer': give 'node' or 'module'"),
+    ("text", dict(by="node"), "by='node' chooses the rows of csv or markdown"),
+    ("text", dict(depth="2"), "depth='2': give a whole number"),
+    ("text", dict(top=-1), "top=-1: give a whole number"),
+    ("json", dict(depth=1), "depth shapes the text and markdown report"),
+    ("markdown", dict(top=3), "top shapes the text report"),
+    ("json", dict(summary_only=True), "summary_only shortens the text or markdown report"),
+])
+def test_render_refuses_layout_options_it_would_ignore_or_trip_on(fmt, options, words):
+    """render's layout options refused as the CLI refuses its flags: of the wrong kind (a TypeError
+    deep in the table code) or for a format they do nothing to (silently ignored)."""
+    p = fxacct.profile(fxacct.Config(target=target("examples/two_layer.py:TwoLayer"), batch=2))
+    with pytest.raises(UsageError, match=re.escape(words)):
+        render(p, fmt, **options)
+    assert render(p, "csv", by="module") != render(p, "csv", by="node")
+    assert "TwoLayer" in render(p, "markdown", by="node", depth=1, summary_only=True)

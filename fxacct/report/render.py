@@ -43,6 +43,7 @@ def render(profile: Profile, format: str = "text", prediction=PREDICT, runtime=N
     fmt = ALIASES.get(format, format)
     if fmt not in FORMATS:
         raise UsageError(f"unknown report format {format!r}: use one of {', '.join(FORMATS)}")
+    _check_layout(fmt, by, depth, top, summary_only)
     if runtime is not None and fmt not in RUNTIME_FORMATS:
         raise UsageError(f"the {fmt} report carries no runtime figures ({', '.join(RUNTIME_FORMATS)} do): render "
                          "the run in one of those, or give no runtime")
@@ -60,6 +61,24 @@ def render(profile: Profile, format: str = "text", prediction=PREDICT, runtime=N
 
     return render_profile_text(profile, depth=depth, top=DEFAULT_TOP if top is None else top, prediction=prediction,
                                runtime=runtime, width=width, summary_only=summary_only)
+
+
+def _check_layout(fmt: str, by, depth, top, summary_only: bool) -> None:
+    """Layout options of the wrong kind, or for a format they do nothing to, are refused rather than
+    ignored (as `fxacct profile` refuses its flags: --by, --depth, --top, --summary)."""
+    if by not in (None, "node", "module"):
+        raise UsageError(f"by={by!r}: give 'node' or 'module' (the rows of csv or markdown)")
+    if by is not None and fmt not in ("csv", "markdown"):
+        raise UsageError(f"by={by!r} chooses the rows of csv or markdown; the {fmt} report has both: drop by")
+    for name, value in (("depth", depth), ("top", top)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise UsageError(f"{name}={value!r}: give a whole number, 0 or more")
+        shaped = ("text", "markdown") if name == "depth" else ("text",)
+        if value is not None and fmt not in shaped:
+            raise UsageError(f"{name} shapes the {' and '.join(shaped)} report; the {fmt} report has every "
+                             f"{'module' if name == 'depth' else 'node'}: drop {name}")
+    if summary_only and fmt not in ("text", "markdown"):
+        raise UsageError(f"summary_only shortens the text or markdown report; the {fmt} report is whole: drop it")
 
 
 __all__ = ["render", "FORMATS", "RUNTIME_FORMATS"]
