@@ -94,6 +94,10 @@ def test_save_matmuls_recomputes_no_product():
 def test_a_pattern_matching_nothing_is_a_usage_error():
     with pytest.raises(UsageError, match="matches no module"):
         fxacct.profile(config("GPT", batch=B, checkpoint=("blocks.*",)))
+    with torch.device("meta"):  # no submodule at all: said so (it listed 'module names look like: ' and none)
+        linear = torch.nn.Linear(4, 4)
+    with pytest.raises(UsageError, match=r"^--checkpoint '\*': the model has no submodule to checkpoint; drop --checkpoint$"):
+        fxacct.profile_module(linear, (torch.empty(2, 4, device="meta"),), config=fxacct.Config(batch=2, checkpoint="*"))
     with pytest.raises(UsageError, match="--checkpoint-policy needs --checkpoint"):
         config("GPT", batch=B, checkpoint_policy="save-matmuls")
     with pytest.raises(UsageError, match="--checkpoint-policy"):

@@ -45,6 +45,8 @@ def matched_modules(model: torch.nn.Module, patterns) -> list[str]:
     names = [n for n, _ in model.named_modules() if n]
     for p in patterns:
         if not any(fnmatchcase(n, p) for n in names):
+            if not names:
+                raise UsageError(f"--checkpoint {p!r}: the model has no submodule to checkpoint; drop --checkpoint")
             example = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise UsageError(f"--checkpoint {p!r} matches no module; module names look like: {example}")
     chosen: list[str] = []
