@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -23,6 +24,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
 PROFILE_COMMAND = "pip install torch==2.13.0 -e . && fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16"
+README_TORCH = re.search(r"torch==(\S+)", PROFILE_COMMAND)[1]  # the torch the README installs
 MAX_README_LINES = 250
 
 def _ci_test_command() -> str:
@@ -96,3 +98,39 @@ def test_mkdocs_build_strict(tmp_path):
                     "fxacct plan", "fxacct calibrate"):
         assert f"Usage: {command}" in reference, f"the CLI reference lacks {command}'s --help"
     assert "<!-- cli-reference -->" not in reference, "the hook left its marker in the CLI reference"
+
+
+def _shown_block(path: Path, command: str) -> list[str]:
+    """The lines a doc shows under ``$ {command}`` in its code block, up to the block's end."""
+    lines = path.read_text().splitlines()
+    start = lines.index(f"$ {command}")
+    return lines[start + 1:lines.index("```", start)]
+
+
+def _printed(command: str, columns: int | None = None) -> list[str]:
+    """What `fxacct ...` prints into a pipe (no width limit), or fitted to ``columns``, run as a user runs it.
+    The docs show what the README's torch prints (op counts move with torch's decompositions)."""
+    if not importlib.metadata.version("torch").startswith(README_TORCH):
+        pytest.skip(f"the docs show what torch {README_TORCH} prints")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": str(columns)} if columns else {})
+    result = subprocess.run([sys.executable, "-m", "fxacct_cli", *command.split()[1:]], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_the_guides_first_profile_is_what_the_command_prints():
+    """docs/guide.md's first profile, whole: it had drifted (the config line had lost its loss, the
+    op count was two nodes out) with nothing to say so."""
+    command = "fxacct profile examples/two_layer.py:TwoLayer --batch 2"
+    assert _shown_block(DOCS / "guide.md", command) == _printed(command)
+
+
+@pytest.mark.slow
+def test_the_readmes_profile_lines_are_what_the_command_prints():
+    """README.md's GPT-2 profile is trimmed ('...' stands for what is left out); every line it shows
+    is one the command prints (its config line and op count had drifted)."""
+    command = "fxacct profile examples/gpt2.py:GPT --batch 8 --dtype bf16"
+    printed = set(_printed(command, columns=100))  # the README's block is fitted to 100 columns
+    shown = [line for line in _shown_block(README, command) if line != "..."]
+    assert shown and [line for line in shown if line not in printed] == []
