@@ -21,7 +21,7 @@ from fxacct.load.torchtitan import is_torchtitan
 from fxacct.memory import account as memory_account
 from fxacct.memory.account import Fit
 from fxacct.memory.fit_lines import LineGuess
-from fxacct.memory.fit_search import largest_batch
+from fxacct.memory.fit_search import FLAT_DOUBLINGS, largest_batch
 from fxacct.memory.peak import lifetimes
 from fxacct.parallel.accounts import ParallelAccount
 from fxacct.parallel.pipeline import profile_pipeline
@@ -30,7 +30,7 @@ from fxacct.parallel.timing import pipeline_throughput
 from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
-from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, step_fit
+from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, leading_dims, step_fit
 from fxacct.trace import fusion
 from fxacct.trace.capture import BACKWARD, FORWARD, Capture
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
@@ -54,7 +54,7 @@ def profile(config: Config) -> Profile:
     if config.mesh is None:
         model, args, kwargs, inputs_for = load_model(config)
         try:
-            return _one_device_notes(profile_module(model, args, kwargs, config, inputs_for))
+            return _one_device_notes(_profile_module(model, args, kwargs, config, inputs_for))
         except CompileError:  # torch.compile's own error: not the inputs'
             raise
         except ModelError as e:
@@ -76,16 +76,35 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
 
     ``args``/``kwargs`` may be meta tensors (only shapes and dtypes are read); nothing of the
     model's own tensors is allocated or changed. ``inputs_for(batch) -> (args, kwargs)`` lets a
-    --gpu profile search the largest batch that fits."""
-    config = config or Config()
-    prof = account_step(config, OneDevice(model, tuple(args), kwargs or {}))
+    --gpu profile search the largest batch that fits. Without ``config`` the batch is the inputs'
+    first dimension; a ``config`` whose batch is no input's first dimension gets a warning (the
+    account is of the inputs as given; its per-example figures divide by config.batch)."""
+    kwargs = kwargs or {}
+    leading = leading_dims(args, kwargs)
+    if config is None:
+        config = Config(batch=leading[0] if leading else 1)
+    prof = _profile_module(model, args, kwargs, config, inputs_for)
+    if leading and config.batch not in leading:
+        shapes = ", ".join(prof.accounting.input_shapes)
+        prof = replace(prof, warnings=prof.warnings + (
+            f"Config(batch={config.batch}) is the first dimension of no input ({shapes}): the account is of the "
+            f"inputs as given, and its per-example and per-token figures divide by {config.batch}; give "
+            "Config(batch=N) with the inputs' batch",))
+    return prof
+
+
+def _profile_module(model: torch.nn.Module, args, kwargs: dict, config: Config,
+                    inputs_for: Callable[[int], tuple] | None = None) -> Profile:
+    """profile_module for a Config whose inputs were built for its batch (fxacct.profile's)."""
+    prof = account_step(config, OneDevice(model, tuple(args), kwargs))
     if config.gpu is not None:
         prof = replace(prof, memory=_with_fit(prof.memory, model, config, inputs_for, prof.capture))
+        prof = replace(prof, warnings=prof.warnings + _unsearched(prof.memory, config, inputs_for))
     if config.checkpoint:
-        prof = replace(prof, checkpoint=_checkpoint_whatif(model, args, kwargs or {}, config, prof, inputs_for))
+        prof = replace(prof, checkpoint=_checkpoint_whatif(model, args, kwargs, config, prof, inputs_for))
     prof = _predicted(prof)
     if config.compiled:
-        prof = replace(prof, compiled=_compile_whatif(model, args, kwargs or {}, config, prof))
+        prof = replace(prof, compiled=_compile_whatif(model, args, kwargs, config, prof))
     return prof
 
 
@@ -221,6 +240,21 @@ def _with_fit(memory, model, config: Config, inputs_for, cap: Capture) -> memory
         freeze_made()  # each probe's collection walks that probe alone (fxacct.heap)
         max_batch, verified, _ = largest_batch(bytes_at, config.batch, need, device.capacity_reported, guess=guess)
     return replace(memory, fit=Fit.on(device, need, max_batch, verified, memory.fit_basis))
+
+
+def _unsearched(memory, config: Config, inputs_for) -> tuple[str, ...]:
+    """Why a --gpu profile of a step that trains names no largest batch, where it would be searched:
+    no ``inputs_for`` to build another batch's inputs (fxacct.profile_module called without one), or
+    bytes that did not grow as the batch doubled (fxacct.memory.fit_search's flat case)."""
+    if not config.find_max_batch or memory.rank_peak is None or memory.fit.max_batch is not None:
+        return ()
+    if inputs_for is None:
+        return (f"the largest batch that fits on {config.gpu} is not searched: give profile_module "
+                "inputs_for=lambda batch: (args, kwargs) to build another batch's inputs, or "
+                "Config(find_max_batch=False)",)
+    return (f"no largest batch on {config.gpu}: the step's bytes did not grow from batch {config.batch} to "
+            f"{config.batch * 2 ** FLAT_DOUBLINGS} (the caching allocator's rounding and the fixed costs outweigh "
+            "what a batch adds), so the capacity bounds no batch it traced",)
 
 
 __all__ = ["Profile", "profile", "profile_module", "load_model"]

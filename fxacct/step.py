@@ -149,6 +149,12 @@ def capture_options(config: Config, model: torch.nn.Module, inference: bool = Fa
         compile=CompileSpec(config.compile_blocks, config.compile_mode) if config.compiled else None, **extra)
 
 
+def leading_dims(args, kwargs) -> list[int]:
+    """The first dimension of each input tensor that has one, in order: where the batch is, for
+    inputs laid out batch first."""
+    return [t.shape[0] for t in tp.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
 def tokens_per_example(args, kwargs, batch: int) -> int | None:
     """The per-example element count of the first integer input (T for long[B, T])."""
     for t in tp.tree_leaves((args, kwargs)):
@@ -274,4 +280,4 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
 
 __all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "fit_of",
            "step_fit", "TracedFit", "capture_options",
-           "tokens_per_example"]
+           "tokens_per_example", "leading_dims"]

@@ -42,6 +42,22 @@ def test_a_string_dtype_profiles_as_the_torch_dtype():
     (dict(inputs=["float32(B,3)"]), "malformed --input 'float32(B,3)'"),
     (dict(kwargs="d=1"), "Config(kwargs='d=1')"),
     (dict(optimizer="sgd", optim_args=["momentum"]), "--optim-arg"),
+    # a switch given as a string read as on ('no' is truthy): each bool field takes True or False alone
+    (dict(input_requires_grad="no"), "Config(input_requires_grad='no'): give True or False"),
+    (dict(compile="no"), "Config(compile='no'): give True or False"),
+    (dict(dedup=0), "Config(dedup=0): give True or False"),
+    (dict(find_max_batch="no"), "Config(find_max_batch='no'): give True or False"),
+    (dict(reshard_after_forward="no"), "Config(reshard_after_forward='no'): give True or False"),
+    # names and specs of the wrong kind: AttributeErrors from deep inside, or an internal error
+    (dict(mesh={"fsdp": 2}), "Config(mesh={'fsdp': 2}): give a string such as 'fsdp=8,tp=8'"),
+    (dict(optimizer=torch.optim.SGD), "give a string such as 'adamw'"),
+    (dict(gpu=100), "Config(gpu=100): give a string such as 'h100'"),
+    (dict(checkpoint=3), "Config(checkpoint=3): give a string or a list of strings"),
+    (dict(target=3), "Config(target=3): give a string"),
+    (dict(target="hf:x", hf_class=3), "Config(hf_class=3): give a string"),
+    (dict(mesh="fsdp=2", parallelize=3), "Config(parallelize=3): give a string"),
+    (dict(checkpoint="h.*", checkpoint_policy=3), "Config(checkpoint_policy=3): give a string"),
+    (dict(gpu="h100", mesh="fsdp=2", gpus_per_node=0), "--gpus-per-node must be at least 1, got 0"),
 ])
 def test_a_wrong_value_is_one_usage_error_naming_it(kwargs, words):
     with pytest.raises(UsageError) as e:
@@ -62,3 +78,32 @@ def test_string_inputs_profile_like_the_flag():
     p = fxacct.profile(fxacct.Config(target=TWO_LAYER, batch=4, inputs="float32[B,3]"))
     # forward = 2·B·(D·H + H·K) = 2·4·(9 + 6) = 120 FLOPs (examples/two_layer.py)
     assert p.accounting.totals.forward.matmul == 120
+
+
+def test_a_path_target_is_its_path_and_a_missing_one_is_named():
+    """A pathlib.Path target profiles as its string (it raised AttributeError); no target at all
+    is a usage error naming the two ways to give a model (it raised AttributeError on None)."""
+    from pathlib import Path
+
+    path = Path(TWO_LAYER.rpartition(":")[0])
+    p = fxacct.profile(fxacct.Config(target=f"{path}:TwoLayer", batch=2))
+    assert fxacct.Config(target=path).target == str(path)
+    assert p.accounting.totals.forward.matmul == 60
+    with pytest.raises(UsageError, match=r"Config\(target=None\): name the model.*fxacct.profile_module"):
+        fxacct.profile(fxacct.Config())
+
+
+def test_profile_module_takes_its_batch_from_the_inputs():
+    """Without a Config the batch is the inputs' first dimension, so per-example figures are per
+    example (it said batch 1 for inputs of 16); a Config whose batch no input has is warned about.
+    x @ w: [16, 8] @ [8, 2] = 2·16·8·2 = 512 FLOPs, 32 an example."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 2, bias=False)
+    x = torch.empty(16, 8, device="meta")
+    p = fxacct.profile_module(model, (x,))
+    assert p.config.batch == 16 and p.accounting.totals.forward.matmul == 512 and not p.warnings
+    given = fxacct.profile_module(model, (x,), config=fxacct.Config(batch=4))
+    assert given.accounting.totals.forward.matmul == 512
+    said, = [w for w in given.warnings if w.startswith("Config(batch=4)")]
+    assert "float32[16,8]" in said and "Config(batch=N)" in said
+    assert not fxacct.profile_module(model, (x,), config=fxacct.Config(batch=16)).warnings

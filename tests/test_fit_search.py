@@ -176,3 +176,34 @@ def test_a_model_whose_memory_is_not_affine_gets_the_bisections_largest_batch(tm
 def _split(inputs):
     a, kw = inputs
     return tuple(a), kw
+
+
+def test_a_gpu_profile_without_a_largest_batch_says_why():
+    """--gpu profiles search the largest batch; where none comes back the report said nothing. A
+    module profiled without inputs_for cannot build another batch's inputs: said, with the two
+    fixes. A step whose bytes stay flat over FLAT_DOUBLINGS doublings (a tiny MLP: the allocator's
+    2 MiB segments and the fixed costs outweigh its activations) is bounded by no traced batch:
+    said too. A model whose bytes grow gets its batch and no such note."""
+    import torch
+
+    def mlp(d, h):
+        with torch.device("meta"):
+            return torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU(), torch.nn.Linear(h, d))
+
+    def inputs(d, t=None):
+        return lambda b: ((torch.empty(b, *((t,) if t else ()), d, device="meta"),), {})
+
+    cfg = fxacct.Config(batch=8, gpu="h100")
+    tiny = mlp(64, 256)
+    unsearched = fxacct.profile_module(tiny, inputs(64)(8)[0], config=cfg)
+    assert unsearched.memory.fit.max_batch is None
+    assert unsearched.warnings == ("the largest batch that fits on h100 is not searched: give profile_module "
+                                   "inputs_for=lambda batch: (args, kwargs) to build another batch's inputs, or "
+                                   "Config(find_max_batch=False)",)
+    flat = fxacct.profile_module(tiny, inputs(64)(8)[0], config=cfg, inputs_for=inputs(64))
+    assert flat.memory.fit.max_batch is None
+    said, = flat.warnings
+    assert said.startswith(f"no largest batch on h100: the step's bytes did not grow from batch 8 to {8 * 2 ** FLAT_DOUBLINGS}")
+    assert not fxacct.profile_module(tiny, inputs(64)(8)[0], config=replace(cfg, find_max_batch=False)).warnings
+    big = fxacct.profile_module(mlp(1024, 4096), inputs(1024, 512)(8)[0], config=cfg, inputs_for=inputs(1024, 512))
+    assert big.memory.fit.max_batch is not None and not big.warnings

@@ -51,7 +51,7 @@ class Model(torch.nn.Module):
 def account(how: str, **config) -> fxacct.Profile:
     with torch.device("meta"):
         model = Model(how)
-    return fxacct.profile_module(model, (torch.empty(N, D, device="meta"),), config=fxacct.Config(**config))
+    return fxacct.profile_module(model, (torch.empty(N, D, device="meta"),), config=fxacct.Config(batch=N, **config))
 
 
 def test_a_custom_function_recomputing_in_its_backward_is_not_checkpointing():

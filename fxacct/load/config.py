@@ -4,7 +4,8 @@ Validation happens here, before any tracing, so a bad value fails fast with a us
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+import os
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -21,6 +22,11 @@ from fxacct.load.specs import OPTIMIZERS, LossSpec, OptimizerSpec, check, parse_
 from fxacct.load.torchtitan import is_torchtitan
 
 AMP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# what a string field takes, where a wrong kind of value is told to give one
+_STRING_HINTS = {"target": " such as 'examples/gpt2.py:GPT' or 'hf:DIR'", "mesh": " such as 'fsdp=8,tp=8'",
+                 "optimizer": " such as 'adamw', 'sgd', 'none' or 'PATH.py:Name'", "gpu": " such as 'h100'"}
 
 
 @dataclass(frozen=True)
@@ -190,11 +196,10 @@ class Config:
         put("inputs", tuple(parse_input_spec(s) if isinstance(s, str) else s for s in specs))
         if not all(isinstance(s, InputSpec) for s in self.inputs):
             raise UsageError(f"Config(inputs={self.inputs!r}): give input specs such as ['long[B,1024]<50257']")
-        if not isinstance(self.zero1, bool):
-            raise UsageError(f"Config(zero1={self.zero1!r}): give True or False")
+        self._check_kinds()
         for name in ("checkpoint", "costs", "torchtitan_args", "compile_blocks"):
             value = getattr(self, name)
-            items = (value,) if isinstance(value, str) else tuple(value)
+            items = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else (None,)
             if not all(isinstance(v, str) for v in items):
                 raise UsageError(f"Config({name}={value!r}): give a string or a list of strings")
             put(name, items)
@@ -207,6 +212,22 @@ class Config:
             if not all(isinstance(a, str) for a in args):
                 raise UsageError(f"Config(optim_args={self.optim_args!r}): give a dict or NAME=VALUE strings")
             put("optim_args", dict(parse_optim_arg(a) for a in args))
+
+    def _check_kinds(self):
+        """A switch is True or False (a string such as 'no' would read as on); a name, spec or pattern
+        is a string (a path-like target its path; a mesh its parsed MeshSpec too)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise UsageError(f"Config({f.name}={value!r}): give True or False")
+            if f.type not in ("str", "str | None") or isinstance(value, str) or (value is None and f.type != "str"):
+                continue
+            if f.name == "target" and isinstance(value, os.PathLike):
+                object.__setattr__(self, "target", os.fspath(value))
+            elif not (f.name == "mesh" and isinstance(value, MeshSpec)):
+                raise UsageError(f"Config({f.name}={value!r}): give a string{_STRING_HINTS.get(f.name, '')}")
+        if self.gpus_per_node < 1:
+            raise UsageError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
 
     def _check_loading(self):
         LossSpec(self.loss, self.loss_output)

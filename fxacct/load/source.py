@@ -47,6 +47,9 @@ class ModelSource:
 def open_source(config) -> ModelSource:
     """The ModelSource of config.target (a usage error names what is wrong and the fix)."""
     target, kwargs = config.target, dict(config.kwargs)
+    if target is None:
+        raise UsageError("Config(target=None): name the model, e.g. Config(target='examples/gpt2.py:GPT'), or profile "
+                         "a module you built with fxacct.profile_module(model, args, kwargs, config)")
     if is_torchtitan(target):  # torchtitan builds them (fxacct.parallel.torchtitan), not this loader
         raise UsageError(f"{target}: torchtitan targets are accounted by `fxacct profile` and planned by "
                          "`fxacct plan`; this command does not take them yet")
