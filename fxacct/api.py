@@ -30,7 +30,7 @@ from fxacct.parallel.timing import pipeline_throughput
 from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
-from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, leading_dims, step_fit
+from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, input_sizes, leading_dims, step_fit
 from fxacct.trace import fusion
 from fxacct.trace.capture import BACKWARD, FORWARD, Capture
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
@@ -77,19 +77,19 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     ``args``/``kwargs`` may be meta tensors (only shapes and dtypes are read); nothing of the
     model's own tensors is allocated or changed. ``inputs_for(batch) -> (args, kwargs)`` lets a
     --gpu profile search the largest batch that fits. Without ``config`` the batch is the inputs'
-    first dimension; a ``config`` whose batch is no input's first dimension gets a warning (the
+    first dimension; a ``config`` whose batch is no dimension of any input gets a warning (the
     account is of the inputs as given; its per-example figures divide by config.batch)."""
     kwargs = kwargs or {}
     leading = leading_dims(args, kwargs)
     if config is None:
         config = Config(batch=leading[0] if leading else 1)
     prof = _profile_module(model, args, kwargs, config, inputs_for)
-    if leading and config.batch not in leading:
+    if leading and config.batch not in input_sizes(args, kwargs):  # a sequence-first input has its batch second: that one is fine
         shapes = ", ".join(prof.accounting.input_shapes)
         prof = replace(prof, warnings=prof.warnings + (
-            f"Config(batch={config.batch}) is the first dimension of no input ({shapes}): the account is of the "
-            f"inputs as given, and its per-example and per-token figures divide by {config.batch}; give "
-            "Config(batch=N) with the inputs' batch",))
+            f"Config(batch={config.batch}) is no dimension of any input ({shapes}): the account is of the inputs "
+            f"as given, and its per-example and per-token figures divide by {config.batch}; give Config(batch=N) "
+            "with the inputs' batch",))
     return prof
 
 

@@ -155,6 +155,11 @@ def leading_dims(args, kwargs) -> list[int]:
     return [t.shape[0] for t in tp.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
+def input_sizes(args, kwargs) -> set[int]:
+    """Every size of every dimension of the input tensors (a sequence-first input's batch is its second)."""
+    return {d for t in tp.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for d in t.shape}
+
+
 def tokens_per_example(args, kwargs, batch: int) -> int | None:
     """The per-example element count of the first integer input (T for long[B, T])."""
     for t in tp.tree_leaves((args, kwargs)):
@@ -280,4 +285,4 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
 
 __all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "fit_of",
            "step_fit", "TracedFit", "capture_options",
-           "tokens_per_example", "leading_dims"]
+           "tokens_per_example", "leading_dims", "input_sizes"]

@@ -95,7 +95,8 @@ def test_a_path_target_is_its_path_and_a_missing_one_is_named():
 
 def test_profile_module_takes_its_batch_from_the_inputs():
     """Without a Config the batch is the inputs' first dimension, so per-example figures are per
-    example (it said batch 1 for inputs of 16); a Config whose batch no input has is warned about.
+    example (it said batch 1 for inputs of 16); a Config whose batch is no dimension of any input is
+    warned about (a sequence-first input, [T, B, D], has its batch second: no warning there).
     x @ w: [16, 8] @ [8, 2] = 2·16·8·2 = 512 FLOPs, 32 an example."""
     with torch.device("meta"):
         model = torch.nn.Linear(8, 2, bias=False)
@@ -107,3 +108,5 @@ def test_profile_module_takes_its_batch_from_the_inputs():
     said, = [w for w in given.warnings if w.startswith("Config(batch=4)")]
     assert "float32[16,8]" in said and "Config(batch=N)" in said
     assert not fxacct.profile_module(model, (x,), config=fxacct.Config(batch=16)).warnings
+    sequence_first = torch.empty(5, 3, 8, device="meta")  # [T, B, D]
+    assert not fxacct.profile_module(model, (sequence_first,), config=fxacct.Config(batch=3)).warnings
