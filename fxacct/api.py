@@ -30,7 +30,7 @@ from fxacct.parallel.timing import pipeline_throughput
 from fxacct.parallel.torchtitan import profile_torchtitan
 from fxacct.parallel.torchtitan_pipeline import profile_torchtitan_pipeline
 from fxacct.predict.fused_time import predict_profile
-from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, input_sizes, leading_dims, step_fit
+from fxacct.step import OneDevice, Profile, TracedFit, account_step, fit_of, input_sizes, inputs_batch, step_fit
 from fxacct.trace import fusion
 from fxacct.trace.capture import BACKWARD, FORWARD, Capture
 from fxacct.trace.checkpointing import CheckpointSide, CheckpointWhatIf, matched_modules
@@ -80,11 +80,10 @@ def profile_module(model: torch.nn.Module, args=(), kwargs=None, config: Config 
     first dimension; a ``config`` whose batch is no dimension of any input gets a warning (the
     account is of the inputs as given; its per-example figures divide by config.batch)."""
     kwargs = kwargs or {}
-    leading = leading_dims(args, kwargs)
-    if config is None:
-        config = Config(batch=leading[0] if leading else 1)
+    config = config or Config(batch=inputs_batch(args, kwargs))
     prof = _profile_module(model, args, kwargs, config, inputs_for)
-    if leading and config.batch not in input_sizes(args, kwargs):  # a sequence-first input has its batch second: that one is fine
+    sizes = input_sizes(args, kwargs)  # a sequence-first input has its batch second: that one is fine
+    if sizes and config.batch not in sizes:
         shapes = ", ".join(prof.accounting.input_shapes)
         prof = replace(prof, warnings=prof.warnings + (
             f"Config(batch={config.batch}) is no dimension of any input ({shapes}): the account is of the inputs "

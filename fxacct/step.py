@@ -149,10 +149,10 @@ def capture_options(config: Config, model: torch.nn.Module, inference: bool = Fa
         compile=CompileSpec(config.compile_blocks, config.compile_mode) if config.compiled else None, **extra)
 
 
-def leading_dims(args, kwargs) -> list[int]:
-    """The first dimension of each input tensor that has one, in order: where the batch is, for
-    inputs laid out batch first."""
-    return [t.shape[0] for t in tp.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
+def inputs_batch(args, kwargs) -> int:
+    """The batch inputs laid out batch first carry: the first dimension of the first input tensor
+    that has one (1 where none has)."""
+    return next((t.shape[0] for t in tp.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
 
 
 def input_sizes(args, kwargs) -> set[int]:
@@ -285,4 +285,4 @@ def account_step(config: Config, capturer: Capturer, with_inference: bool = True
 
 __all__ = ["Profile", "Capturer", "OneDevice", "account_step", "training_peak", "fit_bytes", "fit_probe", "fit_of",
            "step_fit", "TracedFit", "capture_options",
-           "tokens_per_example", "leading_dims", "input_sizes"]
+           "tokens_per_example", "inputs_batch", "input_sizes"]

@@ -23,8 +23,8 @@ from fxacct.dtypes import parse_dtype
 from fxacct.errors import UsageError
 from fxacct.load.config import Config
 from fxacct.report.check_text import render_check
+from fxacct.step import inputs_batch
 from fxacct.tools.budgets import DEFAULT_MFU, CheckResult, Limits, evaluate
-from fxacct.trace import torch_private as tp
 from fxacct.units import parse_bytes
 
 
@@ -34,12 +34,6 @@ def _inputs(inputs) -> tuple[tuple, dict]:
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     return (inputs,), {}
-
-
-def _batch(args, kwargs) -> int:
-    first = next((t for t in tp.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    return first.shape[0] if first is not None else 1
 
 
 def _dtype(value):
@@ -56,7 +50,7 @@ def _count(value, name: str) -> int | None:
 
 def _check(model, inputs, limits: Limits, *, batch, dtype, amp, master_weights, **config) -> CheckResult:
     args, kwargs = _inputs(inputs)
-    cfg = Config(target=type(model).__name__, batch=batch or _batch(args, kwargs), dtype=_dtype(dtype),
+    cfg = Config(target=type(model).__name__, batch=batch or inputs_batch(args, kwargs), dtype=_dtype(dtype),
                  amp=_dtype(amp), master_weights=master_weights, find_max_batch=False, **config)
     result = evaluate(profile_module(model, args, kwargs, cfg), limits)
     if not result.ok:
